@@ -1,0 +1,127 @@
+"""Engine configuration as dataclasses, validated on construction.
+
+`EngineConfig` groups what the user chooses (model, cache, scheduler, device);
+`ModelArchConfig` is what the loader reads from the checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICES = ("auto", "cpu", "cuda")
+_ATTENTION_BACKENDS = ("auto", "torch", "triton")
+_POLICIES = ("fcfs", "priority")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass
+class ModelConfig:
+    model: str | None = None  # HF folder, .gguf file, or None for the embedded SmolLM2
+    dtype: str = "auto"  # auto: bfloat16 on CPUs with AMX/AVX-512 bf16 and on CUDA, else float32
+    max_model_len: int | None = None  # None: the model's own context length
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        _require(
+            self.max_model_len is None or self.max_model_len >= 1,
+            f"max_model_len must be >= 1 (or unset to use the model's), got {self.max_model_len}",
+        )
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # None: derived from kv_cache_memory_gib
+    kv_cache_memory_gib: float = 1.0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(
+            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+            f"block_size must be a power of two in [1, 128], got {self.block_size}",
+        )
+        _require(
+            self.num_blocks is None or self.num_blocks >= 2,
+            f"num_blocks must be >= 2 (one is the reserved null block), got {self.num_blocks}",
+        )
+        _require(
+            self.kv_cache_memory_gib > 0,
+            f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}",
+        )
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_seqs: int = 128  # most requests running at once
+    policy: str = "fcfs"  # fcfs | priority
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _require(
+            self.max_num_batched_tokens >= 1,
+            f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
+        )
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _require(self.policy in _POLICIES, f"policy must be one of {_POLICIES}, got {self.policy!r}")
+
+
+@dataclass
+class DeviceConfig:
+    device: str = "auto"  # auto: cuda when available, else cpu
+    attention_backend: str = "auto"  # auto: triton on cuda, torch elsewhere
+    num_threads: int | None = None  # torch CPU threads; None: leave torch's default
+
+    def __post_init__(self) -> None:
+        _require(self.device in _DEVICES, f"device must be one of {_DEVICES}, got {self.device!r}")
+        _require(
+            self.attention_backend in _ATTENTION_BACKENDS,
+            f"attention_backend must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}",
+        )
+        _require(
+            self.num_threads is None or self.num_threads >= 1,
+            f"num_threads must be >= 1, got {self.num_threads}",
+        )
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+
+@dataclass
+class ModelArchConfig:
+    """Llama-family architecture, read from config.json or GGUF metadata."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # e.g. {"rope_type": "llama3", "factor": 8.0, ...}
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = "llama"
+
+    def __post_init__(self) -> None:
+        _require(
+            self.num_attention_heads % self.num_key_value_heads == 0,
+            f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+            f"num_key_value_heads ({self.num_key_value_heads})",
+        )

@@ -1,0 +1,147 @@
+"""A request's life inside the engine core: tokens, progress, status, block hashes."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+from engine_core.sampling_params import SamplingParams
+from engine_core.types import EngineCoreRequest, FinishReason
+
+BlockHash = int
+
+
+def hash_block_tokens(parent_hash: BlockHash | None, token_ids: tuple[int, ...]) -> BlockHash:
+    """Chained hash of one full block: equal hashes mean equal prefixes (confirmed on hit)."""
+    return hash((parent_hash, token_ids))
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """Token ids in, token ids out; `num_computed_tokens` catches up with `num_tokens`.
+
+    `block_hashes` holds one chained hash per *full* block of `all_token_ids` and
+    grows as output tokens are appended (prefix caching only ever uses full blocks).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_size: int
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = 0.0
+    priority: int = 0
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r}: prompt_token_ids must not be empty")
+        self.arrival_time = self.arrival_time or time.time()
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # set when first scheduled
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.block_hashes: list[BlockHash] = []
+        self._update_block_hashes()
+        # The most tokens this request may produce.
+        limit = self.sampling_params.max_tokens
+        if self.max_model_len is not None:
+            room = self.max_model_len - self.num_prompt_tokens
+            limit = room if limit is None else min(limit, room)
+        self.max_output_tokens: int | None = limit
+
+    @classmethod
+    def from_engine_core_request(
+        cls, req: EngineCoreRequest, *, block_size: int,
+        eos_token_ids: frozenset[int] = frozenset(), max_model_len: int | None = None,
+    ) -> "Request":
+        return cls(
+            request_id=req.request_id,
+            prompt_token_ids=list(req.prompt_token_ids),
+            sampling_params=req.sampling_params,
+            block_size=block_size,
+            eos_token_ids=eos_token_ids,
+            arrival_time=req.arrival_time,
+            priority=req.priority,
+            max_model_len=max_model_len,
+        )
+
+    # ---- sizes ----------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.status.finish_reason
+
+    # ---- growth ---------------------------------------------------------------
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        size = self.block_size
+        parent = self.block_hashes[-1] if self.block_hashes else None
+        for start in range(len(self.block_hashes) * size, self.num_tokens - size + 1, size):
+            parent = hash_block_tokens(parent, tuple(self.all_token_ids[start:start + size]))
+            self.block_hashes.append(parent)
+
+    def check_stop(self) -> bool:
+        """After a token was appended: set a finished status if the request is done."""
+        if self.num_output_tokens == 0:
+            return False
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in params.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
+        if self.max_output_tokens is not None and self.num_output_tokens >= self.max_output_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

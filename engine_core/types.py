@@ -1,0 +1,114 @@
+"""Plain messages that cross the engine core's boundaries.
+
+EngineCoreRequest comes in (from the frontend, over gRPC or in-process);
+SchedulerOutput goes from the scheduler to the model runner; ModelRunnerOutput
+comes back; EngineCoreOutputs (one per step) goes out. Nothing here knows about
+torch or gRPC.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine_core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine_core.request import Request
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request stopped. Small ints so they travel cheaply."""
+
+    STOP = 0  # EOS, a stop token id, or (frontend) a stop string
+    LENGTH = 1  # max_tokens or max_model_len reached
+    ABORT = 2  # aborted by the client, the frontend or a shutdown
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(frozen=True)
+class EngineCoreRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    priority: int = 0  # lower runs first under the priority policy
+    trace_headers: dict[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprobs at one position: index 0 is the chosen token, then the top-N."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int  # rank of the chosen token in the full distribution (1 = most likely)
+
+
+# ---- scheduler -> model runner ----------------------------------------------------
+@dataclass
+class SchedulerOutput:
+    """What to run this step. Requests appear in batch order."""
+
+    scheduled_requests: list["Request"]
+    num_scheduled_tokens: dict[str, int]  # request id -> tokens to compute this step
+    total_num_scheduled_tokens: int
+    block_ids: dict[str, list[int]]  # request id -> its KV block table
+    num_common_prefix_blocks: int = 0
+    preempted_request_ids: set[str] = field(default_factory=set)
+    finished_request_ids: set[str] = field(default_factory=set)  # since the last step
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+# ---- model runner -> scheduler ----------------------------------------------------
+@dataclass
+class ModelRunnerOutput:
+    """Tokens sampled this step; only requests whose prompt is fully computed sample."""
+
+    sampled_token_ids: dict[str, int]  # request id -> new token id
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # request id -> logprobs of the prompt tokens computed this step (position i: token i+1)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+# ---- engine core -> frontend ------------------------------------------------------
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    new_prompt_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id that ended it, if any
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache this step
+    prefix_cache_hits: int = 0  # of which found
+    num_preemptions: int = 0  # this step
+    num_scheduled_tokens: int = 0  # this step
+
+
+@dataclass
+class EngineCoreOutputs:
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    finished_request_ids: set[str] = field(default_factory=set)
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0

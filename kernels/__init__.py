@@ -1,0 +1,48 @@
+"""Paged-attention kernels behind one dispatch point.
+
+`select_backend(device, name)` returns an `AttentionBackend` whose two functions
+have the same signature on every backend:
+
+    write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+        key, value: [T, num_kv_heads, head_dim]
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: [T] int64; slot -1 is skipped
+
+    paged_attention(query, key_cache, value_cache, metadata, scale) -> [T, num_heads, head_dim]
+
+"torch" is the pure-torch reference (any device); "triton" runs the Triton kernels
+(CUDA, or the CPU interpreter under TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from kernels.attention_metadata import AttentionMetadata
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "select_backend"]
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    write_kv_cache: Callable
+    paged_attention: Callable
+
+
+def select_backend(device: str, name: str = "auto") -> AttentionBackend:
+    """Triton on CUDA, the torch reference elsewhere; `name` overrides (tests, debugging)."""
+    if name == "auto":
+        name = "triton" if device.startswith("cuda") else "torch"
+    if name == "torch":
+        from kernels import reference
+
+        return AttentionBackend("torch", reference.write_kv_cache, reference.paged_attention)
+    if name == "triton":
+        from kernels import triton_kv_write, triton_paged_attention
+
+        return AttentionBackend(
+            "triton", triton_kv_write.write_kv_cache, triton_paged_attention.paged_attention
+        )
+    raise ValueError(f"attention backend must be 'auto', 'torch' or 'triton', got {name!r}")
