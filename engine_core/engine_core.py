@@ -1,0 +1,197 @@
+"""EngineCore: the scheduler, the KV cache and the model runner behind one `step()`.
+
+step() = schedule() -> execute_model() -> update_from_output(), as in vLLM v1.
+Token ids in, token ids out: no tokenizer and no transport in here. Whoever owns
+an EngineCore (the offline LLMEngine or the gRPC busy loop) calls it from one
+thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine_core.config import EngineConfig, ModelArchConfig
+from engine_core.loader.registry import load_model
+from engine_core.model_runner import ModelRunner, kv_cache_bytes_per_block
+from engine_core.request import Request, RequestStatus
+from engine_core.scheduler import Scheduler
+from engine_core.types import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from kernels import select_backend
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a frontend needs to know about the engine it talks to."""
+
+    model_name: str
+    model_path: str
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    dtype: str
+    device: str
+    attention_backend: str
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA GPU; use device='cpu'")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 on CUDA and on CPUs with native bf16 matmuls (AVX-512 BF16 / AMX), else fp32."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
+
+
+def _cpu_has_fast_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.device.num_threads is not None:
+            torch.set_num_threads(config.device.num_threads)
+        torch.manual_seed(config.model.seed)
+        device = resolve_device(config.device.device)
+        dtype = resolve_dtype(config.model.dtype, device)
+        self.attention = select_backend(device.type, config.device.attention_backend)
+
+        started = time.perf_counter()
+        self.model, self.arch = load_model(config.model.model, dtype, device, self.attention)
+        self.model_path = config.model.model or "embedded SmolLM2-135M-Instruct"
+        logger.info("loaded %s in %.1f s", self.model_path, time.perf_counter() - started)
+
+        self.max_model_len = self._resolve_max_model_len(self.arch)
+        block_size = config.cache.block_size
+        num_blocks = config.cache.num_blocks or self._num_blocks_for_memory(dtype)
+        self.runner = ModelRunner(
+            self.model, self.arch, self.attention,
+            num_blocks=num_blocks, block_size=block_size, device=device, dtype=dtype,
+        )
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len)
+        self.eos_token_ids = frozenset(self.arch.eos_token_ids)
+        self.info = EngineInfo(
+            model_name=self.arch.name,
+            model_path=self.model_path,
+            max_model_len=self.max_model_len,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            vocab_size=self.arch.vocab_size,
+            eos_token_ids=tuple(self.arch.eos_token_ids),
+            bos_token_id=self.arch.bos_token_id,
+            dtype=str(dtype).removeprefix("torch."),
+            device=str(device),
+            attention_backend=self.attention.name,
+        )
+        self._requests: dict[str, Request] = {}
+
+    def _resolve_max_model_len(self, arch: ModelArchConfig) -> int:
+        wanted = self.config.model.max_model_len
+        if wanted is None:
+            return arch.max_position_embeddings
+        if wanted > arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {wanted} is longer than the model's context "
+                f"({arch.max_position_embeddings} tokens)"
+            )
+        return wanted
+
+    def _num_blocks_for_memory(self, dtype: torch.dtype) -> int:
+        per_block = kv_cache_bytes_per_block(self.arch, self.config.cache.block_size, dtype)
+        num_blocks = int(self.config.cache.kv_cache_memory_gib * 2**30) // per_block
+        blocks_for_one_full_request = -(-self.max_model_len // self.config.cache.block_size) + 1
+        if num_blocks < blocks_for_one_full_request:
+            raise ValueError(
+                f"kv_cache_memory_gib={self.config.cache.kv_cache_memory_gib} holds {num_blocks} blocks, "
+                f"fewer than the {blocks_for_one_full_request} one max_model_len={self.max_model_len} "
+                "request needs; raise kv_cache_memory_gib or lower max_model_len"
+            )
+        return num_blocks
+
+    # ---- requests ---------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request. Raises ValueError (with an actionable message) for bad input."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in flight")
+        self._validate_prompt(request)
+        internal = Request.from_engine_core_request(
+            request,
+            block_size=self.config.cache.block_size,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+        )
+        self._requests[request.request_id] = internal
+        self.scheduler.add_request(internal)
+
+    def _validate_prompt(self, request: EngineCoreRequest) -> None:
+        num_tokens = len(request.prompt_token_ids)
+        if num_tokens == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        if num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {num_tokens} tokens but max_model_len is {self.max_model_len}: "
+                f"shorten it to at most {self.max_model_len - 1} tokens so one can be generated"
+            )
+        vocab_size = self.arch.vocab_size
+        bad = next((t for t in request.prompt_token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is out of range: the vocabulary has {vocab_size} tokens")
+        params = request.sampling_params
+        for token_id in (*params.stop_token_ids, *params.logit_bias):
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(
+                    f"token id {token_id} in stop_token_ids/logit_bias is out of range: "
+                    f"the vocabulary has {vocab_size} tokens"
+                )
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Idempotent: unknown or finished ids are ignored."""
+        live = [rid for rid in request_ids if rid in self._requests]
+        self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+        for request_id in live:
+            del self._requests[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    # ---- the step -----------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        for request_id in outputs.finished_request_ids:
+            self._requests.pop(request_id, None)
+        outputs.timestamp = time.time()
+        return outputs
+
+    # ---- utilities ----------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()

@@ -1,0 +1,186 @@
+"""Runs one scheduled step: builds the flattened ragged batch, runs the model, samples.
+
+The batch has no padding: B requests contribute their scheduled tokens back to back
+(decodes first, then prefill chunks), with positions, a slot mapping into the paged
+KV cache and one block table per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine_core.config import ModelArchConfig
+from engine_core.request import Request
+from engine_core.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs, make_generator
+from engine_core.types import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from kernels import AttentionBackend, AttentionMetadata
+
+
+def kv_cache_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of every layer for one block of tokens."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    per_token = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * element_size
+    return per_token * block_size
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        arch: ModelArchConfig,
+        attention: AttentionBackend,
+        *,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model = model
+        self.arch = arch
+        self.attention = attention
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = device
+        self.dtype = dtype
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.allocate_kv_cache()
+
+    # ---- KV cache -------------------------------------------------------------
+    def allocate_kv_cache(self) -> None:
+        # one (key, value) pair per layer: [num_blocks, block_size, num_kv_heads, head_dim]
+        shape = (self.num_blocks, self.block_size, self.arch.num_key_value_heads, self.arch.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(self.arch.num_hidden_layers)
+        ]
+
+    def free_kv_cache(self) -> None:
+        self.kv_caches = []
+
+    # ---- one step ---------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in scheduler_output.finished_request_ids:
+            self.generators.pop(request_id, None)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput(sampled_token_ids={})
+        batch = self._prepare_batch(scheduler_output)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
+        output = ModelRunnerOutput(sampled_token_ids={})
+        if batch.sampling_requests:
+            self._sample(hidden, batch, output)
+        if batch.prompt_logprob_spans:
+            self._prompt_logprobs(hidden, batch, output)
+        return output
+
+    def _sample(self, hidden: torch.Tensor, batch: _Batch, output: ModelRunnerOutput) -> None:
+        requests = batch.sampling_requests
+        for request in requests:
+            seed = request.sampling_params.seed
+            if seed is not None and request.request_id not in self.generators:
+                self.generators[request.request_id] = make_generator(seed, self.device)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab] fp32
+        metadata = build_sampling_metadata(requests, self.generators, self.device)
+        sampled = self.sampler(logits, metadata)
+        output.sampled_token_ids = {
+            request.request_id: token for request, token in zip(requests, sampled.sampled_token_ids)
+        }
+        if sampled.logprobs is not None:
+            output.logprobs = {
+                request.request_id: logprobs
+                for request, logprobs in zip(requests, sampled.logprobs)
+                if logprobs is not None and request.sampling_params.logprobs is not None
+            }
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, batch: _Batch, output: ModelRunnerOutput) -> None:
+        for request, token_start, position_start, count in batch.prompt_logprob_spans:
+            # hidden row at position p predicts prompt token p + 1
+            logits = self.model.compute_logits(hidden[token_start:token_start + count])
+            targets = request.prompt_token_ids[position_start + 1:position_start + 1 + count]
+            output.prompt_logprobs[request.request_id] = compute_prompt_logprobs(
+                logits, targets, request.sampling_params.prompt_logprobs
+            )
+
+    # ---- batch preparation ------------------------------------------------------
+    def _prepare_batch(self, scheduler_output: SchedulerOutput) -> _Batch:
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        # decodes (one query token) first, then prefill chunks: the attention layout
+        requests = sorted(
+            scheduler_output.scheduled_requests, key=lambda r: num_scheduled[r.request_id] != 1
+        )
+        block_size = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        block_tables: list[list[int]] = []
+        logits_indices: list[int] = []
+        sampling_requests: list[Request] = []
+        prompt_logprob_spans: list[tuple[Request, int, int, int]] = []
+        num_decodes = 0
+        for request in requests:
+            count = num_scheduled[request.request_id]
+            # the scheduler has already advanced num_computed_tokens past this step's tokens
+            end = request.num_computed_tokens
+            start = end - count
+            block_ids = scheduler_output.block_ids[request.request_id]
+            token_start = len(input_ids)
+            input_ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slot_mapping.extend(block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
+            query_start_loc.append(len(input_ids))
+            seq_lens.append(end)
+            block_tables.append(block_ids)
+            if count == 1:
+                num_decodes += 1
+            if end >= request.num_tokens:  # the whole context is computed: sample the next token
+                logits_indices.append(len(input_ids) - 1)
+                sampling_requests.append(request)
+            if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
+                num_prompt_positions = min(end, request.num_prompt_tokens - 1) - start
+                prompt_logprob_spans.append((request, token_start, start, num_prompt_positions))
+        device = self.device
+        max_blocks = max(len(table) for table in block_tables)
+        table_tensor = torch.zeros((len(block_tables), max_blocks), dtype=torch.int32)
+        for row, table in enumerate(block_tables):
+            table_tensor[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        attn_metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=table_tensor.to(device),
+            max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
+            max_seq_len=max(seq_lens),
+            num_decodes=num_decodes,
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+        )
+        return _Batch(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            attn_metadata=attn_metadata,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+            sampling_requests=sampling_requests,
+            prompt_logprob_spans=prompt_logprob_spans,
+        )
+
+
+@dataclass
+class _Batch:
+    """The tensors of one step plus which rows sample and which want prompt logprobs."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [N]: the last token of each sampling request
+    sampling_requests: list[Request]
+    # (request, first row in the batch, first position, number of positions)
+    prompt_logprob_spans: list[tuple[Request, int, int, int]]

@@ -1,0 +1,127 @@
+"""Offline throughput on the embedded SmolLM2: Tandem's LLMEngine vs transformers `generate`.
+
+Same weights, same prompts, same run: each concurrency level runs `concurrency`
+requests of about `--prompt-len` prompt tokens that each generate exactly
+`--gen-len` tokens (greedy, EOS ignored). Throughput counts generated tokens over
+the wall time of the whole batch, prefill included (ANCHORS.md's "total").
+
+    python scripts/bench_offline.py                          # 1, 8, 32 concurrent
+    python scripts/bench_offline.py --concurrency 1 32 --skip-transformers
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from engine_core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from engine_core.llm_engine import LLMEngine  # noqa: E402
+from engine_core.loader.registry import default_model_path  # noqa: E402
+from engine_core.sampling_params import SamplingParams  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--gen-len", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--skip-transformers", action="store_true", help="run Tandem only")
+    parser.add_argument("--output", default="bench_results/offline.json", help="where to write JSON")
+    return parser.parse_args()
+
+
+def make_prompts(count: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """Distinct random prompts (no shared prefix, so the prefix cache cannot flatter us)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab_size - 100, (count, length), generator=generator).tolist()
+
+
+def bench_tandem(engine: LLMEngine, prompts: list[list[int]], gen_len: int) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
+    engine.engine_core.reset_prefix_cache()
+    started = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - started
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    ttfts = sorted(o.first_token_time - o.arrival_time for o in outputs)
+    return {"seconds": elapsed, "generated_tokens": generated, "tok_per_s": generated / elapsed,
+            "ttft_p50_s": ttfts[len(ttfts) // 2]}
+
+
+def bench_transformers(model, prompts: list[list[int]], gen_len: int) -> dict:
+    input_ids = torch.tensor(prompts)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=gen_len,
+            min_new_tokens=gen_len, do_sample=False, pad_token_id=0,
+        )
+    elapsed = time.perf_counter() - started
+    generated = (out.shape[1] - input_ids.shape[1]) * out.shape[0]
+    return {"seconds": elapsed, "generated_tokens": generated, "tok_per_s": generated / elapsed}
+
+
+def load_transformers(dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+
+
+def main() -> None:
+    args = parse_args()
+    dtype = getattr(torch, args.dtype)
+    max_batch = max(args.concurrency)
+    engine = LLMEngine(EngineConfig(
+        model=ModelConfig(dtype=args.dtype, max_model_len=args.prompt_len + args.gen_len + 16),
+        cache=CacheConfig(kv_cache_memory_gib=1.0),
+        scheduler=SchedulerConfig(max_num_seqs=max(max_batch, 1), max_num_batched_tokens=4096),
+    ))
+    vocab = engine.info.vocab_size
+    engine.generate(make_prompts(2, 16, vocab, seed=99), SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    hf_model = None if args.skip_transformers else load_transformers(dtype)
+
+    rows = []
+    for concurrency in args.concurrency:
+        prompts = make_prompts(concurrency, args.prompt_len, vocab, seed=concurrency)
+        row = {"concurrency": concurrency, "tandem": bench_tandem(engine, prompts, args.gen_len)}
+        if hf_model is not None:
+            row["transformers"] = bench_transformers(hf_model, prompts, args.gen_len)
+            row["ratio"] = row["tandem"]["tok_per_s"] / row["transformers"]["tok_per_s"]
+        rows.append(row)
+        print_row(row)
+
+    result = {
+        "benchmark": "offline throughput", "model": "SmolLM2-135M-Instruct (GGUF, dequantized)",
+        "dtype": args.dtype, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
+        "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+        "rows": rows,
+    }
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {out}")
+
+
+def print_row(row: dict) -> None:
+    if not hasattr(print_row, "header"):
+        print(f"{'concurrency':>11} | {'tandem tok/s':>12} | {'TTFT p50 s':>10} | {'transformers tok/s':>18} | {'ratio':>6}")
+        print("-" * 70)
+        print_row.header = True
+    hf = row.get("transformers", {}).get("tok_per_s")
+    hf_text = f"{hf:18.1f}" if hf else f"{'-':>18}"
+    ratio = f"{row['ratio']:6.2f}" if "ratio" in row else f"{'-':>6}"
+    print(f"{row['concurrency']:>11} | {row['tandem']['tok_per_s']:12.1f} | {row['tandem']['ttft_p50_s']:10.3f} | {hf_text} | {ratio}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
