@@ -13,7 +13,7 @@ import torch
 
 from engine_core.config import ModelArchConfig
 from engine_core.request import Request
-from engine_core.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs, make_generator
+from engine_core.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs
 from engine_core.types import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from kernels import AttentionBackend, AttentionMetadata
 
@@ -82,11 +82,8 @@ class ModelRunner:
 
     def _sample(self, hidden: torch.Tensor, batch: _Batch, output: ModelRunnerOutput) -> None:
         requests = batch.sampling_requests
-        for request in requests:
-            seed = request.sampling_params.seed
-            if seed is not None and request.request_id not in self.generators:
-                self.generators[request.request_id] = make_generator(seed, self.device)
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab] fp32
+        # creates (once) the generator of each seeded request in self.generators
         metadata = build_sampling_metadata(requests, self.generators, self.device)
         sampled = self.sampler(logits, metadata)
         output.sampled_token_ids = {
