@@ -1,0 +1,280 @@
+"""Continuous batching under one token budget (vLLM v1's scheduling model).
+
+There are no prefill and decode phases: every request's `num_computed_tokens`
+catches up with its `num_tokens`, a chunk per step. Each step serves the running
+requests first (preempting from the tail when the KV cache is full), then admits
+waiting ones while the budget, the KV cache and `max_num_seqs` allow.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from engine_core.config import CacheConfig, SchedulerConfig
+from engine_core.kv_cache_manager import KVCacheManager
+from engine_core.request import Request, RequestStatus
+from engine_core.request_queue import FcfsQueue, PriorityQueue
+from engine_core.types import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    SchedulerStats,
+)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        max_model_len: int,
+    ) -> None:
+        capacity = (num_blocks - 1) * cache_config.block_size
+        if max_model_len > capacity:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) is larger than the KV cache holds "
+                f"({num_blocks - 1} blocks of {cache_config.block_size} tokens = {capacity})"
+            )
+        if not scheduler_config.enable_chunked_prefill and (
+            scheduler_config.max_num_batched_tokens < max_model_len
+        ):
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({scheduler_config.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({max_model_len})"
+            )
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.max_model_len = max_model_len
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting = PriorityQueue() if scheduler_config.policy == "priority" else FcfsQueue()
+        self.running: list[Request] = []
+        self.finished_request_ids: set[str] = set()  # for the next SchedulerOutput
+        self._finished_since_update: set[str] = set()  # aborts, for the next EngineCoreOutputs
+        self._num_prompt_logprobs_sent: dict[str, int] = {}  # survives preemption
+        self._num_preemptions = 0  # in the last schedule()
+        self._num_scheduled_tokens = 0  # in the last schedule()
+
+    # ---- requests in and out -----------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} is already in the scheduler")
+        if request.num_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r} has {request.num_tokens} tokens, "
+                f"more than max_model_len ({self.max_model_len})"
+            )
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.WAITING
+        self.waiting.push(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish (usually abort) requests wherever they are; unknown or finished ids are ignored."""
+        if not status.is_finished:
+            raise ValueError(f"{status!r} is not a finished status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._release(request)
+            self.finished_request_ids.add(request_id)
+            self._finished_since_update.add(request_id)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # ---- schedule ----------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts; advances their `num_computed_tokens`."""
+        num_scheduled: dict[str, int] = {}  # request id -> tokens; insertion order is batch order
+        preempted: set[str] = set()
+        budget = self._schedule_running(self.config.max_num_batched_tokens, num_scheduled, preempted)
+        if not preempted:  # the KV cache had room for every running request
+            self._schedule_waiting(budget, num_scheduled)
+
+        # The model runner will compute these tokens: count them as computed now.
+        scheduled = [self.requests[request_id] for request_id in num_scheduled]
+        for request in scheduled:
+            request.num_computed_tokens += num_scheduled[request.request_id]
+        finished, self.finished_request_ids = self.finished_request_ids, set()
+        total = sum(num_scheduled.values())
+        self._num_preemptions = len(preempted)
+        self._num_scheduled_tokens = total
+        return SchedulerOutput(
+            scheduled_requests=scheduled,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
+            block_ids={r.request_id: self.kv_cache_manager.get_block_ids(r.request_id) for r in scheduled},
+            preempted_request_ids=preempted,
+            finished_request_ids=finished,
+        )
+
+    def _schedule_running(self, budget: int, num_scheduled: dict[str, int], preempted: set[str]) -> int:
+        """Give each running request its next chunk, preempting when the KV cache is full; returns the budget left."""
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                victim_index = self._pick_victim()
+                victim = self.running[victim_index]
+                self._preempt(victim_index)
+                preempted.add(victim.request_id)
+                budget += num_scheduled.pop(victim.request_id, 0)
+                if victim_index < i:
+                    i -= 1
+                if victim is request:
+                    break
+            else:
+                num_scheduled[request.request_id] = num_new
+                budget -= num_new
+                i += 1
+        return budget
+
+    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int]) -> None:
+        """Admit waiting requests in queue order while budget, KV cache and max_num_seqs allow."""
+        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_computed
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks, num_computed) is None:
+                break
+            self.waiting.pop()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+    def _pick_victim(self) -> int:
+        """Index in `running` of the request to preempt: the newest, or the least important."""
+        if self.config.policy == "priority":
+            return max(
+                range(len(self.running)),
+                key=lambda j: (self.running[j].priority, self.running[j].arrival_time, j),
+            )
+        return len(self.running) - 1
+
+    def _preempt(self, index: int) -> None:
+        """Recompute-style preemption: drop the KV, start over from the front of the queue."""
+        request = self.running.pop(index)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.push_front(request)
+
+    # ---- update ------------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Append sampled tokens, check stops, free finished requests, build this step's outputs."""
+        outputs: list[EngineCoreOutput] = []
+        stopped: set[str] = set()
+        for request in scheduler_output.scheduled_requests:
+            request_id = request.request_id
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted since schedule()
+            new_token_ids: list[int] = []
+            token_id = model_runner_output.sampled_token_ids.get(request_id)
+            if token_id is not None and request.num_computed_tokens >= request.num_tokens:
+                request.append_output_token_ids(token_id)
+                new_token_ids.append(token_id)
+                if request.check_stop() or self._check_model_len(request):
+                    stopped.add(request_id)
+            prompt_logprobs = self._new_prompt_logprobs(request, scheduler_output, model_runner_output)
+            if not new_token_ids and not prompt_logprobs:
+                continue
+            logprobs = model_runner_output.logprobs.get(request_id) if new_token_ids else None
+            outputs.append(EngineCoreOutput(
+                request_id=request_id,
+                new_token_ids=new_token_ids,
+                new_logprobs=None if logprobs is None else [logprobs],
+                new_prompt_logprobs=prompt_logprobs or None,
+                finish_reason=request.finish_reason,
+                stop_reason=request.stop_reason,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+            ))
+
+        if stopped:
+            self.running = [r for r in self.running if r.request_id not in stopped]
+            for request_id in stopped:
+                self._release(self.requests.pop(request_id))
+            self.finished_request_ids |= stopped
+        finished, self._finished_since_update = self._finished_since_update | stopped, set()
+        return EngineCoreOutputs(
+            outputs=outputs,
+            finished_request_ids=finished,
+            scheduler_stats=self.make_stats(),
+            timestamp=time.time(),
+        )
+
+    def _release(self, request: Request) -> None:
+        """Forget a finished request: its blocks and its bookkeeping."""
+        self.kv_cache_manager.free(request)
+        self._num_prompt_logprobs_sent.pop(request.request_id, None)
+
+    def _new_prompt_logprobs(
+        self, request: Request, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list | None:
+        """This chunk's prompt logprobs, minus those already sent before a preemption."""
+        logprobs = model_runner_output.prompt_logprobs.get(request.request_id)
+        if not logprobs:
+            return None
+        # Entry k of the chunk starting at position `start` is for prompt token start + k + 1.
+        start = request.num_computed_tokens - scheduler_output.num_scheduled_tokens[request.request_id]
+        num_sent = self._num_prompt_logprobs_sent.get(request.request_id, 0)
+        self._num_prompt_logprobs_sent[request.request_id] = max(num_sent, start + len(logprobs))
+        return logprobs[max(num_sent - start, 0):]
+
+    def _check_model_len(self, request: Request) -> bool:
+        if request.num_tokens < self.max_model_len:
+            return False
+        request.status = RequestStatus.FINISHED_LENGTH
+        return True
+
+    def make_stats(self) -> SchedulerStats:
+        """Gauges now; counters (prefix cache, preemptions, tokens) for the last step."""
+        queries, hits = self.kv_cache_manager.take_prefix_cache_stats()
+        manager = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=manager.usage,
+            num_free_blocks=manager.num_free_blocks,
+            num_total_blocks=manager.num_blocks - 1,  # usable: the null block is not counted
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            num_preemptions=self._num_preemptions,
+            num_scheduled_tokens=self._num_scheduled_tokens,
+        )

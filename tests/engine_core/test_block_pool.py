@@ -1,0 +1,97 @@
+"""BlockPool: the null block, LRU eviction, confirmed prefix hits, reset."""
+
+import pytest
+
+from engine_core.block_pool import BlockPool
+
+
+def test_null_block_is_never_handed_out():
+    pool = BlockPool(num_blocks=5)
+    blocks = pool.get_new_blocks(4)
+    assert sorted(b.block_id for b in blocks) == [1, 2, 3, 4]
+    assert pool.num_free_blocks == 0 and pool.usage == 1.0
+    with pytest.raises(ValueError):
+        pool.get_new_blocks(1)
+    pool.free_blocks(blocks)
+    assert pool.num_free_blocks == 4 and pool.usage == 0.0
+    with pytest.raises(RuntimeError):
+        pool.free_blocks([pool.null_block])
+
+
+def test_freed_blocks_are_reused_least_recently_freed_first():
+    pool = BlockPool(num_blocks=5)
+    a, b, c, d = pool.get_new_blocks(4)
+    pool.free_blocks([c, a])
+    pool.free_blocks([d])
+    assert [blk.block_id for blk in pool.get_new_blocks(3)] == [c.block_id, a.block_id, d.block_id]
+
+
+def test_negative_ref_count_raises():
+    pool = BlockPool(num_blocks=3)
+    (block,) = pool.get_new_blocks(1)
+    pool.free_blocks([block])
+    with pytest.raises(RuntimeError, match="negative"):
+        pool.free_blocks([block])
+
+
+def test_eviction_drops_the_hash():
+    pool = BlockPool(num_blocks=2)
+    (block,) = pool.get_new_blocks(1)
+    pool.cache_full_block(block, 123, (1, 2))
+    pool.free_blocks([block])
+    assert pool.get_cached_block(123, (1, 2)) is block  # free but still cached
+    (reused,) = pool.get_new_blocks(1)
+    assert reused is block and block.block_hash is None
+    assert pool.get_cached_block(123, (1, 2)) is None
+
+
+def test_hit_is_confirmed_by_tokens():
+    pool = BlockPool(num_blocks=3)
+    (block,) = pool.get_new_blocks(1)
+    pool.cache_full_block(block, 7, (1, 2))
+    assert pool.get_cached_block(7, (1, 2)) is block
+    assert pool.get_cached_block(7, (1, 3)) is None  # same hash, other tokens: a collision
+    assert pool.get_cached_block(8, (1, 2)) is None
+
+
+def test_hash_taken_by_another_block_is_not_overwritten():
+    pool = BlockPool(num_blocks=3)
+    first, second = pool.get_new_blocks(2)
+    pool.cache_full_block(first, 7, (1, 2))
+    pool.cache_full_block(second, 7, (1, 2))
+    assert pool.get_cached_block(7, (1, 2)) is first and second.block_hash is None
+    pool.free_blocks([first, second])
+    pool.get_new_blocks(2)  # evicting both must not fail
+
+
+def test_touch_takes_a_free_cached_block_out_of_the_queue():
+    pool = BlockPool(num_blocks=4)
+    a, b, c = pool.get_new_blocks(3)
+    pool.cache_full_block(b, 1, (5,))
+    pool.free_blocks([c, b, a])
+    assert pool.num_free_blocks == 3
+    pool.touch([pool.get_cached_block(1, (5,))])
+    assert b.ref_cnt == 1 and pool.num_free_blocks == 2
+    assert [blk.block_id for blk in pool.get_new_blocks(2)] == [c.block_id, a.block_id]
+    pool.touch([b])  # shared by a second owner
+    pool.free_blocks([b])
+    assert b.ref_cnt == 1 and pool.num_free_blocks == 0
+
+
+def test_caching_disabled_caches_nothing():
+    pool = BlockPool(num_blocks=3, enable_caching=False)
+    (block,) = pool.get_new_blocks(1)
+    pool.cache_full_block(block, 1, (1,))
+    assert pool.get_cached_block(1, (1,)) is None
+
+
+def test_reset_prefix_cache_only_when_all_blocks_are_free():
+    pool = BlockPool(num_blocks=3)
+    a, b = pool.get_new_blocks(2)
+    pool.cache_full_block(a, 1, (1,))
+    pool.free_blocks([a])
+    assert pool.reset_prefix_cache() is False
+    assert pool.get_cached_block(1, (1,)) is a
+    pool.free_blocks([b])
+    assert pool.reset_prefix_cache() is True
+    assert pool.get_cached_block(1, (1,)) is None and a.block_hash is None

@@ -1,0 +1,362 @@
+"""Scheduler with a fake runner: budgets, preemption, prefix cache, aborts, stops, accounting."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine_core.config import CacheConfig, SchedulerConfig
+from engine_core.request import Request, RequestStatus
+from engine_core.sampling_params import SamplingParams
+from engine_core.scheduler import Scheduler
+from engine_core.types import FinishReason
+from tests.engine_core.fake_runner import FakeRunner, run_step, run_to_completion
+
+BLOCK = 4
+
+
+def make_scheduler(
+    num_blocks=64, max_model_len=64, budget=64, max_num_seqs=16, policy="fcfs",
+    chunked=True, caching=True, block_size=BLOCK,
+):
+    return Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+            policy=policy, enable_chunked_prefill=chunked,
+        ),
+        CacheConfig(block_size=block_size, enable_prefix_caching=caching),
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+    )
+
+
+def make_request(
+    request_id, token_ids, max_tokens=4, priority=0, arrival_time=0.0,
+    eos=(), block_size=BLOCK, max_model_len=None, **params,
+):
+    return Request(
+        request_id, list(token_ids), SamplingParams(max_tokens=max_tokens, **params),
+        block_size=block_size, eos_token_ids=frozenset(eos), arrival_time=arrival_time,
+        priority=priority, max_model_len=max_model_len,
+    )
+
+
+def all_blocks_free(scheduler):
+    manager = scheduler.kv_cache_manager
+    return manager.num_free_blocks == manager.num_blocks - 1 and not manager.req_to_blocks
+
+
+def check_accounting(scheduler):
+    """Every reference is a block-table entry, and the free queue is exactly the unowned blocks."""
+    manager = scheduler.kv_cache_manager
+    pool = manager.block_pool
+    owners = {}
+    for blocks in manager.req_to_blocks.values():
+        for block in blocks:
+            owners[block.block_id] = owners.get(block.block_id, 0) + 1
+    for block in pool.blocks[1:]:
+        assert block.ref_cnt == owners.get(block.block_id, 0) >= 0
+    assert {b.block_id for b in pool.free_queue} == {b.block_id for b in pool.blocks[1:] if b.ref_cnt == 0}
+    assert len(pool.free_queue) == pool.num_free_blocks
+    assert pool.null_block.ref_cnt == 0 and 0 not in owners
+    assert all(block.block_hash == h for h, block in pool.cached_blocks.items())
+    assert set(manager.req_to_blocks) == {r.request_id for r in scheduler.running}
+    assert len(scheduler.running) <= scheduler.config.max_num_seqs
+    for request in scheduler.running:
+        assert len(manager.get_block_ids(request.request_id)) * manager.block_size >= request.num_computed_tokens
+
+
+# ---- preemption ------------------------------------------------------------------
+def eight_requests():
+    shared = list(range(100, 108))
+    return [
+        make_request(f"r{i}", (shared if i % 2 else []) + [i, i + 1, i + 2], max_tokens=12,
+                     prompt_logprobs=1 if i % 3 == 0 else None, logprobs=0)
+        for i in range(8)
+    ]
+
+
+def collect(scheduler, runner):
+    tokens, prompt_logprobs, finish, preemptions, num_cached = {}, {}, {}, 0, {}
+    while scheduler.has_unfinished_requests():
+        outputs = run_step(scheduler, runner)
+        check_accounting(scheduler)
+        preemptions += outputs.scheduler_stats.num_preemptions
+        for out in outputs.outputs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            num_cached.setdefault(out.request_id, set()).add(out.num_cached_tokens)
+            assert (out.new_logprobs is not None) == bool(out.new_token_ids)
+            for lp in out.new_prompt_logprobs or []:
+                prompt_logprobs.setdefault(out.request_id, []).append(lp.token_ids[0])
+            if out.finished:
+                finish[out.request_id] = out.finish_reason
+    assert all(len(values) == 1 for values in num_cached.values())  # fixed at the first schedule
+    return tokens, prompt_logprobs, finish, preemptions
+
+
+def test_preemption_gives_the_same_output_as_an_unconstrained_run():
+    roomy = make_scheduler(num_blocks=100, max_model_len=24, budget=32)
+    for request in eight_requests():
+        roomy.add_request(request)
+    expected, _, _, roomy_preemptions = collect(roomy, FakeRunner(BLOCK))
+    assert roomy_preemptions == 0
+
+    tight = make_scheduler(num_blocks=13, max_model_len=24, budget=32)  # room for about two
+    requests = eight_requests()
+    for request in requests:
+        tight.add_request(request)
+    tokens, prompt_logprobs, finish, preemptions = collect(tight, FakeRunner(BLOCK))
+
+    assert preemptions > 0 and preemptions == sum(r.num_preemptions for r in requests)
+    assert tokens == expected
+    assert all(len(t) == 12 for t in tokens.values())
+    assert set(finish.values()) == {FinishReason.LENGTH} and len(finish) == 8
+    for request in requests:  # sent once each, in order, even across preemptions
+        if request.sampling_params.prompt_logprobs is not None:
+            assert prompt_logprobs[request.request_id] == request.prompt_token_ids[1:]
+    assert all_blocks_free(tight)
+
+
+def test_preempted_request_resumes_first():
+    scheduler = make_scheduler(num_blocks=5, max_model_len=16, caching=False)
+    runner = FakeRunner(BLOCK)
+    scheduler.add_request(make_request("a", range(7), max_tokens=8))
+    run_step(scheduler, runner)
+    scheduler.add_request(make_request("b", range(20, 27), max_tokens=8))
+    scheduler.add_request(make_request("c", range(40, 42), max_tokens=8))
+    run_step(scheduler, runner)  # a decodes, b takes the last two blocks
+    out = scheduler.schedule()
+    assert out.preempted_request_ids == {"b"}  # fcfs: the tail goes
+    assert [r.request_id for r in out.scheduled_requests] == ["a"]
+    assert scheduler.waiting.peek().request_id == "b"
+    assert scheduler.get_request("b").status == RequestStatus.PREEMPTED
+
+
+def test_priority_policy_preempts_the_least_important_request():
+    scheduler = make_scheduler(num_blocks=5, max_model_len=16, policy="priority", caching=False)
+    runner = FakeRunner(BLOCK)
+    scheduler.add_request(make_request("low", range(7), max_tokens=8, priority=1, arrival_time=1.0))
+    run_step(scheduler, runner)
+    scheduler.add_request(make_request("high", range(20, 27), max_tokens=8, priority=0, arrival_time=2.0))
+    run_step(scheduler, runner)
+    assert [r.request_id for r in scheduler.running] == ["low", "high"]
+    out = scheduler.schedule()
+    assert out.preempted_request_ids == {"low"}  # not the tail: the lowest priority
+    assert [r.request_id for r in out.scheduled_requests] == ["high"]
+
+
+def test_preempting_an_already_scheduled_request_returns_its_budget():
+    scheduler = make_scheduler(num_blocks=9, max_model_len=16, budget=4, policy="priority",
+                               caching=False, block_size=2)
+    runner = FakeRunner(2)
+    arrivals = {0: (1, 1), 1: (3, 1), 2: (3, 0), 3: (2, 2), 4: (6, 0), 5: (5, 2)}  # step: (prompt len, priority)
+    for step in range(7):
+        if step in arrivals:
+            length, priority = arrivals[step]
+            scheduler.add_request(make_request(
+                f"r{step}", range(10 * step, 10 * step + length), max_tokens=8, priority=priority,
+                arrival_time=1.0 + step, block_size=2, max_model_len=16,
+            ))
+        run_step(scheduler, runner)
+    assert [r.request_id for r in scheduler.running] == ["r0", "r2", "r4"]
+    out = scheduler.schedule()
+    # r0 was scheduled first, then preempted to make room for r2: its token funds r4's chunk.
+    assert out.preempted_request_ids == {"r0"}
+    assert out.num_scheduled_tokens == {"r2": 1, "r4": 3}
+
+
+def test_priority_policy_admits_in_priority_then_arrival_order():
+    scheduler = make_scheduler(max_num_seqs=1, policy="priority")
+    for request_id, priority, arrival in [("c", 2, 1.0), ("b2", 1, 3.0), ("a", 0, 4.0), ("b1", 1, 2.0)]:
+        scheduler.add_request(
+            make_request(request_id, [1, 2, 3], max_tokens=2, priority=priority, arrival_time=arrival)
+        )
+    order, runner = [], FakeRunner(BLOCK)
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        order += [r.request_id for r in out.scheduled_requests if r.request_id not in order]
+        scheduler.update_from_output(out, runner.execute(out))
+    assert order == ["a", "b1", "b2", "c"]
+
+
+# ---- prefix cache ----------------------------------------------------------------
+@pytest.mark.parametrize("caching", [True, False])
+def test_shared_prefix_is_not_recomputed(caching):
+    scheduler = make_scheduler(caching=caching)
+    runner = FakeRunner(BLOCK)
+    prefix = list(range(50, 50 + 3 * BLOCK))
+    scheduler.add_request(make_request("first", prefix + [1, 2], max_tokens=1))
+    run_to_completion(scheduler, runner)
+    scheduler.add_request(make_request("second", prefix + [7, 8, 9], max_tokens=1))
+    out = scheduler.schedule()
+    num_cached = 3 * BLOCK if caching else 0
+    assert out.num_scheduled_tokens == {"second": 3 * BLOCK + 3 - num_cached}
+    outputs = scheduler.update_from_output(out, runner.execute(out))
+    assert outputs.outputs[0].num_cached_tokens == num_cached
+    assert outputs.scheduler_stats.prefix_cache_hits == num_cached
+    assert all_blocks_free(scheduler)
+
+
+def test_reset_prefix_cache_waits_for_idle():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", range(10)))
+    run_step(scheduler, FakeRunner(BLOCK))
+    assert scheduler.reset_prefix_cache() is False
+    scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    assert scheduler.reset_prefix_cache() is True
+
+
+# ---- budgets -----------------------------------------------------------------------
+def test_chunked_prefill_respects_the_token_budget():
+    scheduler = make_scheduler(budget=8)
+    runner = FakeRunner(BLOCK)
+    scheduler.add_request(make_request("long", range(20), max_tokens=3))
+    scheduler.add_request(make_request("short", range(30, 35), max_tokens=3))
+    steps = []
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        assert out.total_num_scheduled_tokens <= 8
+        steps.append(dict(out.num_scheduled_tokens))
+        outputs = scheduler.update_from_output(out, runner.execute(out))
+        assert outputs.scheduler_stats.num_scheduled_tokens == out.total_num_scheduled_tokens
+        for o in outputs.outputs:  # tokens only once the prompt is fully computed
+            assert scheduler.requests.get(o.request_id) is None or o.new_token_ids
+    assert steps[:4] == [{"long": 8}, {"long": 8}, {"long": 4, "short": 4}, {"long": 1, "short": 1}]
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_room_in_the_budget():
+    scheduler = make_scheduler(budget=16, max_model_len=16, chunked=False)
+    scheduler.add_request(make_request("a", range(10)))
+    scheduler.add_request(make_request("b", range(20, 30)))
+    runner = FakeRunner(BLOCK)
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"a": 10}
+    scheduler.update_from_output(out, runner.execute(out))
+    assert scheduler.schedule().num_scheduled_tokens == {"a": 1, "b": 10}
+    with pytest.raises(ValueError, match="chunked prefill"):
+        make_scheduler(budget=8, max_model_len=16, chunked=False)
+
+
+def test_max_num_seqs_is_respected():
+    scheduler = make_scheduler(max_num_seqs=2)
+    runner = FakeRunner(BLOCK)
+    for i in range(5):
+        scheduler.add_request(make_request(f"r{i}", [i, i + 1], max_tokens=3))
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        assert len(out.scheduled_requests) <= 2 and len(scheduler.running) <= 2
+        scheduler.update_from_output(out, runner.execute(out))
+    assert all_blocks_free(scheduler)
+
+
+def test_too_small_kv_cache_and_too_long_prompt_are_rejected():
+    with pytest.raises(ValueError, match="KV cache"):
+        make_scheduler(num_blocks=4, max_model_len=16)
+    scheduler = make_scheduler(max_model_len=8)
+    with pytest.raises(ValueError, match="max_model_len"):
+        scheduler.add_request(make_request("a", range(9)))
+
+
+# ---- aborts --------------------------------------------------------------------
+def test_abort_is_idempotent_at_any_moment():
+    scheduler = make_scheduler(max_num_seqs=2)
+    runner = FakeRunner(BLOCK)
+    for request_id in ("running", "between", "waiting"):
+        scheduler.add_request(make_request(request_id, range(6)))
+    run_step(scheduler, runner)
+    assert scheduler.get_request("waiting").status == RequestStatus.WAITING
+
+    scheduler.finish_requests(["waiting", "unknown"], RequestStatus.FINISHED_ABORTED)
+    scheduler.finish_requests("waiting", RequestStatus.FINISHED_ABORTED)
+    out = scheduler.schedule()
+    assert out.finished_request_ids == {"waiting"}
+    scheduler.finish_requests("between", RequestStatus.FINISHED_ABORTED)  # after schedule, before update
+    outputs = scheduler.update_from_output(out, runner.execute(out))
+    assert [o.request_id for o in outputs.outputs] == ["running"]
+    assert outputs.finished_request_ids == {"waiting", "between"}
+
+    scheduler.finish_requests(["running", "running"], RequestStatus.FINISHED_ABORTED)
+    assert scheduler.schedule().finished_request_ids == {"between", "running"}
+    assert not scheduler.has_unfinished_requests() and scheduler.get_num_unfinished_requests() == 0
+    assert all_blocks_free(scheduler)
+    with pytest.raises(ValueError):
+        scheduler.finish_requests("x", RequestStatus.RUNNING)
+
+
+# ---- stops -----------------------------------------------------------------------
+def generate(request, scheduler=None):
+    scheduler = scheduler or make_scheduler()
+    scheduler.add_request(request)
+    runner = FakeRunner(BLOCK)
+    finished = []
+    while scheduler.has_unfinished_requests():
+        finished += [o for o in run_step(scheduler, runner).outputs if o.finished]
+    assert len(finished) == 1 and all_blocks_free(scheduler)
+    return request.output_token_ids, finished[0]
+
+
+def test_finish_reasons():
+    prompt = [5, 6, 7]
+    free_run, last = generate(make_request("a", prompt, max_tokens=6))
+    assert len(free_run) == 6 and last.finish_reason == FinishReason.LENGTH
+
+    stop_at = next(i for i, t in enumerate(free_run) if i > 0 and t not in free_run[:i])
+    tokens, last = generate(make_request("b", prompt, max_tokens=6, stop_token_ids=[free_run[stop_at]]))
+    assert tokens == free_run[:stop_at + 1]
+    assert (last.finish_reason, last.stop_reason) == (FinishReason.STOP, free_run[stop_at])
+
+    tokens, last = generate(make_request("c", prompt, max_tokens=6, eos=[free_run[stop_at]]))
+    assert tokens == free_run[:stop_at + 1]
+    assert (last.finish_reason, last.stop_reason) == (FinishReason.STOP, None)
+
+    tokens, last = generate(make_request("d", prompt, max_tokens=None), make_scheduler(max_model_len=8))
+    assert len(tokens) == 5 and last.finish_reason == FinishReason.LENGTH
+
+
+# ---- property: block accounting ------------------------------------------------------
+PREFIXES = [list(range(k * 30, k * 30 + 16)) for k in range(3)]
+add_op = st.tuples(st.just("add"), st.integers(0, 2), st.integers(0, 14), st.integers(1, 4), st.integers(1, 10),
+                   st.integers(0, 2))
+abort_op = st.tuples(st.just("abort"), st.integers(0, 30))
+step_op = st.tuples(st.just("step"), st.integers(1, 6))
+abort_between_op = st.tuples(st.just("abort_between"), st.integers(0, 30))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=st.lists(st.one_of(add_op, abort_op, step_op, abort_between_op), max_size=30),
+    policy=st.sampled_from(["fcfs", "priority"]),
+    caching=st.booleans(),
+    drain_by_abort=st.booleans(),
+)
+def test_block_accounting_survives_any_sequence(ops, policy, caching, drain_by_abort):
+    block_size, max_model_len = 2, 20
+    scheduler = make_scheduler(num_blocks=11, max_model_len=max_model_len, budget=6, max_num_seqs=4,
+                               policy=policy, caching=caching, block_size=block_size)
+    runner = FakeRunner(block_size)
+    ids = []
+    for op in ops:
+        if op[0] == "add":
+            _, prefix, prefix_len, suffix_len, max_tokens, priority = op
+            request_id = f"r{len(ids)}"
+            prompt = PREFIXES[prefix][:prefix_len] + [200 + len(ids)] * suffix_len
+            scheduler.add_request(make_request(request_id, prompt, max_tokens=max_tokens, priority=priority,
+                                               block_size=block_size, max_model_len=max_model_len))
+            ids.append(request_id)
+        elif op[0] == "abort" and ids:
+            scheduler.finish_requests(ids[op[1] % len(ids)], RequestStatus.FINISHED_ABORTED)
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                run_step(scheduler, runner)
+        elif op[0] == "abort_between" and ids:
+            out = scheduler.schedule()
+            scheduler.finish_requests(ids[op[1] % len(ids)], RequestStatus.FINISHED_ABORTED)
+            check_accounting(scheduler)
+            scheduler.update_from_output(out, runner.execute(out))
+        check_accounting(scheduler)
+
+    if drain_by_abort:
+        scheduler.finish_requests(list(ids), RequestStatus.FINISHED_ABORTED)
+    else:
+        run_to_completion(scheduler, runner, max_steps=500)
+    check_accounting(scheduler)
+    assert all_blocks_free(scheduler)
