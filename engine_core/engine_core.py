@@ -105,7 +105,6 @@ class EngineCore:
             device=str(device),
             attention_backend=self.attention.name,
         )
-        self._requests: dict[str, Request] = {}
 
     def _resolve_max_model_len(self, arch: ModelArchConfig) -> int:
         wanted = self.config.model.max_model_len
@@ -133,7 +132,7 @@ class EngineCore:
     # ---- requests ---------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request. Raises ValueError (with an actionable message) for bad input."""
-        if request.request_id in self._requests:
+        if self.scheduler.get_request(request.request_id) is not None:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         self._validate_prompt(request)
         internal = Request.from_engine_core_request(
@@ -142,7 +141,6 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
         )
-        self._requests[request.request_id] = internal
         self.scheduler.add_request(internal)
 
     def _validate_prompt(self, request: EngineCoreRequest) -> None:
@@ -168,10 +166,7 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Idempotent: unknown or finished ids are ignored."""
-        live = [rid for rid in request_ids if rid in self._requests]
-        self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
-        for request_id in live:
-            del self._requests[request_id]
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -184,8 +179,6 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        for request_id in outputs.finished_request_ids:
-            self._requests.pop(request_id, None)
         outputs.timestamp = time.time()
         return outputs
 
