@@ -1,0 +1,226 @@
+"""GGUF checkpoints: metadata -> ModelArchConfig, tensors -> Hugging Face-named fp32 weights.
+
+The header is parsed here with `struct` rather than `gguf.GGUFReader`, which spends
+seconds building a numpy view per tokenizer string (about 100k of them in SmolLM2);
+the `gguf` package still supplies the type tables and `gguf.quants.dequantize`.
+"""
+
+from __future__ import annotations
+
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType
+from gguf.quants import dequantize
+
+from engine_core.config import ModelArchConfig
+from engine_core.models.llama import packed_groups
+
+_SUPPORTED_ARCHS = ("llama", "qwen2")
+# Tokens that end a turn, added to eos like llama.cpp's end-of-generation set.
+_EOG_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>", "<end_of_turn>")
+
+_SCALAR_FORMATS = {
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    qtype: GGMLQuantizationType
+    data: np.ndarray  # raw bytes, uint8 [..., bytes per row] (numpy order: GGUF dims reversed)
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensor]
+
+
+# ---- reading the file -------------------------------------------------------------------
+
+
+class _Cursor:
+    def __init__(self, buf: memoryview) -> None:
+        self.buf, self.pos = buf, 0
+
+    def scalar(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        self.pos += n
+        return str(self.buf[self.pos - n : self.pos], "utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return self.string()
+        if vtype != GGUFValueType.ARRAY:
+            return self.scalar(_SCALAR_FORMATS[GGUFValueType(vtype)])
+        item_type, count = self.scalar("<I"), self.scalar("<Q")
+        if item_type in (GGUFValueType.STRING, GGUFValueType.ARRAY):
+            return [self.value(item_type) for _ in range(count)]
+        dtype = np.dtype(_SCALAR_FORMATS[GGUFValueType(item_type)])
+        items = np.frombuffer(self.buf, dtype, count, self.pos)
+        self.pos += items.nbytes
+        return items.tolist()
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """Parse a little-endian GGUF v2/v3 file; tensor data stays memory-mapped."""
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    cur = _Cursor(memoryview(data))
+    if bytes(cur.buf[:4]) != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file (bad magic)")
+    cur.pos = 4
+    version, n_tensors, n_kv = cur.scalar("<I"), cur.scalar("<Q"), cur.scalar("<Q")
+    if version not in (2, 3):
+        raise ValueError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+    metadata = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        metadata[key] = cur.value(cur.scalar("<I"))
+    infos = []
+    for _ in range(n_tensors):
+        name, n_dims = cur.string(), cur.scalar("<I")
+        dims = [cur.scalar("<Q") for _ in range(n_dims)]
+        infos.append((name, dims, GGMLQuantizationType(cur.scalar("<I")), cur.scalar("<Q")))
+    alignment = metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
+    start = -(-cur.pos // alignment) * alignment
+    tensors = {}
+    for name, dims, qtype, offset in infos:
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        row_bytes = dims[0] // block_size * type_size
+        rows = [int(d) for d in reversed(dims[1:])]
+        nbytes = row_bytes * int(np.prod(rows, dtype=np.int64))
+        raw = data[start + offset : start + offset + nbytes]
+        tensors[name] = GGUFTensor(qtype, raw.view(np.ndarray).reshape(*rows, row_bytes))
+    return GGUFFile(metadata, tensors)
+
+
+# ---- metadata -> ModelArchConfig ---------------------------------------------------------
+
+
+def arch_config(gguf: GGUFFile) -> ModelArchConfig:
+    """Read `{arch}.*` and `tokenizer.ggml.*` keys into a ModelArchConfig."""
+    meta = gguf.metadata
+    arch = meta.get("general.architecture")
+    if arch not in _SUPPORTED_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {_SUPPORTED_ARCHS})")
+    if "rope_freqs.weight" in gguf.tensors:
+        raise ValueError("GGUF rope_freqs (Llama 3.1-style rope scaling as a tensor) is not supported yet")
+
+    def get(key: str, default: Any = KeyError) -> Any:
+        if f"{arch}.{key}" in meta:
+            return meta[f"{arch}.{key}"]
+        if default is KeyError:
+            raise KeyError(f"GGUF metadata lacks {arch}.{key}")
+        return default
+
+    tokens = meta.get("tokenizer.ggml.tokens", [])
+    hidden, heads = get("embedding_length"), get("attention.head_count")
+    return ModelArchConfig(
+        vocab_size=get("vocab_size", len(tokens)),
+        hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"),
+        num_hidden_layers=get("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=get("attention.head_count_kv", heads),
+        head_dim=get("attention.key_length", hidden // heads),
+        max_position_embeddings=get("context_length"),
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
+        rope_theta=get("rope.freq_base", 10000.0),
+        rope_scaling=_rope_scaling(get("rope.scaling.type", None), get("rope.scaling.factor", None)),
+        tie_word_embeddings="output.weight" not in gguf.tensors,
+        attention_bias="blk.0.attn_q.bias" in gguf.tensors,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_eos_token_ids(meta, tokens),
+        name=arch,
+    )
+
+
+def _rope_scaling(kind: str | None, factor: float | None) -> dict | None:
+    if kind in (None, "none") or factor in (None, 1.0):
+        return None
+    if kind != "linear":
+        raise ValueError(f"GGUF rope scaling {kind!r} is not supported (supported: linear)")
+    return {"rope_type": "linear", "factor": factor}
+
+
+def _eos_token_ids(meta: dict, tokens: list[str]) -> tuple[int, ...]:
+    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    ids = [meta[k] for k in keys if k in meta]
+    ids += [i for i, token in enumerate(tokens) if token in _EOG_TOKENS]
+    return tuple(dict.fromkeys(ids))  # unique, in order
+
+
+# ---- tensors -> Hugging Face-named weights ------------------------------------------------
+
+
+def load_gguf(path: str | Path) -> tuple[ModelArchConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """Parse a GGUF file: its architecture and an iterator of model-named fp32 weights."""
+    gguf = read_gguf(path)
+    config = arch_config(gguf)
+    return config, _iter_weights(gguf, config)
+
+
+def _iter_weights(gguf: GGUFFile, config: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Model-named fp32 tensors. Fused groups (q/k/v, gate/up) are stacked as raw quantized
+    rows and dequantized once, straight into the fused tensor."""
+    by_hf_name = {hf_name(name): tensor for name, tensor in gguf.tensors.items()}
+
+    def convert(item: tuple[str, list[str]]) -> tuple[str, torch.Tensor]:
+        param, names = item
+        shards = [(name, by_hf_name[name]) for name in names]
+        qtypes = {tensor.qtype for _, tensor in shards}
+        if len(qtypes) == 1 and shards[0][1].data.ndim == 2:  # rows are quantized independently
+            rows = np.concatenate([_unpermute(name, tensor.data, config) for name, tensor in shards])
+            weight = dequantize(rows, qtypes.pop())
+        else:
+            weight = np.concatenate(
+                [_unpermute(name, dequantize(tensor.data, tensor.qtype), config) for name, tensor in shards]
+            )
+        return param, torch.from_numpy(weight)  # concatenate copied: writable, off the mapped file
+
+    groups = packed_groups(by_hf_name)
+    # numpy releases the GIL while dequantizing, so threads overlap the work
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        yield from pool.map(convert, groups.items())
+
+
+def _unpermute(name: str, rows: np.ndarray, config: ModelArchConfig) -> np.ndarray:
+    """Undo convert_hf_to_gguf's `permute` of Llama Q/K rows (it interleaves each head's two
+    rotary halves for llama.cpp's rope) to get Hugging Face's rotate_half layout back.
+    A row permutation, so it works on fp32 rows and on raw quantized rows alike."""
+    if config.name != "llama" or not (".q_proj." in name or ".k_proj." in name):
+        return rows
+    n_head = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+    n = rows.shape[0]
+    return rows.reshape(n_head, n // n_head // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def hf_name(gguf_name: str) -> str:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _BLOCK_NAMES:
+        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[parts[0]]}.{parts[1]}"
+    raise KeyError(f"unexpected GGUF tensor {gguf_name!r}")

@@ -1,0 +1,91 @@
+"""Building blocks of Llama-family decoders: RMSNorm, rotary embedding, SiluAndMul.
+
+Every layer works on one flattened ragged batch: tensors are [T, ...] with no batch
+dimension, and token t's position comes from a flat `positions` tensor. The rotary
+cos/sin are looked up once per step and shared by every layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 and cast back (as Hugging Face does)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class SiluAndMul(nn.Module):
+    """silu(gate) * up for the fused gate_up projection: [T, 2I] -> [T, I]."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class RotaryEmbedding(nn.Module):
+    """NeoX / Hugging Face "rotate_half" rotary embedding over a precomputed cos/sin cache.
+
+    The cache ([max_position, head_dim] = cos | sin halves, fp32) is built on the CPU, so
+    it is real even when the model is constructed on the meta device; `model.to(device)`
+    moves it.
+    """
+
+    def __init__(
+        self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None
+    ) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, base, rope_scaling)
+        t = torch.arange(max_position, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(t, inv_freq)  # [P, D/2]
+        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, D]
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] int64 -> (cos, sin), each [T, 1, D/2] in `dtype`, for `apply_rotary`."""
+        cos, sin = self.cos_sin_cache[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] by per-token angles (rotate_half layout); returns a new tensor."""
+    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2], adjusted per rope_scaling type."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (base**exponents)
+    rope_type = (rope_scaling or {}).get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / rope_scaling["factor"]
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, rope_scaling)
+    raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: linear, llama3)")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1: divide low frequencies by `factor`, keep high ones, blend in between."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen < old_len / high, inv_freq, blended)
+    return torch.where(wavelen > old_len / low, inv_freq / factor, scaled)

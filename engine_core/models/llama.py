@@ -1,0 +1,185 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2) over paged KV.
+
+One forward runs one flattened ragged batch: T tokens of many requests, no batch
+dimension and no padding. Attention goes through an `AttentionBackend`, which writes
+this step's keys and values into the paged cache and reads each request's context
+back through its block table.
+
+Parameter names follow Hugging Face, except that q/k/v and gate/up are fused into
+`qkv_proj` and `gate_up_proj`; `packed_groups` is the one place that says so.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from engine_core.config import ModelArchConfig
+from engine_core.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
+from kernels import AttentionBackend, AttentionMetadata
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # key, value: [num_blocks, block_size, Hkv, D]
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, D/2], looked up once per step
+
+# checkpoint module name -> (fused module name, shard index)
+_PACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_PACKED_SIZES = {"qkv_proj": 3, "gate_up_proj": 2}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelArchConfig, attention: AttentionBackend):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qk_size, self.v_size = q_size + kv_size, kv_size
+        # Llama's attention_bias covers o_proj too; Qwen2 biases q/k/v only
+        o_bias = config.attention_bias and config.name != "qwen2"
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        self.attention = attention
+
+    def forward(self, rope: Rope, x, kv_cache: KVCache, md: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        qk, v = self.qkv_proj(x).split([self.qk_size, self.v_size], dim=-1)
+        qk = apply_rotary(qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
+        v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        key_cache, value_cache = kv_cache
+        self.attention.write_kv_cache(k, v, key_cache, value_cache, md.slot_mapping)
+        o = self.attention.paged_attention(q, key_cache, value_cache, md, self.scale)  # [T, H, D]
+        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelArchConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.act = SiluAndMul()
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelArchConfig, attention: AttentionBackend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, attention)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, rope: Rope, x, kv_cache: KVCache, md: AttentionMetadata) -> torch.Tensor:
+        h = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, md)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelArchConfig, attention: AttentionBackend):
+        super().__init__()
+        # an explicit weight skips the random init, which on the meta device imports torch._dynamo
+        weight = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, attention) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, kv_caches: list[KVCache], md: AttentionMetadata):
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rotary_emb(positions, h.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h = layer(rope, h, kv_cache, md)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM over one flattened ragged batch with a paged KV cache."""
+
+    def __init__(self, config: ModelArchConfig, attention: AttentionBackend):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, attention)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[KVCache],  # one (key_cache, value_cache) per layer
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        """Run every layer over the batch, writing this step's K/V into the caches."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] in float32."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], device: torch.device, dtype: torch.dtype
+    ) -> None:
+        """Assign every parameter from (name, tensor) pairs named as `packed_groups` names them.
+
+        The model may be built on the meta device: each parameter is replaced by its tensor
+        (moved to `device`, cast to `dtype`), so nothing is allocated twice. Raises KeyError
+        for unknown or missing tensors and ValueError for shape mismatches.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (self.lm_head is None and name == "lm_head.weight"):
+                continue
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no matching model parameter")
+            if tuple(params[name].shape) != tuple(tensor.shape):
+                expected = tuple(params[name].shape)
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {expected}")
+            module_name, _, attr = name.rpartition(".")
+            weight = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
+            setattr(self.get_submodule(module_name), attr, weight)
+            loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            raise KeyError(f"checkpoint is missing tensors for: {', '.join(missing[:8])}{more}")
+        self.to(device)  # buffers (the rotary cache) follow the weights
+
+
+def packed_groups(names: Iterable[str]) -> dict[str, list[str]]:
+    """Group checkpoint tensor names by model parameter, in concatenation order.
+
+    The one place that fuses: q/k/v -> qkv_proj and gate/up -> gate_up_proj (rows stacked
+    in that order); every other name maps to itself. Loaders concatenate each group in
+    their own domain (torch tensors, or raw quantized GGUF rows). Raises KeyError when a
+    fused group is incomplete.
+    """
+    groups: dict[str, list[tuple[int, str]]] = {}
+    sizes: dict[str, int] = {}
+    for name in names:
+        parts = name.split(".")
+        fused, shard = _PACKED.get(parts[-2], (None, 0)) if len(parts) >= 2 else (None, 0)
+        param = ".".join(parts[:-2] + [fused, parts[-1]]) if fused else name
+        groups.setdefault(param, []).append((shard, name))
+        sizes[param] = _PACKED_SIZES[fused] if fused else 1
+    for param, shards in groups.items():
+        if len(shards) != (expected := sizes[param]):
+            raise KeyError(f"{param} fuses {expected} checkpoint tensors, found {[n for _, n in shards]}")
+    return {param: [name for _, name in sorted(shards)] for param, shards in groups.items()}
