@@ -22,7 +22,7 @@ def _require(ok: bool, message: str) -> None:
 @dataclass
 class ModelConfig:
     model: str | None = None  # HF folder, .gguf file, or None for the embedded SmolLM2
-    dtype: str = "auto"  # auto: bfloat16 on CPUs with AMX/AVX-512 bf16 and on CUDA, else float32
+    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with AMX / AVX-512 BF16, else float32
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
 

@@ -62,10 +62,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def _cpu_has_fast_bf16() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+    """Native bf16 dot products (AVX-512 BF16 or AMX); without them torch emulates bf16 slowly."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 class EngineCore:
