@@ -14,7 +14,7 @@ import torch
 from engine_core.config import ModelArchConfig
 from engine_core.request import Request
 from engine_core.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs
-from engine_core.types import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from engine_core.types import ModelRunnerOutput, SchedulerOutput
 from kernels import AttentionBackend, AttentionMetadata
 
 

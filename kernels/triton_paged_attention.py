@@ -1,0 +1,284 @@
+"""Unified Triton paged attention over one flattened ragged batch.
+
+One launch serves decode tokens and prefill chunks alike (the shape of vLLM's
+triton `unified_attention`):
+
+- grid = (query blocks, kv heads, context splits). A query block holds up to
+  BLOCK_Q consecutive tokens of one request times the `num_heads // num_kv_heads`
+  query heads that share a kv head, flattened into BLOCK_M rows, so the keys and
+  values of a tile are loaded once for the whole GQA group.
+- Query blocks are numbered without a host sync: request b owns the blocks from
+  `query_start_loc[b] // BLOCK_Q + b` on; a program finds its request by binary
+  search over `query_start_loc` and exits if it lands past the request's end.
+- Each program walks its context in tiles of TILE_N positions, reading keys and
+  values from the paged cache through the block table (a tile may span several
+  cache blocks), with the causal mask `key_pos <= query_pos` and the online
+  (flash) softmax recurrence in fp32.
+- Split context: for small batches with long contexts the tiles of one
+  (query block, kv head) are divided over NUM_SPLITS programs, each writing an
+  unnormalised partial (acc, running max, running sum); a small reduce kernel
+  combines them. With NUM_SPLITS == 1 the attention kernel writes the output.
+
+Every loop bound comes from device tensors (`seq_lens`, `query_start_loc`), so
+the split count and block sizes picked on the host from metadata are performance
+choices only: a CUDA graph captured with one choice stays correct on replay.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.attention_metadata import AttentionMetadata
+
+# Split the context when fewer than this many (request, kv head) programs would run.
+SPLIT_MAX_PROGRAMS = 128
+# Each split should cover at least this many context positions.
+SPLIT_MIN_TOKENS = 256
+MAX_SPLITS = 16
+LOG2E = tl.constexpr(1.4426950408889634)
+_DOT_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr):
+    """Largest b < num_reqs with query_start_loc[b] // BLOCK_Q + b <= q_block (binary search)."""
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_reqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_block <= q_block:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _attention_kernel(
+    out_ptr,  # [T, H, D], written when NUM_SPLITS == 1
+    part_acc_ptr,  # [T, H, NUM_SPLITS, D] fp32, written when NUM_SPLITS > 1
+    part_max_ptr, part_sum_ptr,  # [T, H, NUM_SPLITS] fp32: running max (log2 units) and sum
+    query_ptr,  # [T, H, D]
+    key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    block_tables_ptr,  # [B, max_blocks_per_seq] int32
+    seq_lens_ptr,  # [B] int32
+    query_start_loc_ptr,  # [B + 1] int32
+    num_reqs,
+    num_heads,
+    scale,
+    stride_qt, stride_qh,
+    stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch,
+    stride_bt,
+    block_size,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    QUERIES_PER_KV: tl.constexpr,  # num_heads // num_kv_heads
+    BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_M: tl.constexpr,  # rows per program: BLOCK_Q * QUERIES_PER_KV, padded to a power of two
+    TILE_N: tl.constexpr,  # context positions per loop step
+    NUM_SPLITS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,  # operand type of both dots: the query dtype (see the wrapper)
+    DOT_PRECISION: tl.constexpr,
+):
+    """One (query block, kv head, context split): flash attention over paged K/V."""
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # --- which request and which of its tokens this program serves
+    req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    local_start = (q_block - (q_start // BLOCK_Q + req)) * BLOCK_Q
+    if local_start >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len  # positions cached before this step's tokens
+
+    # --- rows: BLOCK_Q tokens x QUERIES_PER_KV heads
+    rows = tl.arange(0, BLOCK_M)
+    local_token = local_start + rows // QUERIES_PER_KV  # [BLOCK_M]
+    head = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV  # [BLOCK_M]
+    row_valid = (rows < BLOCK_Q * QUERIES_PER_KV) & (local_token < q_len)
+    query_pos = context_len + local_token  # [BLOCK_M] absolute positions
+    token = q_start + local_token
+
+    dims = tl.arange(0, DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    q = tl.load(
+        query_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=row_valid[:, None] & dim_valid[None, :], other=0.0,
+    ).to(DOT_DTYPE)  # [BLOCK_M, DIM_PAD]
+
+    # --- this split's share of the context tiles (causal: stop at the last row's position)
+    kv_len = tl.minimum(seq_len, context_len + local_start + BLOCK_Q)
+    num_tiles = tl.cdiv(kv_len, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_begin = split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (log2 units)
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp
+    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+    block_table = block_tables_ptr + req * stride_bt
+    offs_n = tl.arange(0, TILE_N)
+    for tile in range(tile_begin, tile_end):
+        key_pos = tile * TILE_N + offs_n  # [TILE_N]
+        key_valid = key_pos < kv_len
+        physical_block = tl.load(block_table + key_pos // block_size, mask=key_valid, other=0)
+        kv_offset = (
+            physical_block.to(tl.int64) * stride_cb + (key_pos % block_size) * stride_cs
+            + kv_head * stride_ch
+        )  # [TILE_N]
+        kv_mask = key_valid[:, None] & dim_valid[None, :]
+        k = tl.load(key_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(value_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        k = k.to(DOT_DTYPE)  # [TILE_N, DIM_PAD]
+        v = v.to(DOT_DTYPE)
+
+        # scores in log2 units, so the recurrence can use exp2: [BLOCK_M, TILE_N]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (scale * LOG2E)
+        visible = (key_pos[None, :] <= query_pos[:, None]) & key_valid[None, :]
+        s = tl.where(visible, s, float("-inf"))
+
+        # online softmax; a row with nothing visible yet keeps m = -inf, so shift by 0
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    store_mask = row_valid[:, None] & dim_valid[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        row = (token * num_heads + head) * NUM_SPLITS + split  # [BLOCK_M] into contiguous partials
+        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc, mask=store_mask)
+        tl.store(part_max_ptr + row, m_i, mask=row_valid)
+        tl.store(part_sum_ptr + row, l_i, mask=row_valid)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    out_ptr,  # [T, H, D]
+    acc_ptr,  # [T, H, NUM_SPLITS, D] fp32
+    max_ptr, sum_ptr,  # [T, H, NUM_SPLITS] fp32: running max (log2 units) and sum
+    query_start_loc_ptr,  # [B + 1] int32
+    num_reqs,
+    num_heads,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """One program per (token, head): rescale each split to the common max and add up."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    if token >= tl.load(query_start_loc_ptr + num_reqs):
+        return  # padding token past the batch: never written by the attention kernel
+    row = (token * num_heads + head) * NUM_SPLITS
+    splits = tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+
+    m = tl.load(max_ptr + row + splits)  # [NUM_SPLITS]
+    l = tl.load(sum_ptr + row + splits)
+    m_all = tl.max(m, axis=0)
+    weight = tl.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all))  # empty split -> 0
+    total = tl.sum(l * weight, axis=0)
+    acc = tl.load(
+        acc_ptr + (row + splits)[:, None] * HEAD_DIM + dims[None, :],
+        mask=dim_valid[None, :], other=0.0,
+    )  # [NUM_SPLITS, DIM_PAD]
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + dims,
+        out.to(out_ptr.dtype.element_ty), mask=dim_valid,
+    )
+
+
+def choose_num_splits(metadata: AttentionMetadata, num_kv_heads: int) -> int:
+    """Split the context only for decode-only batches too small to fill the GPU."""
+    if metadata.max_query_len > 1:
+        return 1
+    programs = metadata.num_reqs * num_kv_heads
+    if programs >= SPLIT_MAX_PROGRAMS:
+        return 1
+    splits = min(
+        metadata.max_seq_len // SPLIT_MIN_TOKENS, SPLIT_MAX_PROGRAMS // programs, MAX_SPLITS
+    )
+    return 1 if splits < 2 else 1 << (splits.bit_length() - 1)  # power of two: few compiles
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, H, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    num_splits: int | None = None,  # None: choose from metadata; tests force it
+) -> torch.Tensor:  # [T, H, D]
+    """Causal paged attention for every token of the batch, decodes and prefill chunks alike."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    assert num_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads"
+    queries_per_kv = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    if num_tokens == 0 or metadata.num_reqs == 0:
+        return out
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    assert key_cache.stride() == value_cache.stride() and key_cache.stride(-1) == 1
+
+    # decode-only batches need one token per program; prefill gets taller query blocks
+    block_m = max(16 if metadata.max_query_len == 1 else 64, triton.next_power_of_2(queries_per_kv))
+    block_q = block_m // queries_per_kv
+    tile_n = 32 if metadata.max_query_len == 1 else 64
+    num_q_blocks = num_tokens // block_q + metadata.num_reqs  # upper bound, see module docstring
+    if num_splits is None:
+        num_splits = choose_num_splits(metadata, num_kv_heads)
+    dim_pad = max(16, triton.next_power_of_2(head_dim))
+    dot_dtype = _DOT_DTYPES[query.dtype]
+    if dot_dtype == tl.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+        dot_dtype = tl.float32  # the CPU interpreter multiplies bf16 bit patterns as integers
+
+    if num_splits == 1:
+        acc = m = l = out  # partial buffers unused
+    else:
+        assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
+        acc = query.new_empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32)
+        m = query.new_empty(num_tokens, num_heads, num_splits, dtype=torch.float32)
+        l = torch.empty_like(m)
+
+    _attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
+        out, acc, m, l, query, key_cache, value_cache,
+        metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+        metadata.num_reqs, num_heads, scale,
+        query.stride(0), query.stride(1),
+        out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        metadata.block_tables.stride(0),
+        key_cache.shape[1],
+        HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+        QUERIES_PER_KV=queries_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
+        NUM_SPLITS=num_splits,
+        DOT_DTYPE=dot_dtype,
+        DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+    )
+    if num_splits > 1:
+        _reduce_splits_kernel[(num_tokens, num_heads)](
+            out, acc, m, l, metadata.query_start_loc, metadata.num_reqs, num_heads,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits,
+        )
+    return out

@@ -1,0 +1,139 @@
+"""Random flattened ragged batches over a paged KV cache, for kernel tests.
+
+`make_batch` builds decodes first, then prefill chunks with cached context, over a
+paged cache of noise with shuffled block tables; `dense_attention` is the from-scratch
+float64 answer that needs no paging at all.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from hypothesis import strategies as st
+
+from kernels.attention_metadata import AttentionMetadata
+
+
+@dataclass
+class PagedBatch:
+    query: torch.Tensor  # [T, H, D], T includes pad_tokens padding rows at the end
+    key: torch.Tensor  # [T, Hkv, D] this step's keys (already in the cache)
+    value: torch.Tensor  # [T, Hkv, D]
+    key_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor
+    metadata: AttentionMetadata
+    dense_keys: list[torch.Tensor]  # per request [seq_len, Hkv, D]
+    dense_values: list[torch.Tensor]
+
+
+def make_batch(
+    query_lens: list[int],  # decodes (1) first, then prefill chunks
+    seq_lens: list[int],  # each >= its query length
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    pad_tokens: int = 0,
+    spare_blocks: int = 3,
+) -> PagedBatch:
+    """Random batch whose whole context already sits in a paged cache of noise.
+
+    Blocks are handed out in a random order (block 0 stays the null block that
+    pads block-table rows) and unused cache blocks hold random values, so a
+    kernel reading the wrong block or position gives a wrong answer.
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    blocks_per_req = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = 1 + sum(blocks_per_req) + spare_blocks
+    key_cache = randn(num_blocks, block_size, num_kv_heads, head_dim)
+    value_cache = randn(num_blocks, block_size, num_kv_heads, head_dim)
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    max_blocks = max(blocks_per_req) + 1  # one extra padded column
+    block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+
+    dense_keys, dense_values, slots = [], [], []
+    for b, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
+        blocks = [free.pop() for _ in range(blocks_per_req[b])]
+        block_tables[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        pos = torch.arange(seq_len)
+        slot = torch.tensor(blocks)[pos // block_size] * block_size + pos % block_size
+        k, v = randn(seq_len, num_kv_heads, head_dim), randn(seq_len, num_kv_heads, head_dim)
+        key_cache.view(-1, num_kv_heads, head_dim)[slot] = k
+        value_cache.view(-1, num_kv_heads, head_dim)[slot] = v
+        dense_keys.append(k)
+        dense_values.append(v)
+        slots.append(slot[seq_len - q_len :])
+
+    slots.append(torch.full((pad_tokens,), -1, dtype=torch.int64))
+    qsl = [0]
+    for q_len in query_lens:
+        qsl.append(qsl[-1] + q_len)
+    num_tokens = qsl[-1] + pad_tokens
+    pad_kv = randn(pad_tokens, num_kv_heads, head_dim)
+    step = list(zip(seq_lens, query_lens))
+    key = torch.cat([k[s - q :] for k, (s, q) in zip(dense_keys, step)] + [pad_kv])
+    value = torch.cat([v[s - q :] for v, (s, q) in zip(dense_values, step)] + [pad_kv])
+    metadata = AttentionMetadata(
+        slot_mapping=torch.cat(slots).to(torch.int64),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        num_decodes=_leading_decodes(query_lens),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=list(seq_lens),
+    )
+    return PagedBatch(
+        randn(num_tokens, num_heads, head_dim), key, value, key_cache, value_cache, metadata,
+        dense_keys, dense_values,
+    )
+
+
+def _leading_decodes(query_lens: list[int]) -> int:
+    n = 0
+    while n < len(query_lens) and query_lens[n] == 1:
+        n += 1
+    return n
+
+
+@st.composite
+def ragged_batches(draw, max_decodes=3, max_prefills=2, max_context=70, max_chunk=20):
+    """(query_lens, seq_lens): decodes first, then prefill chunks with cached context."""
+    num_decodes = draw(st.integers(0, max_decodes))
+    num_prefills = draw(st.integers(0 if num_decodes else 1, max_prefills))
+    query_lens, seq_lens = [], []
+    for _ in range(num_decodes):
+        query_lens.append(1)
+        seq_lens.append(draw(st.integers(1, max_context)))
+    for _ in range(num_prefills):
+        chunk = draw(st.integers(2, max_chunk))  # a 1-token chunk would be a decode
+        query_lens.append(chunk)
+        seq_lens.append(chunk + draw(st.integers(0, max_context - chunk)))
+    return query_lens, seq_lens
+
+
+def dense_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
+    """Per-request attention in float64 from the dense K/V, no paging involved: [T, H, D]."""
+    md = batch.metadata
+    out = torch.zeros(batch.query.shape, dtype=torch.float64)
+    group = batch.query.shape[1] // batch.dense_keys[0].shape[1]
+    for b in range(md.num_reqs):
+        start, end = md.query_start_loc_cpu[b], md.query_start_loc_cpu[b + 1]
+        seq_len = md.seq_lens_cpu[b]
+        q = batch.query[start:end].double().transpose(0, 1)  # [H, Q, D]
+        k = batch.dense_keys[b].double().repeat_interleave(group, 1).transpose(0, 1)  # [H, L, D]
+        v = batch.dense_values[b].double().repeat_interleave(group, 1).transpose(0, 1)
+        scores = q @ k.transpose(1, 2) * scale  # [H, Q, L]
+        q_pos = torch.arange(seq_len - (end - start), seq_len)
+        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > q_pos[:, None], float("-inf"))
+        out[start:end] = (scores.softmax(-1) @ v).transpose(0, 1)
+    return out

@@ -1,0 +1,177 @@
+"""Triton KV-write and paged-attention kernels against the torch reference.
+
+On a machine without CUDA these run in Triton's CPU interpreter (tests/conftest.py
+sets TRITON_INTERPRET=1), which costs tens of milliseconds per program: shapes stay
+tiny (few heads, short contexts, small head dims) apart from the head-dim cases.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+from kernels import reference, select_backend
+from kernels.triton_paged_attention import choose_num_splits
+from tests.kernels.paged_batch import make_batch, ragged_batches
+
+TRITON = select_backend("cpu", "triton")
+# No shrinking: each interpreted example costs about a second, and the examples are tiny anyway.
+NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate)
+# atol = rtol per dtype: bf16 and fp16 outputs differ from the reference by a couple of ulps
+TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+# (num_kv_heads, queries per kv head): GQA ratios 1, 3 and 8
+HEADS = [(2, 1), (1, 3), (1, 8), (2, 3)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def run_both(batch, scale, num_splits=None):
+    """(triton, reference) outputs over the batch's real tokens, padding rows dropped."""
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.metadata, scale)
+    out = TRITON.paged_attention(*args, num_splits=num_splits)
+    expected = reference.paged_attention(*args)
+    num_real = batch.metadata.query_start_loc_cpu[-1]
+    assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
+    return out[:num_real], expected[:num_real]
+
+
+def assert_matches(out, expected):
+    tol = TOL[out.dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def build(shape, heads, head_dim, block_size, dtype, seed, pad_tokens=0):
+    (query_lens, seq_lens), (num_kv_heads, group) = shape, heads
+    return make_batch(
+        query_lens, seq_lens, num_kv_heads * group, num_kv_heads, head_dim, block_size, dtype,
+        seed, pad_tokens,
+    )
+
+
+# --- KV write
+
+
+@settings(max_examples=12, deadline=None, phases=NO_SHRINK)
+@given(
+    shape=ragged_batches(max_decodes=4),
+    num_kv_heads=st.sampled_from([1, 2, 3]),
+    head_dim=st.sampled_from([8, 16, 24]),
+    block_size=st.sampled_from([16, 32]),
+    dtype=st.sampled_from(DTYPES),
+    pad_tokens=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_write_kv_cache_matches_reference(
+    shape, num_kv_heads, head_dim, block_size, dtype, pad_tokens, seed
+):
+    batch = build(shape, (num_kv_heads, 1), head_dim, block_size, dtype, seed, pad_tokens)
+    slots = batch.metadata.slot_mapping
+    caches = [torch.zeros_like(batch.key_cache) for _ in range(4)]
+    TRITON.write_kv_cache(batch.key, batch.value, caches[0], caches[1], slots)
+    reference.write_kv_cache(batch.key, batch.value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def test_write_kv_cache_skips_padding_slots_and_keeps_the_rest():
+    batch = make_batch([1, 1, 6], [7, 20, 6], 2, 2, 16, 16, pad_tokens=4, seed=5)
+    key_cache, value_cache = batch.key_cache.clone(), batch.value_cache.clone()
+    key = torch.randn_like(batch.key)  # new values, so written slots visibly change
+    value = torch.randn_like(batch.value)
+    slots = batch.metadata.slot_mapping
+    TRITON.write_kv_cache(key, value, key_cache, value_cache, slots)
+    flat_k, flat_v = key_cache.view(-1, 2, 16), value_cache.view(-1, 2, 16)
+    real = slots >= 0
+    assert int(real.sum()) == 8
+    assert torch.equal(flat_k[slots[real]], key[real])
+    assert torch.equal(flat_v[slots[real]], value[real])
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool)
+    untouched[slots[real]] = False
+    assert torch.equal(flat_k[untouched], batch.key_cache.view(-1, 2, 16)[untouched])
+    assert torch.equal(flat_v[untouched], batch.value_cache.view(-1, 2, 16)[untouched])
+
+
+def test_write_kv_cache_from_strided_qkv_views_casts_to_cache_dtype():
+    # fp16 cache: the CPU interpreter rounds fp32 -> fp16 like torch, but truncates fp32 -> bf16
+    batch = make_batch([3], [3], 2, 2, 16, 16, torch.float16, seed=6)
+    qkv = torch.randn(3, 3, 2, 16)  # fp32; key and value are non-contiguous views
+    key, value = qkv[:, 1], qkv[:, 2]
+    key_cache, value_cache = batch.key_cache.clone(), batch.value_cache.clone()
+    TRITON.write_kv_cache(key, value, key_cache, value_cache, batch.metadata.slot_mapping)
+    slots = batch.metadata.slot_mapping
+    assert torch.equal(key_cache.view(-1, 2, 16)[slots], key.half())
+    assert torch.equal(value_cache.view(-1, 2, 16)[slots], value.half())
+
+
+# --- paged attention
+
+
+@settings(max_examples=24, deadline=None, phases=NO_SHRINK)
+@given(
+    shape=ragged_batches(max_decodes=5),
+    heads=st.sampled_from(HEADS),
+    head_dim=st.sampled_from([16, 32]),
+    block_size=st.sampled_from([16, 32]),
+    dtype=st.sampled_from(DTYPES),
+    pad_tokens=st.integers(0, 2),
+    seed=st.integers(0, 2**16),
+)
+def test_paged_attention_matches_reference(
+    shape, heads, head_dim, block_size, dtype, pad_tokens, seed
+):
+    batch = build(shape, heads, head_dim, block_size, dtype, seed, pad_tokens)
+    assert_matches(*run_both(batch, head_dim**-0.5))
+
+
+@settings(max_examples=10, deadline=None, phases=NO_SHRINK)
+@given(
+    shape=ragged_batches(max_decodes=3, max_prefills=1, max_context=150, max_chunk=12),
+    heads=st.sampled_from(HEADS),
+    block_size=st.sampled_from([16, 32]),
+    dtype=st.sampled_from(DTYPES),
+    num_splits=st.sampled_from([2, 4, 8]),
+    seed=st.integers(0, 2**16),
+)
+def test_split_context_matches_reference(shape, heads, block_size, dtype, num_splits, seed):
+    """Forced split context, including splits left with no tiles for short contexts."""
+    batch = build(shape, heads, 16, block_size, dtype, seed, pad_tokens=1)
+    assert_matches(*run_both(batch, 0.25, num_splits=num_splits))
+
+
+@pytest.mark.parametrize(
+    "query_lens, seq_lens",
+    [
+        ([1] * 9 + [3, 70], [5, 17, 33, 1, 2, 48, 16, 32, 9, 40, 70]),  # many decodes, long chunk
+        ([70, 2], [100, 2]),  # chunk spanning two query blocks behind cached context
+    ],
+)
+@pytest.mark.parametrize("heads", [(1, 1), (1, 8)])
+def test_paged_attention_query_block_mapping(query_lens, seq_lens, heads):
+    batch = build((query_lens, seq_lens), heads, 16, 16, torch.float32, seed=7, pad_tokens=3)
+    assert_matches(*run_both(batch, 0.25))
+
+
+@pytest.mark.parametrize(
+    "head_dim, dtype", [(64, torch.bfloat16), (128, torch.float16), (24, torch.float32)]
+)
+def test_paged_attention_head_dims(head_dim, dtype):
+    batch = build(([1, 1, 9], [40, 3, 25]), (2, 3), head_dim, 16, dtype, seed=8)
+    assert_matches(*run_both(batch, head_dim**-0.5))
+    assert_matches(*run_both(batch, head_dim**-0.5, num_splits=2))
+
+
+def test_small_long_decode_batch_splits_on_its_own():
+    batch = build(([1, 1], [600, 530]), (1, 3), 16, 32, torch.float32, seed=9)
+    assert choose_num_splits(batch.metadata, num_kv_heads=1) == 2
+    assert_matches(*run_both(batch, 0.25))
+
+
+def test_choose_num_splits_policy():
+    decode = make_batch([1, 1], [4096, 10], 8, 8, 8, 16).metadata  # 2 requests x 8 kv heads
+    assert choose_num_splits(decode, num_kv_heads=8) == 8  # 16 programs, 4096 positions
+    decode.max_seq_len = 300
+    assert choose_num_splits(decode, num_kv_heads=8) == 1  # context too short to split
+    decode.max_seq_len = 4096
+    assert choose_num_splits(decode, num_kv_heads=64) == 1  # 128 programs already fill the GPU
+    mixed = make_batch([1, 5], [4096, 5], 8, 8, 8, 16).metadata
+    assert choose_num_splits(mixed, num_kv_heads=8) == 1  # prefill chunks: no split
