@@ -51,8 +51,8 @@ class ModelRunner:
 
     # ---- KV cache -------------------------------------------------------------
     def allocate_kv_cache(self) -> None:
-        # one (key, value) pair per layer: [num_blocks, block_size, num_kv_heads, head_dim]
-        shape = (self.num_blocks, self.block_size, self.arch.num_key_value_heads, self.arch.head_dim)
+        # one (key, value) pair per layer: [num_blocks, num_kv_heads, block_size, head_dim]
+        shape = (self.num_blocks, self.arch.num_key_value_heads, self.block_size, self.arch.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),

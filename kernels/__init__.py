@@ -5,7 +5,7 @@ have the same signature on every backend:
 
     write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
         key, value: [T, num_kv_heads, head_dim]
-        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+        key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim]
         slot_mapping: [T] int64; slot -1 is skipped
 
     paged_attention(query, key_cache, value_cache, metadata, scale) -> [T, num_heads, head_dim]

@@ -15,7 +15,7 @@ import triton.language as tl
 @triton.jit
 def _write_kv_kernel(
     key_ptr, value_ptr,  # [T, Hkv, D]
-    key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    key_cache_ptr, value_cache_ptr,  # [num_blocks, Hkv, block_size, D]
     slot_mapping_ptr,  # [T] int64
     stride_kt, stride_kh, stride_vt, stride_vh,  # last dim of key/value is contiguous
     stride_cb, stride_cs, stride_ch,  # block, slot-in-block, head strides of both caches
@@ -47,8 +47,8 @@ def _write_kv_kernel(
 def write_kv_cache(
     key: torch.Tensor,  # [T, Hkv, D]
     value: torch.Tensor,  # [T, Hkv, D]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], same layout as key_cache
+    key_cache: torch.Tensor,  # [num_blocks, Hkv, block_size, D]
+    value_cache: torch.Tensor,  # [num_blocks, Hkv, block_size, D], same layout as key_cache
     slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
 ) -> None:
     """Write key/value rows into the paged caches in place (no host sync)."""
@@ -63,8 +63,8 @@ def write_kv_cache(
     _write_kv_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        key_cache.shape[1],
+        key_cache.stride(0), key_cache.stride(2), key_cache.stride(1),  # block, slot, head
+        key_cache.shape[2],
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),

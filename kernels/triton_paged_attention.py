@@ -64,7 +64,7 @@ def _attention_kernel(
     part_acc_ptr,  # [T, H, NUM_SPLITS, D] fp32, written when NUM_SPLITS > 1
     part_max_ptr, part_sum_ptr,  # [T, H, NUM_SPLITS] fp32: running max (log2 units) and sum
     query_ptr,  # [T, H, D]
-    key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    key_cache_ptr, value_cache_ptr,  # [num_blocks, Hkv, block_size, D]
     block_tables_ptr,  # [B, max_blocks_per_seq] int32
     seq_lens_ptr,  # [B] int32
     query_start_loc_ptr,  # [B + 1] int32
@@ -222,7 +222,7 @@ def choose_num_splits(metadata: AttentionMetadata, num_kv_heads: int) -> int:
 
 def paged_attention(
     query: torch.Tensor,  # [T, H, D]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    key_cache: torch.Tensor,  # [num_blocks, Hkv, block_size, D]
     value_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
@@ -230,7 +230,7 @@ def paged_attention(
 ) -> torch.Tensor:  # [T, H, D]
     """Causal paged attention for every token of the batch, decodes and prefill chunks alike."""
     num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
+    num_kv_heads = key_cache.shape[1]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads"
     queries_per_kv = num_heads // num_kv_heads
     out = torch.empty_like(query)
@@ -266,9 +266,9 @@ def paged_attention(
         metadata.num_reqs, num_heads, scale,
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        key_cache.stride(0), key_cache.stride(2), key_cache.stride(1),  # block, slot, head
         metadata.block_tables.stride(0),
-        key_cache.shape[1],
+        key_cache.shape[2],
         HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         QUERIES_PER_KV=queries_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
         NUM_SPLITS=num_splits,

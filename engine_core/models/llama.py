@@ -20,7 +20,7 @@ from engine_core.config import ModelArchConfig
 from engine_core.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
 from kernels import AttentionBackend, AttentionMetadata
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # key, value: [num_blocks, block_size, Hkv, D]
+KVCache = tuple[torch.Tensor, torch.Tensor]  # key, value: [num_blocks, Hkv, block_size, D]
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, D/2], looked up once per step
 
 # checkpoint module name -> (fused module name, shard index)

@@ -75,7 +75,7 @@ class PagedBatch:
         self.block_size = block_size
         self.block_tables = torch.tensor(ids, dtype=torch.int32).view(num_requests, blocks_per_req)
         self.lens = [0] * num_requests
-        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        shape = (num_blocks, config.num_key_value_heads, block_size, config.head_dim)
         self.kv_caches = [
             (torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_hidden_layers)
         ]

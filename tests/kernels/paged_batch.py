@@ -21,7 +21,7 @@ class PagedBatch:
     query: torch.Tensor  # [T, H, D], T includes pad_tokens padding rows at the end
     key: torch.Tensor  # [T, Hkv, D] this step's keys (already in the cache)
     value: torch.Tensor  # [T, Hkv, D]
-    key_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    key_cache: torch.Tensor  # [num_blocks, Hkv, block_size, D]
     value_cache: torch.Tensor
     metadata: AttentionMetadata
     dense_keys: list[torch.Tensor]  # per request [seq_len, Hkv, D]
@@ -53,8 +53,8 @@ def make_batch(
 
     blocks_per_req = [math.ceil(s / block_size) for s in seq_lens]
     num_blocks = 1 + sum(blocks_per_req) + spare_blocks
-    key_cache = randn(num_blocks, block_size, num_kv_heads, head_dim)
-    value_cache = randn(num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = randn(num_blocks, num_kv_heads, block_size, head_dim)
+    value_cache = randn(num_blocks, num_kv_heads, block_size, head_dim)
     free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     max_blocks = max(blocks_per_req) + 1  # one extra padded column
     block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
@@ -66,8 +66,8 @@ def make_batch(
         pos = torch.arange(seq_len)
         slot = torch.tensor(blocks)[pos // block_size] * block_size + pos % block_size
         k, v = randn(seq_len, num_kv_heads, head_dim), randn(seq_len, num_kv_heads, head_dim)
-        key_cache.view(-1, num_kv_heads, head_dim)[slot] = k
-        value_cache.view(-1, num_kv_heads, head_dim)[slot] = v
+        key_cache[slot // block_size, :, slot % block_size] = k
+        value_cache[slot // block_size, :, slot % block_size] = v
         dense_keys.append(k)
         dense_values.append(v)
         slots.append(slot[seq_len - q_len :])
@@ -137,3 +137,9 @@ def dense_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
         scores = scores.masked_fill(torch.arange(seq_len)[None, :] > q_pos[:, None], float("-inf"))
         out[start:end] = (scores.softmax(-1) @ v).transpose(0, 1)
     return out
+
+
+def cache_by_slot(cache: torch.Tensor) -> torch.Tensor:
+    """A [num_blocks * block_size, Hkv, D] copy of a paged cache, indexable by slot."""
+    num_blocks, num_kv_heads, block_size, head_dim = cache.shape
+    return cache.transpose(1, 2).reshape(num_blocks * block_size, num_kv_heads, head_dim)

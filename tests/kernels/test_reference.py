@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import reference
-from tests.kernels.paged_batch import dense_attention, make_batch, ragged_batches
+from tests.kernels.paged_batch import cache_by_slot, dense_attention, make_batch, ragged_batches
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 
@@ -46,7 +46,7 @@ def test_reference_write_kv_cache_skips_padding():
     key_cache = torch.zeros_like(batch.key_cache)
     value_cache = torch.zeros_like(batch.value_cache)
     reference.write_kv_cache(batch.key, batch.value, key_cache, value_cache, md.slot_mapping)
-    flat_k, flat_v = key_cache.view(-1, 2, 16), value_cache.view(-1, 2, 16)
+    flat_k, flat_v = cache_by_slot(key_cache), cache_by_slot(value_cache)
     keep = md.slot_mapping >= 0
     assert torch.equal(flat_k[md.slot_mapping[keep]], batch.key[keep])
     assert torch.equal(flat_v[md.slot_mapping[keep]], batch.value[keep])
@@ -58,5 +58,5 @@ def test_reference_write_kv_cache_skips_padding():
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_gather_context_follows_shuffled_block_table(block_size):
     batch = make_batch([4], [45], 2, 2, 8, block_size, seed=2)
-    gathered = reference.gather_context(batch.key_cache, batch.metadata.block_tables[0], 45)
-    assert torch.equal(gathered, batch.dense_keys[0])
+    gathered = reference.gather_context(batch.key_cache, batch.metadata.block_tables[:1], 45)  # [1, Hkv, L, D]
+    assert torch.equal(gathered[0].transpose(0, 1), batch.dense_keys[0])

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kernels import reference, select_backend
 from kernels.triton_paged_attention import choose_num_splits
-from tests.kernels.paged_batch import make_batch, ragged_batches
+from tests.kernels.paged_batch import cache_by_slot, make_batch, ragged_batches
 
 TRITON = select_backend("cpu", "triton")
 # No shrinking: each interpreted example costs about a second, and the examples are tiny anyway.
@@ -80,15 +80,15 @@ def test_write_kv_cache_skips_padding_slots_and_keeps_the_rest():
     value = torch.randn_like(batch.value)
     slots = batch.metadata.slot_mapping
     TRITON.write_kv_cache(key, value, key_cache, value_cache, slots)
-    flat_k, flat_v = key_cache.view(-1, 2, 16), value_cache.view(-1, 2, 16)
+    flat_k, flat_v = cache_by_slot(key_cache), cache_by_slot(value_cache)
     real = slots >= 0
     assert int(real.sum()) == 8
     assert torch.equal(flat_k[slots[real]], key[real])
     assert torch.equal(flat_v[slots[real]], value[real])
     untouched = torch.ones(flat_k.shape[0], dtype=torch.bool)
     untouched[slots[real]] = False
-    assert torch.equal(flat_k[untouched], batch.key_cache.view(-1, 2, 16)[untouched])
-    assert torch.equal(flat_v[untouched], batch.value_cache.view(-1, 2, 16)[untouched])
+    assert torch.equal(flat_k[untouched], cache_by_slot(batch.key_cache)[untouched])
+    assert torch.equal(flat_v[untouched], cache_by_slot(batch.value_cache)[untouched])
 
 
 def test_write_kv_cache_from_strided_qkv_views_casts_to_cache_dtype():
@@ -99,8 +99,8 @@ def test_write_kv_cache_from_strided_qkv_views_casts_to_cache_dtype():
     key_cache, value_cache = batch.key_cache.clone(), batch.value_cache.clone()
     TRITON.write_kv_cache(key, value, key_cache, value_cache, batch.metadata.slot_mapping)
     slots = batch.metadata.slot_mapping
-    assert torch.equal(key_cache.view(-1, 2, 16)[slots], key.half())
-    assert torch.equal(value_cache.view(-1, 2, 16)[slots], value.half())
+    assert torch.equal(cache_by_slot(key_cache)[slots], key.half())
+    assert torch.equal(cache_by_slot(value_cache)[slots], value.half())
 
 
 # --- paged attention
