@@ -1,0 +1,124 @@
+"""`tandem-engine` (python -m services.engine): serve one EngineCore over gRPC.
+
+    python -m services.engine --model ./my-llama --port 50061
+
+Every EngineConfig field is a flag. SIGTERM / SIGINT drain gracefully: health goes
+NOT_SERVING, open streams get --grace seconds, then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+logger = logging.getLogger("tandem.engine")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = EngineConfig()
+    model, cache, sched, device = defaults.model, defaults.cache, defaults.scheduler, defaults.device
+    p = argparse.ArgumentParser(
+        prog="tandem-engine", description="Serve an engine core (tandem.v1.EngineCore) over gRPC.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    server = p.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
+    server.add_argument("--port", type=int, default=50061, help="port to listen on (0 picks a free one)")
+    server.add_argument("--stall-timeout", type=float, default=30.0,
+                        help="seconds without engine progress, while there is work, before health says NOT_SERVING")
+    server.add_argument("--grace", type=float, default=5.0, help="seconds open streams get on shutdown")
+    server.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="logging level")
+
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=model.model,
+                   help="Hugging Face folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    m.add_argument("--dtype", default=model.dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV cache dtype; auto: bfloat16 on CUDA and on CPUs with native bf16, else float32")
+    m.add_argument("--max-model-len", type=int, default=model.max_model_len,
+                   help="longest prompt + output in tokens (default: the model's context length)")
+    m.add_argument("--seed", type=int, default=model.seed, help="seed for torch's global generator")
+
+    c = p.add_argument_group("KV cache")
+    c.add_argument("--block-size", type=int, default=cache.block_size, help="tokens per KV block")
+    c.add_argument("--num-blocks", type=int, default=cache.num_blocks,
+                   help="KV blocks (default: as many as --kv-cache-memory-gib holds)")
+    c.add_argument("--kv-cache-memory-gib", type=float, default=cache.kv_cache_memory_gib,
+                   help="memory for the KV cache when --num-blocks is not given")
+    c.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+
+    s = p.add_argument_group("scheduler")
+    s.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens,
+                   help="token budget of one step")
+    s.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs, help="most requests running at once")
+    s.add_argument("--policy", default=sched.policy, choices=["fcfs", "priority"], help="scheduling policy")
+    s.add_argument("--no-chunked-prefill", action="store_true", help="turn chunked prefill off")
+
+    d = p.add_argument_group("device")
+    d.add_argument("--device", default=device.device, choices=["auto", "cpu", "cuda"],
+                   help="auto: cuda when available, else cpu")
+    d.add_argument("--attention-backend", default=device.attention_backend, choices=["auto", "torch", "triton"],
+                   help="auto: triton on cuda, torch elsewhere")
+    d.add_argument("--num-threads", type=int, default=device.num_threads,
+                   help="torch CPU threads (default: torch's own choice)")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from parsed flags; ValueError on a bad value or a missing model."""
+    if args.model is not None and not Path(args.model).exists():
+        raise ValueError(f"model {args.model!r} not found: give a Hugging Face folder or a .gguf file")
+    return EngineConfig(
+        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed),
+        cache=CacheConfig(
+            block_size=args.block_size, num_blocks=args.num_blocks,
+            kv_cache_memory_gib=args.kv_cache_memory_gib, enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+            policy=args.policy, enable_chunked_prefill=not args.no_chunked_prefill,
+        ),
+        device=DeviceConfig(device=args.device, attention_backend=args.attention_backend, num_threads=args.num_threads),
+    )
+
+
+async def serve(server, args: argparse.Namespace) -> None:
+    """Run `server` until SIGTERM / SIGINT, then shut it down gracefully."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        port = await server.start()
+    except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
+        await server.stop(0)
+        raise ValueError(f"cannot listen on {args.host}:{args.port}: {exc}") from None
+    print(f"tandem-engine listening on {args.host}:{port}", flush=True)
+    await stop.wait()
+    logger.info("shutting down (grace %.1f s)", args.grace)
+    await server.stop(args.grace)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+        from services.engine.server import EngineServer  # torch loads here, after the flags are checked
+
+        server = EngineServer(config, f"{args.host}:{args.port}", stall_timeout=args.stall_timeout)
+        asyncio.run(serve(server, args))
+    except (ValueError, FileNotFoundError, NotADirectoryError) as exc:
+        parser.exit(2, f"tandem-engine: error: {exc}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Protos <-> plain engine types: the only module of the engine service that touches generated classes.
+
+Inputs: `EngineCoreInput` -> `messages.Add | Abort | Utility` (ValueError on bad input).
+Outputs: `messages.ConnectionOutputs` -> `EngineCoreOutputs`; `EngineInfo` -> proto.
+"""
+
+from __future__ import annotations
+
+from tandem.v1 import common_pb2, engine_core_pb2
+
+from engine_core.config import EngineConfig
+from engine_core.engine_core import EngineInfo
+from engine_core.sampling_params import RequestOutputKind, SamplingParams
+from engine_core.types import EngineCoreOutput, EngineCoreRequest, FinishReason, SchedulerStats, TokenLogprobs
+from services.engine.messages import (
+    Abort,
+    Add,
+    ConnectionOutputs,
+    PauseMode,
+    RequestError,
+    Utility,
+    UtilityMethod,
+    UtilityResult,
+)
+
+# ---- enum maps ------------------------------------------------------------------------
+_FINISH_REASONS = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+}
+_OUTPUT_KINDS = {
+    common_pb2.OUTPUT_KIND_DELTA: RequestOutputKind.DELTA,
+    common_pb2.OUTPUT_KIND_CUMULATIVE: RequestOutputKind.CUMULATIVE,
+    common_pb2.OUTPUT_KIND_FINAL_ONLY: RequestOutputKind.FINAL_ONLY,
+}
+_PAUSE_MODES = {
+    common_pb2.PAUSE_MODE_UNSPECIFIED: PauseMode.ABORT,
+    common_pb2.PAUSE_MODE_ABORT: PauseMode.ABORT,
+    common_pb2.PAUSE_MODE_WAIT: PauseMode.WAIT,
+    common_pb2.PAUSE_MODE_KEEP: PauseMode.KEEP,
+}
+_METHODS = {
+    engine_core_pb2.UTILITY_METHOD_PAUSE: UtilityMethod.PAUSE,
+    engine_core_pb2.UTILITY_METHOD_RESUME: UtilityMethod.RESUME,
+    engine_core_pb2.UTILITY_METHOD_RESET_PREFIX_CACHE: UtilityMethod.RESET_PREFIX_CACHE,
+    engine_core_pb2.UTILITY_METHOD_SLEEP: UtilityMethod.SLEEP,
+    engine_core_pb2.UTILITY_METHOD_WAKE_UP: UtilityMethod.WAKE_UP,
+    engine_core_pb2.UTILITY_METHOD_START_PROFILE: UtilityMethod.START_PROFILE,
+    engine_core_pb2.UTILITY_METHOD_STOP_PROFILE: UtilityMethod.STOP_PROFILE,
+    engine_core_pb2.UTILITY_METHOD_GET_STATS: UtilityMethod.GET_STATS,
+}
+# Optional scalars copied only when set: unset ones take the dataclass defaults.
+_OPTIONAL_SCALARS = (
+    "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "ignore_eos",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs",
+    "include_stop_str_in_output", "skip_special_tokens",
+)
+
+
+# ---- inputs ---------------------------------------------------------------------------
+def input_from_proto(message: engine_core_pb2.EngineCoreInput) -> Add | Abort | Utility:
+    """One stream input as a plain item; ValueError (with a message for the client) if it is bad."""
+    kind = message.WhichOneof("kind")
+    if kind == "add":
+        return Add(request_from_proto(message.add))
+    if kind == "abort":
+        return Abort(list(message.abort.request_ids))
+    if kind == "utility":
+        return utility_from_proto(message.utility)
+    raise ValueError("EngineCoreInput has none of add, abort or utility set")
+
+
+def refusal(message: engine_core_pb2.EngineCoreInput, error: str) -> ConnectionOutputs:
+    """The answer to an input that did not convert: a failed UtilityResult or a RequestError."""
+    if message.WhichOneof("kind") == "utility":
+        return ConnectionOutputs(utility_result=UtilityResult(message.utility.call_id, False, error))
+    return ConnectionOutputs(errors=[RequestError(message.add.request_id, error)])
+
+
+def request_from_proto(request: engine_core_pb2.EngineCoreRequest) -> EngineCoreRequest:
+    if not request.request_id:
+        raise ValueError("request_id must not be empty")
+    return EngineCoreRequest(
+        request_id=request.request_id,
+        prompt_token_ids=list(request.prompt_token_ids),
+        sampling_params=sampling_params_from_proto(request.sampling_params),
+        arrival_time=request.arrival_time,
+        priority=request.priority,
+        trace_headers=dict(request.trace_headers) or None,
+    )
+
+
+def sampling_params_from_proto(params: common_pb2.SamplingParams) -> SamplingParams:
+    """Set fields only; max_tokens unset means "up to max_model_len" (None), not the dataclass's 16."""
+    kwargs: dict = {name: getattr(params, name) for name in _OPTIONAL_SCALARS if params.HasField(name)}
+    kwargs.setdefault("max_tokens", None)
+    if kwargs.get("n", 1) != 1:
+        raise ValueError(f"n must be 1 at the engine core (the frontend fans out n > 1), got {kwargs['n']}")
+    if params.stop_token_ids:
+        kwargs["stop_token_ids"] = list(params.stop_token_ids)
+    if params.logit_bias:
+        kwargs["logit_bias"] = dict(params.logit_bias)
+    if params.stop:
+        kwargs["stop"] = list(params.stop)
+    if params.output_kind in _OUTPUT_KINDS:
+        kwargs["output_kind"] = _OUTPUT_KINDS[params.output_kind]
+    return SamplingParams(**kwargs)
+
+
+def utility_from_proto(call: engine_core_pb2.UtilityCall) -> Utility:
+    method = _METHODS.get(call.method)
+    if method is None:
+        raise ValueError(f"unknown utility method {call.method}")
+    if call.pause_mode not in _PAUSE_MODES:
+        raise ValueError(f"unknown pause mode {call.pause_mode}")
+    return Utility(call.call_id, method, _PAUSE_MODES[call.pause_mode], call.profile_dir)
+
+
+# ---- outputs --------------------------------------------------------------------------
+def outputs_to_proto(message: ConnectionOutputs) -> engine_core_pb2.EngineCoreOutputs:
+    proto = engine_core_pb2.EngineCoreOutputs(
+        outputs=[output_to_proto(output) for output in message.outputs],
+        finished_request_ids=message.finished_request_ids,
+        timestamp=message.timestamp,
+        errors=[engine_core_pb2.RequestError(request_id=e.request_id, message=e.message) for e in message.errors],
+    )
+    if message.scheduler_stats is not None:
+        proto.scheduler_stats.CopyFrom(stats_to_proto(message.scheduler_stats))
+    if message.utility_result is not None:
+        proto.utility_result.CopyFrom(utility_result_to_proto(message.utility_result))
+    return proto
+
+
+def output_to_proto(output: EngineCoreOutput) -> engine_core_pb2.EngineCoreOutput:
+    proto = engine_core_pb2.EngineCoreOutput(
+        request_id=output.request_id,
+        new_token_ids=output.new_token_ids,
+        new_logprobs=[logprobs_to_proto(lp) for lp in output.new_logprobs or ()],
+        new_prompt_logprobs=[logprobs_to_proto(lp) for lp in output.new_prompt_logprobs or ()],
+        num_cached_tokens=output.num_cached_tokens,
+    )
+    if output.finish_reason is not None:
+        proto.finish_reason = _FINISH_REASONS[output.finish_reason]
+    if isinstance(output.stop_reason, int):
+        proto.stop_token_id = output.stop_reason
+    return proto
+
+
+def logprobs_to_proto(logprobs: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(token_ids=logprobs.token_ids, logprobs=logprobs.logprobs, rank=logprobs.rank)
+
+
+def stats_to_proto(stats: SchedulerStats) -> engine_core_pb2.SchedulerStats:
+    return engine_core_pb2.SchedulerStats(
+        num_running_reqs=stats.num_running_reqs,
+        num_waiting_reqs=stats.num_waiting_reqs,
+        kv_cache_usage=stats.kv_cache_usage,
+        num_free_blocks=stats.num_free_blocks,
+        num_total_blocks=stats.num_total_blocks,
+        prefix_cache_queries=stats.prefix_cache_queries,
+        prefix_cache_hits=stats.prefix_cache_hits,
+        num_preemptions=stats.num_preemptions,
+        num_scheduled_tokens=stats.num_scheduled_tokens,
+    )
+
+
+def utility_result_to_proto(result: UtilityResult) -> engine_core_pb2.UtilityResult:
+    proto = engine_core_pb2.UtilityResult(call_id=result.call_id, ok=result.ok, error=result.error)
+    if result.stats is not None:
+        proto.stats.CopyFrom(stats_to_proto(result.stats))
+    return proto
+
+
+def engine_info_to_proto(info: EngineInfo, config: EngineConfig) -> engine_core_pb2.EngineInfo:
+    return engine_core_pb2.EngineInfo(
+        model_name=info.model_name,
+        model_path=info.model_path,
+        max_model_len=info.max_model_len,
+        block_size=info.block_size,
+        num_blocks=info.num_blocks,
+        vocab_size=info.vocab_size,
+        eos_token_ids=info.eos_token_ids,
+        bos_token_id=info.bos_token_id,
+        dtype=info.dtype,
+        device=info.device,
+        attention_backend=info.attention_backend,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+    )

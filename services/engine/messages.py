@@ -1,0 +1,103 @@
+"""Plain messages between the gRPC side and the engine's busy loop.
+
+Inputs go onto the busy loop's queue as (connection id, item); outputs come back
+to one connection's sink. `convert.py` turns protos into these and back, so the
+busy loop never sees a generated class.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Callable
+
+from engine_core.types import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+
+
+class UtilityMethod(enum.Enum):
+    PAUSE = "pause"
+    RESUME = "resume"
+    RESET_PREFIX_CACHE = "reset_prefix_cache"
+    SLEEP = "sleep"
+    WAKE_UP = "wake_up"
+    START_PROFILE = "start_profile"
+    STOP_PROFILE = "stop_profile"
+    GET_STATS = "get_stats"
+
+
+class PauseMode(enum.Enum):
+    ABORT = "abort"  # abort everything in flight, then pause
+    WAIT = "wait"  # stop admitting, let running requests finish, then pause
+    KEEP = "keep"  # freeze in place; resume continues
+
+
+# ---- inputs: connection -> busy loop ------------------------------------------------
+@dataclass(frozen=True)
+class Open:
+    """A new connection; `sink` is called from the loop thread with each output item."""
+
+    sink: Callable[[object], None]
+
+
+@dataclass(frozen=True)
+class Close:
+    """The connection went away: abort all of its requests."""
+
+
+@dataclass(frozen=True)
+class Add:
+    request: EngineCoreRequest  # the request id as the connection knows it
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_ids: list[str]
+
+
+@dataclass(frozen=True)
+class Utility:
+    call_id: int
+    method: UtilityMethod
+    pause_mode: PauseMode = PauseMode.ABORT
+    profile_dir: str = ""
+
+
+@dataclass(frozen=True)
+class Call:
+    """Run `fn()` on the loop thread (in-process tooling and tests)."""
+
+    fn: Callable[[], None]
+
+
+# ---- outputs: busy loop -> connection -----------------------------------------------
+@dataclass(frozen=True)
+class UtilityResult:
+    call_id: int
+    ok: bool
+    error: str = ""
+    stats: SchedulerStats | None = None
+
+
+@dataclass(frozen=True)
+class RequestError:
+    request_id: str
+    message: str
+
+
+@dataclass
+class ConnectionOutputs:
+    """One message for one connection: a step's outputs, a utility result or refusals."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    utility_result: UtilityResult | None = None
+    errors: list[RequestError] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EngineDied:
+    """The busy loop crashed; the connection must end with an error."""
+
+    error: str
