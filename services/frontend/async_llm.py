@@ -1,0 +1,155 @@
+"""AsyncLLM: the frontend's core, with no gRPC in it (vLLM v1's AsyncLLM over an EngineClient).
+
+InputProcessor -> EngineClient -> OutputProcessor, with `generate()` as an async
+generator. The gRPC servicers in server.py are thin shells around this class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+from services.frontend.engine_client import EngineClient, UtilityResult
+from services.frontend.errors import DuplicateRequest, EngineUnavailable, TooManyRequests
+from services.frontend.input_processor import InputProcessor, Prompt
+from services.frontend.messages import EngineInfo, EngineRequest, RequestOutput
+from services.frontend.output_processor import OutputProcessor, RequestOutputCollector
+from services.frontend.sampling import DEFAULT_MAX_N
+from services.frontend.tokenizer import TokenizerBundle
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_WAITING_REQUESTS = 1024
+
+
+class AsyncLLM:
+    """Generate text through one or more engine cores."""
+
+    def __init__(self, engine_client: EngineClient, tokenizer: TokenizerBundle, *,
+                 max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS, max_n: int = DEFAULT_MAX_N) -> None:
+        self.engine_client = engine_client
+        self.tokenizer = tokenizer
+        self.input_processor = InputProcessor(tokenizer, max_n=max_n)
+        self.output_processor = OutputProcessor(tokenizer.tokenizer)
+        self.max_waiting_requests = max_waiting_requests
+        self.model_info: EngineInfo | None = None  # the last model an engine reported
+        self.draining = False
+        engine_client.sink = self.output_processor
+        engine_client.add_listener(self._on_engines_changed)
+        self._on_engines_changed()
+
+    def _on_engines_changed(self) -> None:
+        info = self.engine_client.engine_info
+        if info is not None:
+            self.model_info = info
+            self.input_processor.set_model_limits(info.max_model_len, info.vocab_size)
+
+    # ---- generation -----------------------------------------------------------------
+    async def generate(self, prompt: Prompt, sampling_params=None, request_id: str = "", *, priority: int = 0,
+                       trace_headers: dict[str, str] | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. `sampling_params` is a tandem.v1.SamplingParams (or None: defaults).
+
+        Closing the generator early (client cancel, deadline) aborts the request in the engine.
+        """
+        request_id, collector = self.add_request(prompt, sampling_params, request_id, priority=priority,
+                                                 trace_headers=trace_headers)
+        finished = False
+        try:
+            while not finished:
+                output = collector.get_nowait() or await collector.get()
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def add_request(self, prompt: Prompt, sampling_params=None, request_id: str = "", *, priority: int = 0,
+                    trace_headers: dict[str, str] | None = None) -> tuple[str, RequestOutputCollector]:
+        """Validate, admit and send a request (fanned out when n > 1); its id and collector."""
+        if self.draining:
+            raise EngineUnavailable("the server is draining and admits no new requests; use another replica")
+        if request_id and self.output_processor.has_request(request_id):
+            raise DuplicateRequest(f"request_id {request_id!r} is already in flight; use a new id")
+        if not self.engine_client.is_connected:
+            raise EngineUnavailable("no engine is connected; it may be starting or down, retry shortly")
+        request = self.input_processor.process(request_id, prompt, sampling_params, priority=priority,
+                                               trace_headers=trace_headers)
+        n = request.sampling_params.n
+        in_flight = self.output_processor.num_requests
+        if in_flight + n > self.max_waiting_requests:
+            raise TooManyRequests(f"the server is full: {in_flight} requests in flight, the limit is "
+                                  f"{self.max_waiting_requests} (--max-waiting-requests); retry later")
+        children = [request] if n == 1 else [_child(request, i) for i in range(n)]
+        collector = RequestOutputCollector(request.sampling_params.output_kind)
+        self.output_processor.add_request(request.request_id, children, collector)
+        try:
+            for child in children:
+                self.engine_client.add_request(child)
+        except EngineUnavailable:
+            self.abort(request.request_id)
+            raise
+        return request.request_id, collector
+
+    def abort(self, request_ids: str | list[str]) -> list[str]:
+        """Abort client requests here and in the engines; returns those that were in flight."""
+        aborted = []
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            engine_ids = self.output_processor.abort_request(request_id)
+            if engine_ids:
+                aborted.append(request_id)
+                self.engine_client.abort(engine_ids)
+        return aborted
+
+    # ---- health ---------------------------------------------------------------------
+    @property
+    def errored(self) -> bool:
+        """True while no engine is connected (the client keeps reconnecting)."""
+        return not self.engine_client.is_connected
+
+    async def check_health(self) -> None:
+        if self.errored:
+            raise EngineUnavailable("no engine is connected")
+
+    # ---- operator calls (forwarded to every engine) -----------------------------------
+    async def pause_generation(self, mode: str = "abort") -> list[UtilityResult]:
+        """mode: abort (abort in-flight requests first), wait (let them finish) or keep (freeze them)."""
+        if mode == "abort":
+            self.abort(list(self.output_processor.parents))
+        return await self.engine_client.call_utility("pause", pause_mode=mode)
+
+    async def resume_generation(self) -> list[UtilityResult]:
+        """Resume the engines; also ends a drain, so new requests are admitted again."""
+        self.draining = False
+        return await self.engine_client.call_utility("resume")
+
+    async def sleep(self) -> list[UtilityResult]:
+        return await self.engine_client.call_utility("sleep")
+
+    async def wake_up(self) -> list[UtilityResult]:
+        return await self.engine_client.call_utility("wake_up")
+
+    async def reset_prefix_cache(self) -> list[UtilityResult]:
+        return await self.engine_client.call_utility("reset_prefix_cache")
+
+    async def start_profile(self, output_dir: str = "") -> list[UtilityResult]:
+        return await self.engine_client.call_utility("start_profile", profile_dir=output_dir)
+
+    async def stop_profile(self) -> list[UtilityResult]:
+        return await self.engine_client.call_utility("stop_profile")
+
+    async def drain(self, timeout_s: float) -> int:
+        """Stop admitting requests and wait up to timeout_s for those in flight; how many are left."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(timeout_s, 0.0)
+        while self.output_processor.parents and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return len(self.output_processor.parents)
+
+
+def _child(request: EngineRequest, index: int) -> EngineRequest:
+    """Completion `index` of an n > 1 request: id f"{index}_{parent}", seed + index (as vLLM)."""
+    return replace(request, request_id=f"{index}_{request.request_id}",
+                   sampling_params=request.sampling_params.for_child(index))

@@ -1,0 +1,309 @@
+"""The frontend's link to engine cores: one long-lived Connect stream per engine address.
+
+`EngineClient` is the interface AsyncLLM uses; `GrpcEngineClient` implements it over
+gRPC for one or many engines. An in-process client (an EngineCore busy loop in a
+thread, torch imported lazily) is planned behind the same interface.
+
+Outputs are not queued here: each engine step is handed straight to the sink (the
+OutputProcessor), which routes it to the per-request collectors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+from tandem.v1 import engine_core_pb2, engine_core_pb2_grpc
+
+from services.frontend import convert
+from services.frontend.errors import EngineUnavailable, InvalidRequest
+from services.frontend.messages import EngineInfo, EngineOutput, EngineRequest
+
+log = logging.getLogger(__name__)
+
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+class OutputSink(Protocol):
+    """Where engine outputs go (the OutputProcessor)."""
+
+    def process_outputs(self, outputs: list[EngineOutput]) -> list[str]:
+        """Returns engine request ids to abort (stop strings hit)."""
+
+    def fail_requests(self, request_ids: list[str], error: Exception) -> list[str]:
+        """Returns sibling engine request ids (n > 1) to abort."""
+
+
+@dataclass
+class UtilityResult:
+    address: str
+    ok: bool
+    error: str = ""
+
+
+@dataclass
+class EngineStatus:
+    address: str
+    connected: bool
+    num_in_flight: int
+
+
+class EngineClient(ABC):
+    """Adds and aborts engine requests, makes utility calls, and feeds engine outputs to a sink."""
+
+    def __init__(self) -> None:
+        self.sink: OutputSink | None = None
+        self._listeners: list[Callable[[], None]] = []
+
+    @abstractmethod
+    async def start(self) -> None: ...
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+    @abstractmethod
+    def add_request(self, request: EngineRequest) -> None:
+        """Send a request to an engine (never blocks); raises EngineUnavailable when none is connected."""
+
+    @abstractmethod
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort engine requests (never blocks; unknown ids are ignored)."""
+
+    @abstractmethod
+    async def call_utility(self, method: str, *, pause_mode: str = "", profile_dir: str = "") -> list[UtilityResult]:
+        """Call `method` (pause, resume, sleep, wake_up, reset_prefix_cache, start_profile, ...) on every engine."""
+
+    @abstractmethod
+    async def wait_for_engine(self) -> EngineInfo:
+        """Wait until an engine is connected; its model info."""
+
+    @property
+    @abstractmethod
+    def is_connected(self) -> bool: ...
+
+    @property
+    @abstractmethod
+    def num_in_flight(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def engine_info(self) -> EngineInfo | None: ...
+
+    @abstractmethod
+    def engines(self) -> list[EngineStatus]: ...
+
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """`callback()` runs whenever an engine connects or disconnects."""
+        self._listeners.append(callback)
+
+    def remove_listener(self, callback: Callable[[], None]) -> None:
+        self._listeners.remove(callback)
+
+    def _notify(self) -> None:
+        for callback in self._listeners:
+            callback()
+
+
+class _Engine:
+    """One engine address: its channel, its current stream and what is in flight on it."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.stub = engine_core_pb2_grpc.EngineCoreStub(self.channel)
+        self.info: EngineInfo | None = None
+        self.queue: asyncio.Queue | None = None  # inputs for the current stream; None: not connected
+        self.in_flight: set[str] = set()
+        self.pending: dict[int, asyncio.Future] = {}  # utility call id -> result
+        self.task: asyncio.Task | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self.queue is not None
+
+    def send(self, message: engine_core_pb2.EngineCoreInput) -> None:
+        self.queue.put_nowait(message)
+
+
+class GrpcEngineClient(EngineClient):
+    """Engine cores over gRPC: reconnects with capped exponential backoff, routes to the least loaded."""
+
+    def __init__(self, addresses: list[str], *, backoff_initial_s: float = 0.1, backoff_max_s: float = 5.0,
+                 info_timeout_s: float = 5.0) -> None:
+        super().__init__()
+        self._engines = [_Engine(address) for address in addresses]
+        self._owner: dict[str, _Engine] = {}  # engine request id -> its engine
+        self._call_ids = itertools.count(1)
+        self._backoff = (backoff_initial_s, backoff_max_s)
+        self._info_timeout_s = info_timeout_s
+        self._connected = asyncio.Event()
+        self._closed = False
+
+    # ---- lifecycle ------------------------------------------------------------------
+    async def start(self) -> None:
+        for engine in self._engines:
+            engine.task = asyncio.create_task(self._run(engine), name=f"engine {engine.address}")
+
+    async def close(self) -> None:
+        self._closed = True
+        for engine in self._engines:
+            if engine.task is not None:
+                engine.task.cancel()
+        await asyncio.gather(*(e.task for e in self._engines if e.task), return_exceptions=True)
+        for engine in self._engines:
+            await engine.channel.close()
+
+    async def wait_for_engine(self) -> EngineInfo:
+        await self._connected.wait()
+        return self.engine_info
+
+    # ---- state ----------------------------------------------------------------------
+    @property
+    def is_connected(self) -> bool:
+        return any(e.connected for e in self._engines)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._owner)
+
+    @property
+    def engine_info(self) -> EngineInfo | None:
+        infos = [e.info for e in self._engines if e.connected and e.info]
+        return min(infos, key=lambda info: info.max_model_len) if infos else None
+
+    def engines(self) -> list[EngineStatus]:
+        return [EngineStatus(e.address, e.connected, len(e.in_flight)) for e in self._engines]
+
+    # ---- requests -------------------------------------------------------------------
+    def add_request(self, request: EngineRequest) -> None:
+        connected = [e for e in self._engines if e.connected]
+        if not connected:
+            addresses = ", ".join(e.address for e in self._engines)
+            raise EngineUnavailable(f"no engine is connected (engines: {addresses}); they may be starting or down, "
+                                    "retry shortly")
+        engine = min(connected, key=lambda e: len(e.in_flight))
+        self._owner[request.request_id] = engine
+        engine.in_flight.add(request.request_id)
+        engine.send(convert.request_to_proto(request))
+
+    def abort(self, request_ids: list[str]) -> None:
+        by_engine: dict[_Engine, list[str]] = {}
+        for request_id in request_ids:
+            engine = self._owner.pop(request_id, None)
+            if engine is not None:
+                engine.in_flight.discard(request_id)
+                by_engine.setdefault(engine, []).append(request_id)
+        for engine, ids in by_engine.items():
+            if engine.connected:
+                engine.send(engine_core_pb2.EngineCoreInput(abort=engine_core_pb2.AbortRequests(request_ids=ids)))
+
+    async def call_utility(self, method: str, *, pause_mode: str = "", profile_dir: str = "") -> list[UtilityResult]:
+        engines = [e for e in self._engines if e.connected]
+        if not engines:
+            raise EngineUnavailable("no engine is connected; the call reached no engine")
+        calls = []
+        for engine in engines:
+            call_id = next(self._call_ids)
+            engine.pending[call_id] = future = asyncio.get_running_loop().create_future()
+            engine.send(convert.utility_to_proto(call_id, method, pause_mode, profile_dir))
+            calls.append(future)
+        return list(await asyncio.gather(*calls))
+
+    # ---- one engine's connection loop -----------------------------------------------
+    async def _run(self, engine: _Engine) -> None:
+        delay = self._backoff[0]
+        while not self._closed:
+            try:
+                info = await engine.stub.GetEngineInfo(engine_core_pb2.GetEngineInfoRequest(),
+                                                       timeout=self._info_timeout_s)
+            except grpc.aio.AioRpcError as e:
+                log.debug("engine at %s not reachable (%s); retrying in %.1fs", engine.address, e.code().name, delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, self._backoff[1])
+                continue
+            delay = self._backoff[0]
+            reason = await self._serve(engine, convert.engine_info_from_proto(info))
+            if self._closed:
+                return
+            log.warning("engine at %s disconnected (%s); reconnecting", engine.address, reason)
+            await asyncio.sleep(delay)
+
+    async def _serve(self, engine: _Engine, info: EngineInfo) -> str:
+        """Hold one Connect stream open until it breaks; returns why it ended."""
+        queue: asyncio.Queue = asyncio.Queue()
+        call = engine.stub.Connect(_drain(queue))
+        engine.info, engine.queue = info, queue
+        log.info("connected to engine at %s (model %s, max_model_len %d)", engine.address, info.model_name,
+                 info.max_model_len)
+        self._on_change()
+        try:
+            async for batch in call:
+                self._on_batch(engine, batch)
+            reason = "the engine closed the stream"
+        except grpc.aio.AioRpcError as e:
+            reason = f"{e.code().name}: {e.details()}"
+        except Exception as e:  # a bug while handling outputs: drop this stream, keep reconnecting
+            log.exception("error while handling outputs from engine at %s", engine.address)
+            reason = f"frontend error {e!r}"
+        finally:
+            queue.put_nowait(None)
+            call.cancel()
+            engine.queue = None
+            self._on_lost(engine, reason)
+        return reason
+
+    def _on_batch(self, engine: _Engine, batch: engine_core_pb2.EngineCoreOutputs) -> None:
+        if batch.HasField("utility_result"):
+            result = batch.utility_result
+            future = engine.pending.pop(result.call_id, None)
+            if future is not None and not future.done():
+                future.set_result(UtilityResult(engine.address, result.ok, result.error))
+        for error in batch.errors:
+            self._finish(engine, error.request_id)
+            self.abort(self.sink.fail_requests([error.request_id],
+                                               InvalidRequest(f"the engine refused the request: {error.message}")))
+        outputs = convert.outputs_from_proto(batch)
+        if not outputs:
+            return
+        for output in outputs:
+            if output.finish_reason is not None:
+                self._finish(engine, output.request_id)
+        self.abort(self.sink.process_outputs(outputs))
+
+    def _finish(self, engine: _Engine, request_id: str) -> None:
+        engine.in_flight.discard(request_id)
+        if self._owner.get(request_id) is engine:
+            del self._owner[request_id]
+
+    def _on_lost(self, engine: _Engine, reason: str) -> None:
+        """Every request in flight on this engine ends with UNAVAILABLE; pending utility calls fail."""
+        lost = list(engine.in_flight)
+        for request_id in lost:
+            self._finish(engine, request_id)
+        if lost and self.sink is not None:
+            error = EngineUnavailable(f"engine at {engine.address} disconnected ({reason}); retry the request")
+            self.abort(self.sink.fail_requests(lost, error))
+        for future in engine.pending.values():
+            if not future.done():
+                future.set_result(UtilityResult(engine.address, False, f"engine at {engine.address} disconnected"))
+        engine.pending.clear()
+        self._on_change()
+
+    def _on_change(self) -> None:
+        if self.is_connected:
+            self._connected.set()
+        else:
+            self._connected.clear()
+        self._notify()
+
+
+async def _drain(queue: asyncio.Queue):
+    """The Connect request stream: whatever is put on the queue, until None."""
+    while (message := await queue.get()) is not None:
+        yield message

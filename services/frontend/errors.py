@@ -1,0 +1,23 @@
+"""The frontend's error kinds. No gRPC here: server.py maps each to a status code."""
+
+from __future__ import annotations
+
+
+class FrontendError(Exception):
+    """An error a client can act on; the message says what was wrong and what is allowed."""
+
+
+class InvalidRequest(FrontendError, ValueError):
+    """Bad input (INVALID_ARGUMENT): the message names the field and the allowed range."""
+
+
+class TooManyRequests(FrontendError):
+    """Over an admission limit (RESOURCE_EXHAUSTED): retry later."""
+
+
+class DuplicateRequest(FrontendError):
+    """A request with this id is already in flight (ALREADY_EXISTS)."""
+
+
+class EngineUnavailable(FrontendError):
+    """No engine can take the request, or its engine went away (UNAVAILABLE)."""

@@ -1,0 +1,129 @@
+"""Input processing: a prompt (text, token ids or chat messages) -> a validated EngineRequest."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+
+from services.frontend.chat_template import ChatTemplateError, render_chat
+from services.frontend.errors import InvalidRequest
+from services.frontend.messages import EngineRequest
+from services.frontend.sampling import DEFAULT_MAX_N, DEFAULT_MAX_STOP_STRINGS, validate_sampling
+from services.frontend.tokenizer import TokenizerBundle
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass
+class ChatPrompt:
+    """Chat messages to render with the model's own template."""
+
+    messages: list[dict[str, str]]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+@dataclass
+class TextPrompt:
+    text: str
+    add_special_tokens: bool = True
+
+
+@dataclass
+class TokensPrompt:
+    token_ids: list[int] = field(default_factory=list)
+
+
+Prompt = TextPrompt | TokensPrompt | ChatPrompt
+
+
+class InputProcessor:
+    """Validates and tokenizes prompts against the model's limits (learned from the engine)."""
+
+    def __init__(self, tokenizer: TokenizerBundle, *, max_n: int = DEFAULT_MAX_N,
+                 max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS) -> None:
+        self.tokenizer = tokenizer
+        self.max_n = max_n
+        self.max_stop_strings = max_stop_strings
+        self.max_model_len = 0  # 0: unknown until an engine reports it
+        self.vocab_size = tokenizer.vocab_size
+
+    def set_model_limits(self, max_model_len: int, vocab_size: int) -> None:
+        """Called when an engine (re)connects and reports its model."""
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size or self.tokenizer.vocab_size
+
+    # ---- the whole request ---------------------------------------------------------
+    def process(self, request_id: str, prompt: Prompt, sampling_proto, *, priority: int = 0,
+                trace_headers: dict[str, str] | None = None) -> EngineRequest:
+        """Validate and tokenize; fill in max_tokens when unset (= the room left in the context)."""
+        params = validate_sampling(sampling_proto, vocab_size=self.vocab_size, max_n=self.max_n,
+                                   max_stop_strings=self.max_stop_strings)
+        token_ids = self.tokenize(prompt)
+        room = self._check_length(len(token_ids))
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        params = replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
+        return EngineRequest(
+            request_id=request_id or new_request_id(), prompt_token_ids=token_ids, sampling_params=params,
+            arrival_time=time.time(), priority=priority, trace_headers=dict(trace_headers or {}),
+        )
+
+    # ---- prompts -> token ids ------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, TokensPrompt):
+            return self._check_token_ids(list(prompt.token_ids))
+        if isinstance(prompt, ChatPrompt):
+            return self.tokenizer.encode(self.render(prompt), add_special_tokens=False)
+        if isinstance(prompt, TextPrompt):
+            if not prompt.text:
+                raise InvalidRequest("prompt text is empty; send some text, token_ids or chat messages")
+            return self.tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
+        raise InvalidRequest("prompt is missing: set text or token_ids")
+
+    def render(self, chat: ChatPrompt) -> str:
+        """The chat messages as prompt text, through the model's chat template."""
+        template = self.tokenizer.chat_template
+        if not template:
+            raise InvalidRequest("this model has no chat template; send a text prompt with Generate instead")
+        if not chat.messages:
+            raise InvalidRequest("messages is empty; send at least one chat message")
+        for i, message in enumerate(chat.messages):
+            if message["role"] not in CHAT_ROLES:
+                raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
+                                     f"got {message['role']!r}")
+        if chat.continue_final_message and chat.add_generation_prompt:
+            raise InvalidRequest("continue_final_message needs add_generation_prompt=false")
+        try:
+            text = render_chat(template, chat.messages, add_generation_prompt=chat.add_generation_prompt,
+                               bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token)
+        except ChatTemplateError as e:
+            raise InvalidRequest(f"messages: {e}") from e
+        if chat.continue_final_message:  # cut what the template appends after the last message
+            final = chat.messages[-1]["content"]
+            end = text.rfind(final)
+            text = text[:end + len(final)] if final and end >= 0 else text
+        return text
+
+    # ---- checks ---------------------------------------------------------------------
+    def _check_token_ids(self, token_ids: list[int]) -> list[int]:
+        if not token_ids:
+            raise InvalidRequest("prompt token_ids is empty; send at least one token id")
+        for i, token_id in enumerate(token_ids):
+            if not 0 <= token_id < self.vocab_size:
+                raise InvalidRequest(f"prompt token_ids[{i}] = {token_id} is out of range: "
+                                     f"the vocabulary has ids 0..{self.vocab_size - 1}")
+        return token_ids
+
+    def _check_length(self, num_tokens: int) -> int:
+        """The number of tokens left for generation; the prompt must leave at least one."""
+        if not num_tokens:
+            raise InvalidRequest("prompt is empty after tokenization")
+        if self.max_model_len and num_tokens >= self.max_model_len:
+            raise InvalidRequest(f"prompt is too long: prompt has {num_tokens} tokens, max_model_len is "
+                                 f"{self.max_model_len} (leave room for at least one generated token)")
+        return (self.max_model_len or 2**31 - 1) - num_tokens
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex

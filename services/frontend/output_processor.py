@@ -1,0 +1,203 @@
+"""The one loop over engine outputs (vLLM v1's OutputProcessor.process_outputs).
+
+Per engine request: detokenize incrementally, check stop strings, build the message
+for the request's output kind and put it into the client request's collector, which
+merges messages while the consumer is behind. Stop-string hits are returned so the
+caller can abort them in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+
+from services.frontend.detokenizer import Detokenizer, decode_logprobs
+from services.frontend.messages import (
+    CompletionOutput,
+    EngineOutput,
+    EngineRequest,
+    FinishReason,
+    RequestOutput,
+    TokenLogprobs,
+    Usage,
+)
+from services.frontend.sampling import OutputKind
+
+
+# ---- collector --------------------------------------------------------------------
+class RequestOutputCollector:
+    """A request's unsent output: one slot, merged into while the consumer is slow (never a growing queue)."""
+
+    def __init__(self, output_kind: OutputKind) -> None:
+        self.aggregate = output_kind == OutputKind.DELTA
+        self.output: RequestOutput | Exception | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, output: RequestOutput | Exception) -> None:
+        if self.output is None or isinstance(output, Exception):
+            self.output = output
+            self.ready.set()
+        elif isinstance(self.output, RequestOutput):
+            self.output.merge(output, aggregate=self.aggregate)
+
+    async def get(self) -> RequestOutput:
+        while self.output is None:
+            await self.ready.wait()
+        return self._take()
+
+    def get_nowait(self) -> RequestOutput | None:
+        return None if self.output is None else self._take()
+
+    def _take(self) -> RequestOutput:
+        output, self.output = self.output, None
+        self.ready.clear()
+        if isinstance(output, Exception):
+            raise output
+        return output
+
+
+# ---- per-request state ------------------------------------------------------------
+@dataclass
+class ParentRequest:
+    """What the n completions of one client request share."""
+
+    request_id: str
+    collector: RequestOutputCollector
+    num_prompt_tokens: int
+    children: dict[int, str] = field(default_factory=dict)  # index -> engine request id still running
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    first_sent: bool = False
+
+
+class RequestState:
+    """One engine request (one completion) in flight."""
+
+    def __init__(self, request: EngineRequest, parent: ParentRequest, index: int, tokenizer: Tokenizer) -> None:
+        self.request_id = request.request_id
+        self.parent, self.index = parent, index
+        self.output_kind = request.sampling_params.output_kind
+        self.include_stop = request.sampling_params.include_stop_str_in_output
+        self.detokenizer = Detokenizer(tokenizer, request.sampling_params)
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs: list[TokenLogprobs] = []
+
+    def completion(self, new: EngineOutput, finish: FinishReason | None, stop_string: str | None,
+                   new_logprobs: list[TokenLogprobs]) -> CompletionOutput | None:
+        """This step's message for this completion, per output kind (None: nothing to send)."""
+        finished = finish is not None
+        if self.output_kind == OutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = self.output_kind == OutputKind.DELTA
+        text = self.detokenizer.next_text(finished, delta)
+        if delta and not (text or new.new_token_ids or finished):
+            return None
+        return CompletionOutput(
+            index=self.index, text=text,
+            token_ids=list(new.new_token_ids) if delta else list(self.token_ids),
+            logprobs=new_logprobs if delta else list(self.logprobs),
+            finish_reason=finish, stop_string=stop_string,
+            stop_token_id=new.stop_token_id if finish == FinishReason.STOP and not stop_string else None,
+        )
+
+
+# ---- the processor ----------------------------------------------------------------
+class OutputProcessor:
+    """Owns every in-flight request's state; the only code that turns engine outputs into client messages."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}  # engine request id -> state
+        self.parents: dict[str, ParentRequest] = {}  # client request id -> parent
+
+    @property
+    def num_requests(self) -> int:
+        """Engine requests in flight (an n > 1 request counts n)."""
+        return len(self.requests)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.parents
+
+    def add_request(self, request_id: str, children: list[EngineRequest],
+                    collector: RequestOutputCollector) -> None:
+        """Track a client request and its engine requests (one per completion)."""
+        parent = ParentRequest(request_id, collector, len(children[0].prompt_token_ids))
+        self.parents[request_id] = parent
+        for index, child in enumerate(children):
+            parent.children[index] = child.request_id
+            self.requests[child.request_id] = RequestState(child, parent, index, self.tokenizer)
+
+    # ---- the loop ------------------------------------------------------------------
+    def process_outputs(self, outputs: list[EngineOutput]) -> list[str]:
+        """Process one engine step; return the engine request ids stopped by a stop string."""
+        stopped = []
+        for out in outputs:
+            state = self.requests.get(out.request_id)
+            if state is None:  # aborted or finished already
+                continue
+            finish = out.finish_reason
+            skip_last = finish == FinishReason.STOP and out.stop_token_id is not None and not state.include_stop
+            stop_string = state.detokenizer.update(out.new_token_ids, skip_last=skip_last)
+            if stop_string is not None:
+                finish = FinishReason.STOP
+                if out.finish_reason is None:
+                    stopped.append(out.request_id)
+            state.token_ids.extend(out.new_token_ids)
+            new_logprobs = decode_logprobs(self.tokenizer, out.new_logprobs)
+            state.logprobs.extend(new_logprobs)
+            state.prompt_logprobs.extend(decode_logprobs(self.tokenizer, out.new_prompt_logprobs))
+            state.parent.cached_tokens = max(state.parent.cached_tokens, out.num_cached_tokens)
+            completion = state.completion(out, finish, stop_string, new_logprobs)
+            self._emit(state, completion, finished=finish is not None)
+        return stopped
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Finish a client request with ABORT; return its engine request ids that were still running."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return []
+        running = list(parent.children.values())
+        for engine_id in running:
+            state = self.requests[engine_id]
+            finish = EngineOutput(engine_id, [], finish_reason=FinishReason.ABORT)
+            self._emit(state, state.completion(finish, FinishReason.ABORT, None, []), finished=True)
+        return running
+
+    def fail_requests(self, engine_ids: list[str], error: Exception) -> list[str]:
+        """End the client requests of these engine requests with `error`; return their other running children."""
+        siblings = []
+        for engine_id in engine_ids:
+            state = self.requests.get(engine_id)
+            if state is None:
+                continue
+            parent = self.parents.pop(state.parent.request_id)
+            for child_id in parent.children.values():
+                self.requests.pop(child_id, None)
+                if child_id not in engine_ids:
+                    siblings.append(child_id)
+            parent.children.clear()
+            parent.collector.put(error)
+        return siblings
+
+    # ---- messages -------------------------------------------------------------------
+    def _emit(self, state: RequestState, completion: CompletionOutput | None, finished: bool) -> None:
+        parent = state.parent
+        if finished:
+            self.requests.pop(state.request_id, None)
+            parent.children.pop(state.index, None)
+            parent.completion_tokens += len(state.token_ids)
+        done = finished and not parent.children
+        if completion is None and not done:
+            return
+        output = RequestOutput(parent.request_id, [completion] if completion else [], finished=done)
+        if not parent.first_sent:
+            parent.first_sent = True
+            output.num_prompt_tokens = parent.num_prompt_tokens
+            output.prompt_logprobs = state.prompt_logprobs
+        if done:
+            self.parents.pop(parent.request_id, None)
+            output.usage = Usage(parent.num_prompt_tokens, parent.completion_tokens, parent.cached_tokens)
+        parent.collector.put(output)

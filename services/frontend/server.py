@@ -1,0 +1,206 @@
+"""The frontend's gRPC servicers: thin shells that convert protos to AsyncLLM calls and back.
+
+Errors become status codes with messages a person can act on; bad input is never INTERNAL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import aclosing
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
+
+from services.frontend import convert
+from services.frontend.async_llm import AsyncLLM
+from services.frontend.engine_client import UtilityResult
+from services.frontend.errors import DuplicateRequest, EngineUnavailable, FrontendError, InvalidRequest, TooManyRequests
+from services.frontend.input_processor import TextPrompt
+
+log = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+_TRACE_KEYS = ("traceparent", "tracestate")
+_STATUS = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    TooManyRequests: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    DuplicateRequest: grpc.StatusCode.ALREADY_EXISTS,
+    EngineUnavailable: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def status_for(error: FrontendError) -> grpc.StatusCode:
+    return next((code for kind, code in _STATUS.items() if isinstance(error, kind)), grpc.StatusCode.INTERNAL)
+
+
+async def _abort(context, error: Exception):
+    """End the call with the status that fits `error` (raises)."""
+    if isinstance(error, FrontendError):
+        await context.abort(status_for(error), str(error))
+    log.exception("bug while serving a request", exc_info=error)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {error!r}")
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, llm: AsyncLLM) -> None:
+        self.llm = llm
+
+    async def Generate(self, request, context):
+        prompt = convert.prompt_from_generate(request)
+        async for response in self._stream(context, request.request_id, prompt, request.sampling_params,
+                                           request.priority):
+            yield response
+
+    async def Chat(self, request, context):
+        prompt = convert.prompt_from_chat(request)
+        async for response in self._stream(context, request.request_id, prompt, request.sampling_params,
+                                           request.priority):
+            yield response
+
+    async def _stream(self, context, request_id, prompt, sampling_params, priority):
+        trace_headers = {k: v for k, v in (context.invocation_metadata() or ()) if k in _TRACE_KEYS}
+        try:
+            async with aclosing(self.llm.generate(prompt, sampling_params, request_id, priority=priority,
+                                                  trace_headers=trace_headers)) as outputs:
+                async for output in outputs:
+                    yield convert.response_from_output(output)
+        except Exception as e:  # noqa: BLE001 - mapped to a status code
+            await _abort(context, e)
+
+    async def Tokenize(self, request, context):
+        processor = self.llm.input_processor
+        try:
+            if request.WhichOneof("input") == "chat":
+                ids = processor.tokenize(convert.prompt_from_chat(request.chat))
+            else:
+                add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+                ids = processor.tokenize(TextPrompt(request.text, add_special_tokens=add_special))
+        except Exception as e:  # noqa: BLE001
+            await _abort(context, e)
+        tokenizer = self.llm.tokenizer.tokenizer
+        return generation_pb2.TokenizeResponse(token_ids=ids, tokens=[tokenizer.id_to_token(i) or "" for i in ids],
+                                               max_model_len=processor.max_model_len)
+
+    async def Detokenize(self, request, context):
+        vocab_size = self.llm.tokenizer.vocab_size
+        for i, token_id in enumerate(request.token_ids):
+            if not 0 <= token_id < vocab_size:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token_ids[{i}] = {token_id} is out of "
+                                    f"range: the tokenizer has ids 0..{vocab_size - 1}")
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        return generation_pb2.DetokenizeResponse(text=self.llm.tokenizer.decode(list(request.token_ids), skip))
+
+    async def Abort(self, request, context):
+        return generation_pb2.AbortResponse(aborted_request_ids=self.llm.abort(list(request.request_ids)))
+
+    async def GetModelInfo(self, request, context):
+        info = self.llm.model_info
+        if info is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no engine has connected yet, so the model is unknown")
+        return generation_pb2.ModelInfo(
+            model_name=info.model_name, model_path=info.model_path, max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
+            has_chat_template=bool(self.llm.tokenizer.chat_template),
+        )
+
+    async def GetServerInfo(self, request, context):
+        client = self.llm.engine_client
+        return generation_pb2.ServerInfo(
+            version=VERSION, num_in_flight=self.llm.output_processor.num_requests,
+            max_waiting_requests=self.llm.max_waiting_requests,
+            engines=[generation_pb2.EngineStatus(address=e.address, connected=e.connected,
+                                                 num_in_flight=e.num_in_flight) for e in client.engines()],
+        )
+
+
+class AdminServicer(admin_pb2_grpc.AdminServicer):
+    """Operator calls, forwarded to every connected engine as utility calls."""
+
+    _PAUSE_MODES = {0: "abort", 1: "abort", 2: "wait", 3: "keep"}
+
+    def __init__(self, llm: AsyncLLM) -> None:
+        self.llm = llm
+
+    async def Pause(self, request, context):
+        return await self._forward(context, self.llm.pause_generation(self._PAUSE_MODES.get(request.mode, "abort")))
+
+    async def Resume(self, request, context):
+        return await self._forward(context, self.llm.resume_generation())
+
+    async def Sleep(self, request, context):
+        return await self._forward(context, self.llm.sleep())
+
+    async def WakeUp(self, request, context):
+        return await self._forward(context, self.llm.wake_up())
+
+    async def ResetPrefixCache(self, request, context):
+        return await self._forward(context, self.llm.reset_prefix_cache())
+
+    async def StartProfile(self, request, context):
+        return await self._forward(context, self.llm.start_profile(request.output_dir))
+
+    async def StopProfile(self, request, context):
+        return await self._forward(context, self.llm.stop_profile())
+
+    async def Drain(self, request, context):
+        left = await self.llm.drain(request.timeout_s)
+        detail = "drained" if not left else f"{left} requests still in flight after {request.timeout_s:g}s"
+        return admin_pb2.AdminResponse(ok=not left, detail=detail)
+
+    async def _forward(self, context, call) -> admin_pb2.AdminResponse:
+        try:
+            results: list[UtilityResult] = await call
+        except Exception as e:  # noqa: BLE001
+            await _abort(context, e)
+        failed = [f"engine at {r.address}: {r.error}" for r in results if not r.ok]
+        detail = "; ".join(failed) if failed else f"done on {len(results)} engine(s)"
+        return admin_pb2.AdminResponse(ok=not failed, detail=detail)
+
+
+# ---- the server -------------------------------------------------------------------
+class FrontendServer:
+    """The grpc.aio server: Generation, Admin, health (SERVING while an engine is connected), reflection."""
+
+    def __init__(self, llm: AsyncLLM, address: str) -> None:
+        self.llm = llm
+        self.server = grpc.aio.server()
+        self.health = health_aio.HealthServicer()
+        generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(llm), self.server)
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(llm), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        services = (
+            generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+            admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        )
+        reflection.enable_server_reflection(services, self.server)
+        self._services = services[:2]
+        self.port = self.server.add_insecure_port(address)
+        if not self.port:
+            raise OSError(f"cannot listen on {address}")
+        self._health_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.server.start()
+        self.llm.engine_client.add_listener(self._schedule_health)
+        await self.update_health()
+
+    def _schedule_health(self) -> None:
+        self._health_task = asyncio.ensure_future(self.update_health())
+
+    async def update_health(self, serving: bool | None = None) -> None:
+        serving = self.llm.engine_client.is_connected if serving is None else serving
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", *self._services):
+            await self.health.set(service, status)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Health NOT_SERVING first (load balancers stop sending), then stop with a grace period."""
+        self.llm.engine_client.remove_listener(self._schedule_health)
+        await self.update_health(serving=False)
+        await self.server.stop(grace_s)
