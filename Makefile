@@ -27,8 +27,8 @@ install: $(VENV)/.installed $(GENERATED)
 
 protos: $(GENERATED)
 
-run: install  ## chat with the embedded SmolLM2, streamed to the terminal
-	$(PY) scripts/chat_offline.py
+run: install  ## start engine + frontend on the embedded SmolLM2, stream a chat answer over gRPC, stop them
+	$(PY) -m clients.demo
 
 test: install  ## every test, on CPU
 	$(PY) -m pytest -q

@@ -11,11 +11,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from engine_core.config import EngineConfig, ModelArchConfig
-from engine_core.loader.registry import load_model
+from engine_core.loader.registry import default_model_path, load_model
 from engine_core.model_runner import ModelRunner, kv_cache_bytes_per_block
 from engine_core.request import Request, RequestStatus
 from engine_core.scheduler import Scheduler
@@ -78,7 +79,7 @@ class EngineCore:
 
         started = time.perf_counter()
         self.model, self.arch = load_model(config.model.model, dtype, device, self.attention)
-        self.model_path = config.model.model or "embedded SmolLM2-135M-Instruct"
+        self.model_path = str(Path(config.model.model) if config.model.model else default_model_path())
         logger.info("loaded %s in %.1f s", self.model_path, time.perf_counter() - started)
 
         self.max_model_len = self._resolve_max_model_len(self.arch)
@@ -91,7 +92,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len)
         self.eos_token_ids = frozenset(self.arch.eos_token_ids)
         self.info = EngineInfo(
-            model_name=self.arch.name,
+            model_name=Path(self.model_path).stem if self.model_path.endswith(".gguf") else Path(self.model_path).name,
             model_path=self.model_path,
             max_model_len=self.max_model_len,
             block_size=block_size,
