@@ -33,7 +33,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--gen-len", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="auto: bf16 where the CPU has native bf16 (AMX / AVX-512 BF16), else fp32; "
+                             "transformers runs in the same dtype")
     parser.add_argument("--skip-transformers", action="store_true", help="run Tandem only")
     parser.add_argument("--output", default="bench_results/offline.json", help="where to write JSON")
     return parser.parse_args()
@@ -79,7 +81,6 @@ def load_transformers(dtype: torch.dtype):
 
 def main() -> None:
     args = parse_args()
-    dtype = getattr(torch, args.dtype)
     max_batch = max(args.concurrency)
     engine = LLMEngine(EngineConfig(
         model=ModelConfig(dtype=args.dtype, max_model_len=args.prompt_len + args.gen_len + 16),
@@ -87,6 +88,7 @@ def main() -> None:
         scheduler=SchedulerConfig(max_num_seqs=max(max_batch, 1), max_num_batched_tokens=4096),
     ))
     vocab = engine.info.vocab_size
+    dtype = getattr(torch, engine.info.dtype)
     engine.generate(make_prompts(2, 16, vocab, seed=99), SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     hf_model = None if args.skip_transformers else load_transformers(dtype)
 
@@ -102,7 +104,7 @@ def main() -> None:
 
     result = {
         "benchmark": "offline throughput", "model": "SmolLM2-135M-Instruct (GGUF, dequantized)",
-        "dtype": args.dtype, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
+        "dtype": engine.info.dtype, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
         "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
         "rows": rows,
     }

@@ -47,4 +47,23 @@ def load_model(
     with torch.device("meta"):  # no memory and no random init until the weights arrive
         model = LlamaForCausalLM(config, attention)
     model.load_weights(weights, torch.device(device), dtype)
+    if torch.device(device).type == "cpu":
+        use_column_major_weights(model)
     return model.eval(), config
+
+
+def use_column_major_weights(model: torch.nn.Module) -> None:
+    """Store every projection's weight [out, in] column-major (the same values, transposed in memory).
+
+    F.linear computes x @ W.T; with W.T contiguous MKL takes its no-transpose path, about
+    twice as fast for the 1 to 32 rows of a decode step on CPU. A tied embedding keeps its
+    row-major layout (lookups read whole rows) and the LM head gets a column-major copy of it:
+    vocab x hidden more memory for a faster logits matmul every step.
+    """
+    if model.lm_head is None:
+        embedding = model.model.embed_tokens.weight
+        model.lm_head = torch.nn.Linear(embedding.shape[1], embedding.shape[0], bias=False, device="meta")
+        model.lm_head.weight = embedding
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight = torch.nn.Parameter(module.weight.t().contiguous().t(), requires_grad=False)
