@@ -3,10 +3,12 @@
 `select_backend(device, name)` returns an `AttentionBackend` whose two functions
 have the same signature on every backend:
 
-    write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    write_kv_cache(key, value, key_cache, value_cache, slot_mapping, metadata=None)
         key, value: [T, num_kv_heads, head_dim]
         key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim]
         slot_mapping: [T] int64; slot -1 is skipped
+        metadata: the step's AttentionMetadata, when the caller has it (lets a backend
+            reuse per-step work across layers); optional
 
     paged_attention(query, key_cache, value_cache, metadata, scale) -> [T, num_heads, head_dim]
 

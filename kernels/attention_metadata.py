@@ -9,7 +9,7 @@ the paged KV cache through `block_tables[b]`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,8 @@ class AttentionMetadata:
     # Host copies for the CPU path (no device syncs to read them).
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Values a backend derives from this batch once per step and reuses in every layer.
+    scratch: dict = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:

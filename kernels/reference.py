@@ -5,14 +5,84 @@ tables (never from a dense per-request copy kept on the side).
 Cache layout: [num_blocks, num_kv_heads, block_size, head_dim] ("head-major", as
 vLLM's CPU backend), so gathering one (block, kv head) row at a time yields each
 request's context as [Hkv, L, D] with no transposing copy before the matmuls.
+
+Everything that depends only on the batch (gather rows, masks, slot splits) is
+derived once per step and kept in `metadata.scratch`, then reused by every layer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kernels.attention_metadata import AttentionMetadata
+
+
+@dataclass
+class _Plan:
+    """Per-step index tensors shared by all layers of one forward pass."""
+
+    write_blocks: torch.Tensor  # [T'] block of each real (slot >= 0) token
+    write_offsets: torch.Tensor  # [T'] offset inside the block
+    write_keep: torch.Tensor | None  # [T] bool, None when no slot is -1
+    decode_rows: torch.Tensor | None  # [B_dec * Hkv * nb] rows of the (block, head) view
+    decode_len: int
+    decode_mask: torch.Tensor | None  # [B_dec, 1, 1, L] True beyond a request's context
+    prefill_rows: list[torch.Tensor]  # per prefill request: its (block, head) rows
+    prefill_masks: list[torch.Tensor | None]  # [Q, L] visibility, None = plain causal
+
+
+def _context_rows(block_tables: torch.Tensor, context_len: int, num_kv_heads: int, block_size: int) -> torch.Tensor:
+    """Rows of cache.view(num_blocks * Hkv, block_size * D) holding [B, Hkv, nb] in that order."""
+    num_seq_blocks = -(-context_len // block_size)
+    blocks = block_tables[:, :num_seq_blocks].long()  # [B, nb]
+    heads = torch.arange(num_kv_heads, device=block_tables.device)
+    return (blocks[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
+
+
+def _split_slots(slot_mapping: torch.Tensor, block_size: int):
+    """(keep mask or None, blocks, offsets) of the real slots (-1 marks padding)."""
+    keep = slot_mapping >= 0
+    if bool(keep.all()):
+        keep = None
+    else:
+        slot_mapping = slot_mapping[keep]
+    return keep, slot_mapping // block_size, slot_mapping % block_size
+
+
+def _plan(metadata: AttentionMetadata, cache: torch.Tensor) -> _Plan:
+    plan = metadata.scratch.get("torch_reference")
+    if plan is not None:
+        return plan
+    _, num_kv_heads, block_size, _ = cache.shape
+    device = cache.device
+    write_keep, write_blocks, write_offsets = _split_slots(metadata.slot_mapping, block_size)
+    num_decodes = metadata.num_decodes
+    decode_rows = decode_mask = None
+    decode_len = 0
+    if num_decodes:
+        decode_len = max(metadata.seq_lens_cpu[:num_decodes])
+        decode_rows = _context_rows(metadata.block_tables[:num_decodes], decode_len, num_kv_heads, block_size)
+        seq_lens = metadata.seq_lens[:num_decodes].to(torch.int64)
+        beyond = torch.arange(decode_len, device=device)[None, :] >= seq_lens[:, None]  # [B, L]
+        if bool(beyond.any()):
+            decode_mask = beyond[:, None, None, :]
+    prefill_rows, prefill_masks = [], []
+    qsl = metadata.query_start_loc_cpu
+    for b in range(num_decodes, metadata.num_reqs):
+        seq_len, num_query = metadata.seq_lens_cpu[b], qsl[b + 1] - qsl[b]
+        prefill_rows.append(_context_rows(metadata.block_tables[b:b + 1], seq_len, num_kv_heads, block_size))
+        mask = None
+        if num_query != seq_len:  # query i sits at position seq_len - Q + i and sees positions <= it
+            q_pos = torch.arange(seq_len - num_query, seq_len, device=device)
+            mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+        prefill_masks.append(mask)
+    plan = _Plan(write_blocks, write_offsets, write_keep, decode_rows, decode_len, decode_mask,
+                 prefill_rows, prefill_masks)
+    metadata.scratch["torch_reference"] = plan
+    return plan
 
 
 def write_kv_cache(
@@ -21,12 +91,15 @@ def write_kv_cache(
     key_cache: torch.Tensor,  # [num_blocks, Hkv, block_size, D]
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+    metadata: AttentionMetadata | None = None,  # reuse the per-step plan when given
 ) -> None:
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    block_size = key_cache.shape[2]
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    if metadata is not None:
+        plan = _plan(metadata, key_cache)
+        keep, blocks, offsets = plan.write_keep, plan.write_blocks, plan.write_offsets
+    else:
+        keep, blocks, offsets = _split_slots(slot_mapping, key_cache.shape[2])
+    if keep is not None:
+        key, value = key[keep], value[keep]
     key_cache[blocks, :, offsets] = key.to(key_cache.dtype)  # advanced indices first: [T, Hkv, D]
     value_cache[blocks, :, offsets] = value.to(value_cache.dtype)
 
@@ -35,6 +108,7 @@ def gather_context(
     cache: torch.Tensor,  # [num_blocks, Hkv, block_size, D]
     block_tables: torch.Tensor,  # [B, max_blocks]
     context_len: int,
+    rows: torch.Tensor | None = None,  # precomputed by _context_rows
 ) -> torch.Tensor:
     """The first `context_len` positions of each sequence: [B, Hkv, context_len, D].
 
@@ -42,11 +116,10 @@ def gather_context(
     contiguous rows (several times faster than advanced indexing on the 4-D cache).
     """
     num_blocks, num_kv_heads, block_size, head_dim = cache.shape
-    num_seq_blocks = -(-context_len // block_size)
-    blocks = block_tables[:, :num_seq_blocks].long()  # [B, nb]
-    rows = blocks[:, None, :] * num_kv_heads + torch.arange(num_kv_heads, device=cache.device)[None, :, None]
-    gathered = cache.view(num_blocks * num_kv_heads, block_size * head_dim).index_select(0, rows.flatten())
-    return gathered.view(len(blocks), num_kv_heads, num_seq_blocks * block_size, head_dim)[:, :, :context_len]
+    if rows is None:
+        rows = _context_rows(block_tables, context_len, num_kv_heads, block_size)
+    gathered = cache.view(num_blocks * num_kv_heads, block_size * head_dim).index_select(0, rows)
+    return gathered.view(len(block_tables), num_kv_heads, -1, head_dim)[:, :, :context_len]
 
 
 def paged_attention(
@@ -56,55 +129,48 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
-    out = torch.empty_like(query)
+    plan = _plan(metadata, key_cache)
     num_decodes = metadata.num_decodes
+    if num_decodes == metadata.num_reqs:
+        return _decode_attention(query, key_cache, value_cache, metadata, plan, scale)
+    out = torch.empty_like(query)
     if num_decodes:
-        out[:num_decodes] = _decode_attention(query[:num_decodes], key_cache, value_cache, metadata, scale)
-    qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
-    for b in range(num_decodes, metadata.num_reqs):
+        out[:num_decodes] = _decode_attention(query[:num_decodes], key_cache, value_cache, metadata, plan, scale)
+    qsl = metadata.query_start_loc_cpu
+    for i, b in enumerate(range(num_decodes, metadata.num_reqs)):
         start, end = qsl[b], qsl[b + 1]
         out[start:end] = _prefill_attention(
-            query[start:end], key_cache, value_cache, metadata.block_tables[b:b + 1], seq_lens[b], scale
+            query[start:end], key_cache, value_cache, metadata.block_tables[b:b + 1], metadata.seq_lens_cpu[b],
+            plan.prefill_rows[i], plan.prefill_masks[i], scale,
         )
     return out
 
 
-def _decode_attention(query, key_cache, value_cache, metadata, scale):
+def _decode_attention(query, key_cache, value_cache, metadata, plan: _Plan, scale):
     """One query token per request, batched: contexts padded to the longest and masked.
 
     Plain matmuls with the query heads of one kv head grouped (GQA), softmax in fp32.
     """
     num_decodes, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[1]
-    max_len = max(metadata.seq_lens_cpu[:num_decodes])
     block_tables = metadata.block_tables[:num_decodes]
-    k = gather_context(key_cache, block_tables, max_len)  # [B, Hkv, L, D]
-    v = gather_context(value_cache, block_tables, max_len)
+    k = gather_context(key_cache, block_tables, plan.decode_len, plan.decode_rows)  # [B, Hkv, L, D]
+    v = gather_context(value_cache, block_tables, plan.decode_len, plan.decode_rows)
     q = query.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
     scores = torch.matmul(q, k.to(q.dtype).transpose(-1, -2)).float() * scale  # [B, Hkv, G, L]
-    seq_lens = metadata.seq_lens[:num_decodes].to(torch.int64)
-    beyond = torch.arange(max_len, device=query.device)[None, :] >= seq_lens[:, None]  # [B, L]
-    if bool(beyond.any()):
-        scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
+    if plan.decode_mask is not None:
+        scores.masked_fill_(plan.decode_mask, float("-inf"))
     probs = scores.softmax(dim=-1).to(q.dtype)
     return torch.matmul(probs, v.to(q.dtype)).view(num_decodes, num_heads, head_dim)
 
 
-def _prefill_attention(query, key_cache, value_cache, block_table, seq_len, scale):
+def _prefill_attention(query, key_cache, value_cache, block_table, seq_len, rows, mask, scale):
     """A chunk of Q query tokens at the end of a context of seq_len tokens."""
-    num_query = query.shape[0]
-    k = gather_context(key_cache, block_table, seq_len)[0]  # [Hkv, L, D]
-    v = gather_context(value_cache, block_table, seq_len)[0]
+    k = gather_context(key_cache, block_table, seq_len, rows)[0]  # [Hkv, L, D]
+    v = gather_context(value_cache, block_table, seq_len, rows)[0]
     q = query.transpose(0, 1)  # [H, Q, D]
-    if num_query == seq_len:
-        mask, causal = None, True
-    else:
-        # query i sits at position seq_len - Q + i and sees positions <= it
-        q_pos = torch.arange(seq_len - num_query, seq_len, device=query.device)
-        k_pos = torch.arange(seq_len, device=query.device)
-        mask, causal = k_pos[None, :] <= q_pos[:, None], False
     out = F.scaled_dot_product_attention(
-        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=causal, scale=scale,
+        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=mask is None, scale=scale,
         enable_gqa=q.shape[0] != k.shape[0],
     )
     return out.transpose(0, 1)  # [Q, H, D]

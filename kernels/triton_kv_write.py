@@ -50,6 +50,7 @@ def write_kv_cache(
     key_cache: torch.Tensor,  # [num_blocks, Hkv, block_size, D]
     value_cache: torch.Tensor,  # [num_blocks, Hkv, block_size, D], same layout as key_cache
     slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+    metadata=None,  # unused: the kernel needs nothing beyond the slot mapping
 ) -> None:
     """Write key/value rows into the paged caches in place (no host sync)."""
     num_tokens, num_kv_heads, head_dim = key.shape

@@ -55,7 +55,7 @@ class LlamaAttention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         key_cache, value_cache = kv_cache
-        self.attention.write_kv_cache(k, v, key_cache, value_cache, md.slot_mapping)
+        self.attention.write_kv_cache(k, v, key_cache, value_cache, md.slot_mapping, md)
         o = self.attention.paged_attention(q, key_cache, value_cache, md, self.scale)  # [T, H, D]
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
