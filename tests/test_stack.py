@@ -236,3 +236,28 @@ def test_smollm2_chat_through_the_stack_says_paris():
         assert responses[-1].usage.completion_tokens == len(final.token_ids)
     finally:
         services.stop()
+
+
+# ---- 6. health and a reflection-driven call ------------------------------------------------------------
+def test_a_call_built_from_reflection_alone(services, tokenizer):
+    """What grpcurl does: fetch the service's descriptors from the server, build the request, call."""
+    from google.protobuf import descriptor_pool, message_factory
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(services.frontend_address) as channel:
+        database = ProtoReflectionDescriptorDatabase(channel)
+        assert {"tandem.v1.Generation", "tandem.v1.Admin", "grpc.health.v1.Health"} <= set(database.get_services())
+        service = descriptor_pool.DescriptorPool(database).FindServiceByName("tandem.v1.Generation")
+        method = service.methods_by_name["Tokenize"]
+        request_class = message_factory.GetMessageClass(method.input_type)
+        response_class = message_factory.GetMessageClass(method.output_type)
+        tokenize = channel.unary_unary("/tandem.v1.Generation/Tokenize",
+                                       request_serializer=request_class.SerializeToString,
+                                       response_deserializer=response_class.FromString)
+        reply = tokenize(request_class(text="What is the capital of France?"), timeout=10)
+    assert list(reply.token_ids) == tokenizer.encode("What is the capital of France?")
+    assert reply.max_model_len == MAX_MODEL_LEN
+    for address in (services.frontend_address, services.engine_address):
+        with grpc.insecure_channel(address) as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="")).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
