@@ -12,9 +12,9 @@ import sys
 import time
 
 import grpc
+from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 from clients.local_stack import LocalStack, free_port
-from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 
 def parse_args() -> argparse.Namespace:

@@ -131,7 +131,7 @@ def paged_attention(
 ) -> torch.Tensor:  # [T, H, D]
     plan = _plan(metadata, key_cache)
     num_decodes = metadata.num_decodes
-    if num_decodes == metadata.num_reqs:
+    if num_decodes == metadata.num_reqs == query.shape[0]:  # decode-only, no padding rows
         return _decode_attention(query, key_cache, value_cache, metadata, plan, scale)
     out = torch.empty_like(query)
     if num_decodes:

@@ -192,10 +192,10 @@ def _reduce_splits_kernel(
     dim_valid = dims < HEAD_DIM
 
     m = tl.load(max_ptr + row + splits)  # [NUM_SPLITS]
-    l = tl.load(sum_ptr + row + splits)
+    split_sums = tl.load(sum_ptr + row + splits)
     m_all = tl.max(m, axis=0)
     weight = tl.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all))  # empty split -> 0
-    total = tl.sum(l * weight, axis=0)
+    total = tl.sum(split_sums * weight, axis=0)
     acc = tl.load(
         acc_ptr + (row + splits)[:, None] * HEAD_DIM + dims[None, :],
         mask=dim_valid[None, :], other=0.0,
@@ -253,15 +253,15 @@ def paged_attention(
         dot_dtype = tl.float32  # the CPU interpreter multiplies bf16 bit patterns as integers
 
     if num_splits == 1:
-        acc = m = l = out  # partial buffers unused
+        acc = m = sums = out  # partial buffers unused
     else:
         assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
         acc = query.new_empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32)
         m = query.new_empty(num_tokens, num_heads, num_splits, dtype=torch.float32)
-        l = torch.empty_like(m)
+        sums = torch.empty_like(m)
 
     _attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
-        out, acc, m, l, query, key_cache, value_cache,
+        out, acc, m, sums, query, key_cache, value_cache,
         metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
         metadata.num_reqs, num_heads, scale,
         query.stride(0), query.stride(1),
@@ -277,7 +277,7 @@ def paged_attention(
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](
-            out, acc, m, l, metadata.query_start_loc, metadata.num_reqs, num_heads,
+            out, acc, m, sums, metadata.query_start_loc, metadata.num_reqs, num_heads,
             out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits,
         )

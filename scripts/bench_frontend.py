@@ -24,9 +24,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
+from tandem.v1 import common_pb2, engine_core_pb2, engine_core_pb2_grpc, generation_pb2, generation_pb2_grpc  # noqa: E402
 
 from clients.local_stack import free_port, wait_until_serving  # noqa: E402
-from tandem.v1 import common_pb2, engine_core_pb2, engine_core_pb2_grpc, generation_pb2, generation_pb2_grpc  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

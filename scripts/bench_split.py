@@ -21,9 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
+from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc  # noqa: E402
 
 from clients.local_stack import LocalStack, free_port  # noqa: E402
-from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
