@@ -133,7 +133,7 @@ class EngineCore:
         """Queue a request. Raises ValueError (with an actionable message) for bad input."""
         if self.scheduler.get_request(request.request_id) is not None:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
-        self._validate_prompt(request)
+        self.validate_request(request)
         internal = Request.from_engine_core_request(
             request,
             block_size=self.config.cache.block_size,
@@ -142,7 +142,8 @@ class EngineCore:
         )
         self.scheduler.add_request(internal)
 
-    def _validate_prompt(self, request: EngineCoreRequest) -> None:
+    def validate_request(self, request: EngineCoreRequest) -> None:
+        """Raise ValueError (naming the problem) if `add_request` would refuse this request."""
         num_tokens = len(request.prompt_token_ids)
         if num_tokens == 0:
             raise ValueError("the prompt is empty: give at least one token")

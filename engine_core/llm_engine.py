@@ -81,7 +81,7 @@ class LLMEngine:
                     child_params.seed = params.seed + index
             children.append(EngineCoreRequest(child_id, list(prompt_token_ids), child_params, arrival, priority))
         for child in children:  # validate all before queueing any
-            self.engine_core._validate_prompt(child)
+            self.engine_core.validate_request(child)
         for index, child in enumerate(children):
             self.engine_core.add_request(child)
             self._children[child.request_id] = (request_id, index)

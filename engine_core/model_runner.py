@@ -146,14 +146,12 @@ class ModelRunner:
                 prompt_logprob_spans.append((request, token_start, start, num_prompt_positions))
         device = self.device
         max_blocks = max(len(table) for table in block_tables)
-        table_tensor = torch.zeros((len(block_tables), max_blocks), dtype=torch.int32)
-        for row, table in enumerate(block_tables):
-            table_tensor[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        padded_tables = [table + [0] * (max_blocks - len(table)) for table in block_tables]  # 0 = null block
         attn_metadata = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=table_tensor.to(device),
+            block_tables=torch.tensor(padded_tables, dtype=torch.int32, device=device),
             max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
             max_seq_len=max(seq_lens),
             num_decodes=num_decodes,
