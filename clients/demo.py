@@ -28,7 +28,10 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     print("starting tandem-engine and tandem-frontend on the embedded SmolLM2 ...", flush=True)
-    with LocalStack(frontend_port=free_port(), engine_port=free_port(), engine_args=["--max-model-len", "2048"]) as stack:
+    quiet = ["--log-level", "WARNING"]
+    stack = LocalStack(frontend_port=free_port(), engine_port=free_port(),
+                       engine_args=["--max-model-len", "2048", *quiet], frontend_args=quiet)
+    with stack:
         print(f"frontend at {stack.frontend_address}, engine core at {stack.engine_address}\n", flush=True)
         with grpc.insecure_channel(stack.frontend_address) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)

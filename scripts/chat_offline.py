@@ -65,8 +65,9 @@ def main() -> None:
     tokenizer = load_tokenizer(model_path)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     messages = [{"role": "user", "content": args.prompt}]
+    print(f"\nuser> {args.prompt}")
     while True:
-        print(f"\nuser> {messages[-1]['content']}\nassistant> ", end="", flush=True)
+        print("assistant> ", end="", flush=True)
         prompt = render_chat(tokenizer.chat_template, messages, bos_token=tokenizer.bos_token,
                              eos_token=tokenizer.eos_token)
         answer_ids = stream_answer(engine, tokenizer, tokenizer.encode(prompt, add_special_tokens=False), params)
