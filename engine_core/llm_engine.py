@@ -96,9 +96,8 @@ class LLMEngine:
         """Idempotent; aborting a parent aborts all its children."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        child_ids = [
-            child for child, (parent, _) in self._children.items() if parent in set(request_ids)
-        ]
+        parents = set(request_ids)
+        child_ids = [child for child, (parent, _) in self._children.items() if parent in parents]
         self.engine_core.abort_requests(child_ids)
         for child in child_ids:
             del self._children[child]
@@ -119,8 +118,11 @@ class LLMEngine:
         for output in engine_outputs.outputs:
             parent_id, index = self._children[output.request_id]
             request_output = self._outputs[parent_id]
+            if parent_id not in touched:  # new_token_ids says what this step added, per completion
+                for completion in request_output.outputs:
+                    completion.new_token_ids = []
+                touched[parent_id] = request_output
             self._apply(request_output.outputs[index], request_output, output, now)
-            touched[parent_id] = request_output
             if output.finished:
                 del self._children[output.request_id]
         for request_id, request_output in touched.items():
@@ -130,13 +132,17 @@ class LLMEngine:
         return list(touched.values())
 
     @staticmethod
-    def _apply(completion: CompletionOutput, request_output: RequestOutput, output: EngineCoreOutput, now: float) -> None:
+    def _apply(
+        completion: CompletionOutput, request_output: RequestOutput, output: EngineCoreOutput, now: float
+    ) -> None:
         completion.new_token_ids = output.new_token_ids
         completion.token_ids.extend(output.new_token_ids)
         if output.new_logprobs:
-            completion.logprobs = (completion.logprobs or []) + output.new_logprobs
+            completion.logprobs = completion.logprobs or []
+            completion.logprobs.extend(output.new_logprobs)
         if output.new_prompt_logprobs and completion.index == 0:
-            request_output.prompt_logprobs = (request_output.prompt_logprobs or []) + output.new_prompt_logprobs
+            request_output.prompt_logprobs = request_output.prompt_logprobs or []
+            request_output.prompt_logprobs.extend(output.new_prompt_logprobs)
         if output.new_token_ids and request_output.first_token_time is None:
             request_output.first_token_time = now
         completion.finish_reason = output.finish_reason

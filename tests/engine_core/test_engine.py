@@ -216,3 +216,19 @@ def test_bad_requests_are_rejected_with_clear_errors(tiny_model_dir):
     with pytest.raises(ValueError, match="already in flight"):
         core.add_request(EngineCoreRequest("d", [5, 6], SamplingParams()))
     assert not core.scheduler.get_request("a")
+
+
+def test_llm_engine_new_token_ids_are_per_step(tiny_model_dir):
+    """A streaming consumer that concatenates new_token_ids gets exactly token_ids, for every child."""
+    engine = LLMEngine(engine_config(tiny_model_dir))
+    engine.add_request("s", list(range(30, 40)), SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=7,
+                                                               ignore_eos=True))
+    streamed = {0: [], 1: []}
+    final = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            for completion in output.outputs:
+                streamed[completion.index].extend(completion.new_token_ids)
+            final = output
+    assert all(streamed[c.index] == c.token_ids for c in final.outputs)
+    assert all(len(c.token_ids) == 7 for c in final.outputs)
