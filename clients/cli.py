@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address both services listen on")
     serve.add_argument("--port", type=int, default=50051, help="the frontend's (public API) port")
     serve.add_argument("--engine-port", type=int, default=50061, help="the engine core's port")
-    serve.add_argument("--model", default=None, help="HF folder or .gguf file (default: the embedded SmolLM2)")
+    serve.add_argument("--model", default=None, help="HF folder or .gguf file; unset: the embedded SmolLM2")
     serve.add_argument("engine_args", nargs=argparse.REMAINDER, help="-- then flags for tandem-engine")
     return parser
 
