@@ -6,6 +6,8 @@ Outputs: `messages.ConnectionOutputs` -> `EngineCoreOutputs`; `EngineInfo` -> pr
 
 from __future__ import annotations
 
+import dataclasses
+
 from tandem.v1 import common_pb2, engine_core_pb2
 
 from engine_core.config import EngineConfig
@@ -152,17 +154,7 @@ def logprobs_to_proto(logprobs: TokenLogprobs) -> common_pb2.TokenLogprobs:
 
 
 def stats_to_proto(stats: SchedulerStats) -> engine_core_pb2.SchedulerStats:
-    return engine_core_pb2.SchedulerStats(
-        num_running_reqs=stats.num_running_reqs,
-        num_waiting_reqs=stats.num_waiting_reqs,
-        kv_cache_usage=stats.kv_cache_usage,
-        num_free_blocks=stats.num_free_blocks,
-        num_total_blocks=stats.num_total_blocks,
-        prefix_cache_queries=stats.prefix_cache_queries,
-        prefix_cache_hits=stats.prefix_cache_hits,
-        num_preemptions=stats.num_preemptions,
-        num_scheduled_tokens=stats.num_scheduled_tokens,
-    )
+    return engine_core_pb2.SchedulerStats(**dataclasses.asdict(stats))  # same field names
 
 
 def utility_result_to_proto(result: UtilityResult) -> engine_core_pb2.UtilityResult:
@@ -174,17 +166,7 @@ def utility_result_to_proto(result: UtilityResult) -> engine_core_pb2.UtilityRes
 
 def engine_info_to_proto(info: EngineInfo, config: EngineConfig) -> engine_core_pb2.EngineInfo:
     return engine_core_pb2.EngineInfo(
-        model_name=info.model_name,
-        model_path=info.model_path,
-        max_model_len=info.max_model_len,
-        block_size=info.block_size,
-        num_blocks=info.num_blocks,
-        vocab_size=info.vocab_size,
-        eos_token_ids=info.eos_token_ids,
-        bos_token_id=info.bos_token_id,
-        dtype=info.dtype,
-        device=info.device,
-        attention_backend=info.attention_backend,
+        **dataclasses.asdict(info),  # same field names; bos_token_id None stays unset
         max_num_seqs=config.scheduler.max_num_seqs,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
     )
