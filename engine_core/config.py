@@ -77,6 +77,8 @@ class DeviceConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     attention_backend: str = "auto"  # auto: triton on cuda, torch elsewhere
     num_threads: int | None = None  # torch CPU threads; None: leave torch's default
+    enforce_eager: bool = False  # True: no CUDA graphs, every step runs eagerly (as vLLM's flag)
+    cuda_graph_max_batch_size: int = 256  # largest decode batch captured (also capped by max_num_seqs)
 
     def __post_init__(self) -> None:
         _require(self.device in _DEVICES, f"device must be one of {_DEVICES}, got {self.device!r}")
@@ -87,6 +89,10 @@ class DeviceConfig:
         _require(
             self.num_threads is None or self.num_threads >= 1,
             f"num_threads must be >= 1, got {self.num_threads}",
+        )
+        _require(
+            self.cuda_graph_max_batch_size >= 1,
+            f"cuda_graph_max_batch_size must be >= 1, got {self.cuda_graph_max_batch_size}",
         )
 
 

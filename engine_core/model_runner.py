@@ -2,16 +2,20 @@
 
 The batch has no padding: B requests contribute their scheduled tokens back to back
 (decodes first, then prefill chunks), with positions, a slot mapping into the paged
-KV cache and one block table per request.
+KV cache and one block table per request. Pure-decode steps may instead go through a
+`DecodeGraphRunner` (CUDA graphs, padded to a bucket); everything after the forward
+pass (logits, sampling, prompt logprobs) is the same on both paths.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from engine_core.config import ModelArchConfig
+from engine_core.cuda_graphs import DecodeGraphRunner
 from engine_core.request import Request
 from engine_core.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs
 from engine_core.types import ModelRunnerOutput, SchedulerOutput
@@ -36,7 +40,11 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        max_model_len: int,
+        cuda_graph_sizes: Sequence[int] = (),
     ) -> None:
+        """`cuda_graph_sizes`: decode batch buckets (empty: every step runs eagerly). On CUDA
+        each bucket is captured as a graph; elsewhere the padded buckets run eagerly."""
         self.model = model
         self.arch = arch
         self.attention = attention
@@ -47,6 +55,12 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.decode_graphs: DecodeGraphRunner | None = None
+        if cuda_graph_sizes:
+            self.decode_graphs = DecodeGraphRunner(
+                model, cuda_graph_sizes, hidden_size=arch.hidden_size, max_model_len=max_model_len,
+                block_size=block_size, device=device, dtype=dtype, capture=device.type == "cuda",
+            )
         self.allocate_kv_cache()
 
     # ---- KV cache -------------------------------------------------------------
@@ -60,8 +74,13 @@ class ModelRunner:
             )
             for _ in range(self.arch.num_hidden_layers)
         ]
+        if self.decode_graphs is not None:  # (re)capture over the new cache and current weights
+            self.decode_graphs.bind(self.kv_caches)
 
     def free_kv_cache(self) -> None:
+        """Drop the KV cache and the graphs that point into it (and into the weights)."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.release()
         self.kv_caches = []
 
     # ---- one step ---------------------------------------------------------------
@@ -72,13 +91,19 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         batch = self._prepare_batch(scheduler_output)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
+        hidden = self._forward(batch)
         output = ModelRunnerOutput(sampled_token_ids={})
         if batch.sampling_requests:
             self._sample(hidden, batch, output)
         if batch.prompt_logprob_spans:
             self._prompt_logprobs(hidden, batch, output)
         return output
+
+    def _forward(self, batch: _Batch) -> torch.Tensor:  # [T, hidden]
+        md = batch.attn_metadata
+        if self.decode_graphs is not None and self.decode_graphs.can_run(md):
+            return self.decode_graphs.run(batch.input_ids, batch.positions, md)
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, md)
 
     def _sample(self, hidden: torch.Tensor, batch: _Batch, output: ModelRunnerOutput) -> None:
         requests = batch.sampling_requests

@@ -14,6 +14,11 @@ have the same signature on every backend:
 
 "torch" is the pure-torch reference (any device); "triton" runs the Triton kernels
 (CUDA, or the CPU interpreter under TRITON_INTERPRET=1).
+
+`supports_cuda_graphs` says a backend may be captured in a CUDA graph: it reads every
+per-step value from the metadata's device tensors (never the host lists, beyond their
+length) and never syncs with the host. The torch reference sizes its gathers from the
+host lists, so it runs eagerly only.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class AttentionBackend:
     name: str
     write_kv_cache: Callable
     paged_attention: Callable
+    supports_cuda_graphs: bool = False
 
 
 def select_backend(device: str, name: str = "auto") -> AttentionBackend:
@@ -45,6 +51,7 @@ def select_backend(device: str, name: str = "auto") -> AttentionBackend:
         from kernels import triton_kv_write, triton_paged_attention
 
         return AttentionBackend(
-            "triton", triton_kv_write.write_kv_cache, triton_paged_attention.paged_attention
+            "triton", triton_kv_write.write_kv_cache, triton_paged_attention.paged_attention,
+            supports_cuda_graphs=True,
         )
     raise ValueError(f"attention backend must be 'auto', 'torch' or 'triton', got {name!r}")

@@ -21,9 +21,12 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32: context length of b including this step's tokens
     block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32, rows padded with 0 (null block)
     max_query_len: int
+    # max of seq_lens in an eager step; under a CUDA graph, the bound the graph was captured
+    # for (max_model_len), so launch choices made from it stay fixed per graph
     max_seq_len: int
     num_decodes: int  # the first num_decodes requests have query length 1
-    # Host copies for the CPU path (no device syncs to read them).
+    # Host copies for the CPU path (no device syncs to read them); a CUDA graph replays
+    # with the values of its capture, so graph-safe backends read only their lengths.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     # Values a backend derives from this batch once per step and reuses in every layer.

@@ -5,6 +5,8 @@ The reference is transformers' `generate` on the same checkpoint.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -34,14 +36,22 @@ def hf_model(tiny_model_dir):
     return model
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# tests/conftest.py turns the interpreter on exactly when there is no GPU
+INTERPRETER = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton runs on the GPU here, not in its CPU interpreter"
+)
+
+
 def engine_config(
-    folder, *, backend="torch", num_blocks=None, budget=16, max_num_seqs=32, prefix_caching=True, max_model_len=None
+    folder, *, backend="torch", num_blocks=None, budget=16, max_num_seqs=32, prefix_caching=True, max_model_len=None,
+    device="cpu", enforce_eager=False,
 ):
     return EngineConfig(
         model=ModelConfig(model=str(folder), dtype="float32", max_model_len=max_model_len),
         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks or 512, enable_prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs),
-        device=DeviceConfig(device="cpu", attention_backend=backend),
+        device=DeviceConfig(device=device, attention_backend=backend, enforce_eager=enforce_eager),
     )
 
 
@@ -85,11 +95,24 @@ def run_engine(config: EngineConfig, prompts, params) -> tuple[list, int]:
 
 
 # ---- 1. parity with transformers ------------------------------------------------------------
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", id="triton-interpreter")])
-def test_greedy_parity_with_transformers(tiny_model_dir, hf_model, backend):
+@pytest.mark.parametrize(
+    "device, backend, enforce_eager",
+    [
+        ("cpu", "torch", False),
+        pytest.param("cpu", "triton", False, id="triton-interpreter", marks=INTERPRETER),
+        pytest.param("cuda", "triton", False, id="cuda-triton-graphs", marks=CUDA),
+        pytest.param("cuda", "triton", True, id="cuda-triton-eager", marks=CUDA),
+        pytest.param("cuda", "torch", False, id="cuda-torch", marks=CUDA),
+    ],
+)
+def test_greedy_parity_with_transformers(tiny_model_dir, hf_model, device, backend, enforce_eager):
     prompts = make_prompts()
     max_tokens = 10
-    engine = LLMEngine(engine_config(tiny_model_dir, backend=backend, budget=16))
+    config = engine_config(tiny_model_dir, backend=backend, budget=16, device=device, enforce_eager=enforce_eager)
+    engine = LLMEngine(config)
+    graphs = engine.engine_core.runner.decode_graphs
+    captured = device == "cuda" and backend == "triton" and not enforce_eager  # the torch reference never is
+    assert (graphs is not None and len(graphs.graphs) > 0) == captured
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
     outputs = engine.generate(prompts, params)
     cached = [o.num_cached_tokens for o in outputs]

@@ -2,7 +2,8 @@
 
 `make_batch` builds decodes first, then prefill chunks with cached context, over a
 paged cache of noise with shuffled block tables; `dense_attention` is the from-scratch
-float64 answer that needs no paging at all.
+float64 answer that needs no paging at all. `DEVICE` is where kernel tests run: the GPU
+when there is one, else the CPU (Triton in its interpreter).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from hypothesis import strategies as st
 
 from kernels.attention_metadata import AttentionMetadata
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 
 @dataclass
 class PagedBatch:
@@ -24,7 +27,7 @@ class PagedBatch:
     key_cache: torch.Tensor  # [num_blocks, Hkv, block_size, D]
     value_cache: torch.Tensor
     metadata: AttentionMetadata
-    dense_keys: list[torch.Tensor]  # per request [seq_len, Hkv, D]
+    dense_keys: list[torch.Tensor]  # per request [seq_len, Hkv, D], on the CPU
     dense_values: list[torch.Tensor]
 
 
@@ -39,12 +42,14 @@ def make_batch(
     seed: int = 0,
     pad_tokens: int = 0,
     spare_blocks: int = 3,
+    device: torch.device | str = "cpu",
 ) -> PagedBatch:
     """Random batch whose whole context already sits in a paged cache of noise.
 
     Blocks are handed out in a random order (block 0 stays the null block that
     pads block-table rows) and unused cache blocks hold random values, so a
-    kernel reading the wrong block or position gives a wrong answer.
+    kernel reading the wrong block or position gives a wrong answer. Built on the CPU
+    (same values everywhere for a seed), then moved to `device`.
     """
     gen = torch.Generator().manual_seed(seed)
 
@@ -82,20 +87,19 @@ def make_batch(
     key = torch.cat([k[s - q :] for k, (s, q) in zip(dense_keys, step)] + [pad_kv])
     value = torch.cat([v[s - q :] for v, (s, q) in zip(dense_values, step)] + [pad_kv])
     metadata = AttentionMetadata(
-        slot_mapping=torch.cat(slots).to(torch.int64),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=block_tables,
+        slot_mapping=torch.cat(slots).to(device=device, dtype=torch.int64),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
         num_decodes=_leading_decodes(query_lens),
         query_start_loc_cpu=qsl,
         seq_lens_cpu=list(seq_lens),
     )
-    return PagedBatch(
-        randn(num_tokens, num_heads, head_dim), key, value, key_cache, value_cache, metadata,
-        dense_keys, dense_values,
-    )
+    query = randn(num_tokens, num_heads, head_dim)
+    on_device = [t.to(device) for t in (query, key, value, key_cache, value_cache)]
+    return PagedBatch(*on_device, metadata, dense_keys, dense_values)
 
 
 def _leading_decodes(query_lens: list[int]) -> int:
@@ -129,7 +133,7 @@ def dense_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
     for b in range(md.num_reqs):
         start, end = md.query_start_loc_cpu[b], md.query_start_loc_cpu[b + 1]
         seq_len = md.seq_lens_cpu[b]
-        q = batch.query[start:end].double().transpose(0, 1)  # [H, Q, D]
+        q = batch.query[start:end].cpu().double().transpose(0, 1)  # [H, Q, D]
         k = batch.dense_keys[b].double().repeat_interleave(group, 1).transpose(0, 1)  # [H, L, D]
         v = batch.dense_values[b].double().repeat_interleave(group, 1).transpose(0, 1)
         scores = q @ k.transpose(1, 2) * scale  # [H, Q, L]

@@ -1,11 +1,14 @@
 """Triton KV-write and paged-attention kernels against the torch reference.
 
-On a machine without CUDA these run in Triton's CPU interpreter (tests/conftest.py
-sets TRITON_INTERPRET=1), which costs tens of milliseconds per program: shapes stay
-tiny (few heads, short contexts, small head dims) apart from the head-dim cases.
+On DEVICE: the GPU when there is one. On a machine without CUDA these run in Triton's
+CPU interpreter (tests/conftest.py sets TRITON_INTERPRET=1), which costs tens of
+milliseconds per program: shapes stay tiny (few heads, short contexts, small head dims)
+apart from the head-dim cases. Model-sized shapes and graph capture run on CUDA only.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -14,9 +17,10 @@ from hypothesis import strategies as st
 
 from kernels import reference, select_backend
 from kernels.triton_paged_attention import choose_num_splits
-from tests.kernels.paged_batch import cache_by_slot, make_batch, ragged_batches
+from tests.kernels.paged_batch import DEVICE, cache_by_slot, make_batch, ragged_batches
 
-TRITON = select_backend("cpu", "triton")
+TRITON = select_backend(DEVICE.type, "triton")
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 # No shrinking: each interpreted example costs about a second, and the examples are tiny anyway.
 NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate)
 # atol = rtol per dtype: bf16 and fp16 outputs differ from the reference by a couple of ulps
@@ -45,7 +49,7 @@ def build(shape, heads, head_dim, block_size, dtype, seed, pad_tokens=0):
     (query_lens, seq_lens), (num_kv_heads, group) = shape, heads
     return make_batch(
         query_lens, seq_lens, num_kv_heads * group, num_kv_heads, head_dim, block_size, dtype,
-        seed, pad_tokens,
+        seed, pad_tokens, device=DEVICE,
     )
 
 
@@ -74,7 +78,7 @@ def test_write_kv_cache_matches_reference(
 
 
 def test_write_kv_cache_skips_padding_slots_and_keeps_the_rest():
-    batch = make_batch([1, 1, 6], [7, 20, 6], 2, 2, 16, 16, pad_tokens=4, seed=5)
+    batch = make_batch([1, 1, 6], [7, 20, 6], 2, 2, 16, 16, pad_tokens=4, seed=5, device=DEVICE)
     key_cache, value_cache = batch.key_cache.clone(), batch.value_cache.clone()
     key = torch.randn_like(batch.key)  # new values, so written slots visibly change
     value = torch.randn_like(batch.value)
@@ -85,7 +89,7 @@ def test_write_kv_cache_skips_padding_slots_and_keeps_the_rest():
     assert int(real.sum()) == 8
     assert torch.equal(flat_k[slots[real]], key[real])
     assert torch.equal(flat_v[slots[real]], value[real])
-    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool)
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool, device=DEVICE)
     untouched[slots[real]] = False
     assert torch.equal(flat_k[untouched], cache_by_slot(batch.key_cache)[untouched])
     assert torch.equal(flat_v[untouched], cache_by_slot(batch.value_cache)[untouched])
@@ -93,8 +97,8 @@ def test_write_kv_cache_skips_padding_slots_and_keeps_the_rest():
 
 def test_write_kv_cache_from_strided_qkv_views_casts_to_cache_dtype():
     # fp16 cache: the CPU interpreter rounds fp32 -> fp16 like torch, but truncates fp32 -> bf16
-    batch = make_batch([3], [3], 2, 2, 16, 16, torch.float16, seed=6)
-    qkv = torch.randn(3, 3, 2, 16)  # fp32; key and value are non-contiguous views
+    batch = make_batch([3], [3], 2, 2, 16, 16, torch.float16, seed=6, device=DEVICE)
+    qkv = torch.randn(3, 3, 2, 16, device=DEVICE)  # fp32; key and value are non-contiguous views
     key, value = qkv[:, 1], qkv[:, 2]
     key_cache, value_cache = batch.key_cache.clone(), batch.value_cache.clone()
     TRITON.write_kv_cache(key, value, key_cache, value_cache, batch.metadata.slot_mapping)
@@ -175,3 +179,62 @@ def test_choose_num_splits_policy():
     assert choose_num_splits(decode, num_kv_heads=64) == 1  # 128 programs already fill the GPU
     mixed = make_batch([1, 5], [4096, 5], 8, 8, 8, 16).metadata
     assert choose_num_splits(mixed, num_kv_heads=8) == 1  # prefill chunks: no split
+
+
+# --- CUDA only: model-sized shapes and graph capture
+
+
+@CUDA
+@pytest.mark.parametrize("heads, head_dim", [((3, 3), 64), ((8, 4), 128)])  # SmolLM2 9/3/64; 32/8/128
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_model_sized_batches_on_cuda(heads, head_dim, dtype, block_size):
+    gen = torch.Generator().manual_seed(head_dim + block_size)
+    decode_lens = torch.randint(1, 2048, (16,), generator=gen).tolist()
+    mixed = ([1] * 16 + [300, 77], decode_lens + [1300, 77])  # chunks behind cached context
+    assert_matches(*run_both(build(mixed, heads, head_dim, block_size, dtype, seed=1), head_dim**-0.5))
+    long_decodes = build(([1, 1], [8000, 3000]), heads, head_dim, block_size, dtype, seed=2)
+    assert choose_num_splits(long_decodes.metadata, heads[0]) > 1
+    assert_matches(*run_both(long_decodes, head_dim**-0.5))
+
+
+@CUDA
+def test_paged_attention_replays_in_a_cuda_graph_with_new_lengths():
+    """Captured once over static buffers with a fixed length bound (so a fixed split count);
+    each replay sees other lengths, block tables and cache contents copied in place."""
+    heads, head_dim, block_size, dtype, bucket = (3, 3), 64, 16, torch.bfloat16, 8
+    batches = [
+        build(([1] * bucket, lens), heads, head_dim, block_size, dtype, seed=seed)
+        for seed, lens in enumerate([[5, 700, 33, 1, 64, 1000, 17, 2], [900, 3, 48, 1023, 16, 1, 250, 640]])
+    ]
+    static = batches[0]
+    num_blocks = max(b.key_cache.shape[0] for b in batches)
+    key_cache = static.key_cache.new_zeros(num_blocks, *static.key_cache.shape[1:])
+    value_cache = torch.zeros_like(key_cache)
+    query = torch.zeros_like(static.query)
+    block_tables = static.metadata.block_tables.new_zeros(bucket, 2048 // block_size)
+    seq_lens = torch.ones_like(static.metadata.seq_lens)
+    md = dataclasses.replace(
+        static.metadata, seq_lens=seq_lens, block_tables=block_tables, max_seq_len=2048, scratch={}
+    )
+    assert choose_num_splits(md, heads[0]) > 1
+    scale = head_dim**-0.5
+    TRITON.paged_attention(query, key_cache, value_cache, md, scale)  # warm-up: compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = TRITON.paged_attention(query, key_cache, value_cache, md, scale)
+    for batch in batches:
+        key_cache.zero_()
+        value_cache.zero_()
+        key_cache[: batch.key_cache.shape[0]] = batch.key_cache
+        value_cache[: batch.value_cache.shape[0]] = batch.value_cache
+        query.copy_(batch.query)
+        seq_lens.copy_(batch.metadata.seq_lens)
+        block_tables.zero_()
+        block_tables[:, : batch.metadata.block_tables.shape[1]] = batch.metadata.block_tables
+        graph.replay()
+        expected = reference.paged_attention(
+            batch.query, batch.key_cache, batch.value_cache, batch.metadata, scale
+        )
+        assert_matches(out, expected)
