@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from engine_core.config import EngineConfig, ModelArchConfig
+from engine_core.cuda_graphs import capture_sizes
 from engine_core.loader.registry import default_model_path, load_model
 from engine_core.model_runner import ModelRunner, kv_cache_bytes_per_block
 from engine_core.request import Request, RequestStatus
@@ -68,7 +69,8 @@ def _cpu_has_fast_bf16() -> bool:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, log_stats: bool = False) -> None:
+        """log_stats: outputs carry per-request events (queued, scheduled, preempted) as in vLLM v1."""
         self.config = config
         if config.device.num_threads is not None:
             torch.set_num_threads(config.device.num_threads)
@@ -88,8 +90,10 @@ class EngineCore:
         self.runner = ModelRunner(
             self.model, self.arch, self.attention,
             num_blocks=num_blocks, block_size=block_size, device=device, dtype=dtype,
+            max_model_len=self.max_model_len, cuda_graph_sizes=self._cuda_graph_sizes(device),
         )
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len,
+                                   log_stats=log_stats)
         self.eos_token_ids = frozenset(self.arch.eos_token_ids)
         self.info = EngineInfo(
             model_name=Path(self.model_path).stem if self.model_path.endswith(".gguf") else Path(self.model_path).name,
@@ -115,6 +119,17 @@ class EngineCore:
                 f"({arch.max_position_embeddings} tokens)"
             )
         return wanted
+
+    def _cuda_graph_sizes(self, device: torch.device) -> list[int]:
+        """Decode batch sizes to capture: none off CUDA, with enforce_eager, or for a backend
+        that cannot be captured."""
+        device_config = self.config.device
+        if device.type != "cuda" or device_config.enforce_eager:
+            return []
+        if not self.attention.supports_cuda_graphs:
+            logger.info("attention backend %r cannot run in CUDA graphs: decode runs eagerly", self.attention.name)
+            return []
+        return capture_sizes(min(self.config.scheduler.max_num_seqs, device_config.cuda_graph_max_batch_size))
 
     def _num_blocks_for_memory(self, dtype: torch.dtype) -> int:
         per_block = kv_cache_bytes_per_block(self.arch, self.config.cache.block_size, dtype)

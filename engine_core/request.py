@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 
 from engine_core.sampling_params import SamplingParams
-from engine_core.types import EngineCoreRequest, FinishReason
+from engine_core.types import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
 
 BlockHash = int
 
@@ -71,6 +71,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.block_hashes: list[BlockHash] = []
+        self.events: list[EngineCoreEvent] = []  # recorded only when the scheduler logs stats
         self._update_block_hashes()
         # The most tokens this request may produce.
         limit = self.sampling_params.max_tokens
@@ -126,6 +127,17 @@ class Request:
         for start in range(len(self.block_hashes) * size, self.num_tokens - size + 1, size):
             parent = hash_block_tokens(parent, tuple(self.all_token_ids[start:start + size]))
             self.block_hashes.append(parent)
+
+    # ---- events (for tracing and latency metrics) ------------------------------
+    def record_event(self, event_type: EngineCoreEventType) -> None:
+        self.events.append(EngineCoreEvent(event_type, time.time()))
+
+    def take_events(self) -> list[EngineCoreEvent] | None:
+        """The events since the last call (None if there are none)."""
+        if not self.events:
+            return None
+        events, self.events = self.events, []
+        return events
 
     def check_stop(self) -> bool:
         """After a token was appended: set a finished status if the request is done."""

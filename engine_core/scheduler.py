@@ -16,6 +16,7 @@ from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.request import Request, RequestStatus
 from engine_core.request_queue import FcfsQueue, PriorityQueue
 from engine_core.types import (
+    EngineCoreEventType,
     EngineCoreOutput,
     EngineCoreOutputs,
     ModelRunnerOutput,
@@ -31,7 +32,10 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         max_model_len: int,
+        *,
+        log_stats: bool = False,
     ) -> None:
+        """log_stats: record per-request events (queued, scheduled, preempted) for tracing and metrics."""
         capacity = (num_blocks - 1) * cache_config.block_size
         if max_model_len > capacity:
             raise ValueError(
@@ -46,6 +50,7 @@ class Scheduler:
                 f"must be >= max_model_len ({max_model_len})"
             )
         self.config = scheduler_config
+        self.log_stats = log_stats
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
         self.kv_cache_manager = KVCacheManager(
@@ -59,6 +64,8 @@ class Scheduler:
         self._num_prompt_logprobs_sent: dict[str, int] = {}  # survives preemption
         self._num_preemptions = 0  # in the last schedule()
         self._num_scheduled_tokens = 0  # in the last schedule()
+        self._num_prompt_tokens = 0  # in the last update_from_output()
+        self._num_generation_tokens = 0  # in the last update_from_output()
 
     # ---- requests in and out -----------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -71,6 +78,8 @@ class Scheduler:
             )
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.QUEUED)
         self.waiting.push(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
@@ -170,6 +179,8 @@ class Scheduler:
             self.waiting.pop()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
+            if self.log_stats:
+                request.record_event(EngineCoreEventType.SCHEDULED)
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
@@ -192,6 +203,8 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.PREEMPTED)
         self.waiting.push_front(request)
 
     # ---- update ------------------------------------------------------------------
@@ -201,6 +214,7 @@ class Scheduler:
         """Append sampled tokens, check stops, free finished requests, build this step's outputs."""
         outputs: list[EngineCoreOutput] = []
         stopped: set[str] = set()
+        num_prompt_tokens = num_generation_tokens = 0  # prompts: of requests that sampled their first token
         for request in scheduler_output.scheduled_requests:
             request_id = request.request_id
             if request.status != RequestStatus.RUNNING:
@@ -210,6 +224,9 @@ class Scheduler:
             if token_id is not None and request.num_computed_tokens >= request.num_tokens:
                 request.append_output_token_ids(token_id)
                 new_token_ids.append(token_id)
+                num_generation_tokens += 1
+                if request.num_output_tokens == 1:
+                    num_prompt_tokens += request.num_prompt_tokens
                 if request.check_stop() or self._check_model_len(request):
                     stopped.add(request_id)
             prompt_logprobs = self._new_prompt_logprobs(request, scheduler_output, model_runner_output)
@@ -224,7 +241,10 @@ class Scheduler:
                 finish_reason=request.finish_reason,
                 stop_reason=request.stop_reason,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
+                events=request.take_events() if self.log_stats else None,
             ))
+        self._num_prompt_tokens = num_prompt_tokens
+        self._num_generation_tokens = num_generation_tokens
 
         if stopped:
             self.running = [r for r in self.running if r.request_id not in stopped]
@@ -277,4 +297,6 @@ class Scheduler:
             prefix_cache_hits=hits,
             num_preemptions=self._num_preemptions,
             num_scheduled_tokens=self._num_scheduled_tokens,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_generation_tokens=self._num_generation_tokens,
         )

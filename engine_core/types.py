@@ -78,6 +78,20 @@ class ModelRunnerOutput:
 
 
 # ---- engine core -> frontend ------------------------------------------------------
+class EngineCoreEventType(enum.IntEnum):
+    """What happened to a request in the scheduler (first token and finish show in the outputs)."""
+
+    QUEUED = 1
+    SCHEDULED = 2  # admitted from the waiting queue (also after a preemption)
+    PREEMPTED = 3
+
+
+@dataclass(frozen=True)
+class EngineCoreEvent:
+    type: EngineCoreEventType
+    timestamp: float  # time.time() in the engine
+
+
 @dataclass
 class EngineCoreOutput:
     request_id: str
@@ -87,6 +101,7 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id that ended it, if any
     num_cached_tokens: int = 0
+    events: list[EngineCoreEvent] | None = None  # since the last output; only when the scheduler records them
 
     @property
     def finished(self) -> bool:
@@ -104,6 +119,8 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # of which found
     num_preemptions: int = 0  # this step
     num_scheduled_tokens: int = 0  # this step
+    num_prompt_tokens: int = 0  # this step: prompt lengths of requests that sampled their first token
+    num_generation_tokens: int = 0  # this step: tokens sampled
 
 
 @dataclass

@@ -13,7 +13,14 @@ from tandem.v1 import common_pb2, engine_core_pb2
 from engine_core.config import EngineConfig
 from engine_core.engine_core import EngineInfo
 from engine_core.sampling_params import RequestOutputKind, SamplingParams
-from engine_core.types import EngineCoreOutput, EngineCoreRequest, FinishReason, SchedulerStats, TokenLogprobs
+from engine_core.types import (
+    EngineCoreEventType,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+    TokenLogprobs,
+)
 from services.engine.messages import (
     Abort,
     Add,
@@ -30,6 +37,11 @@ _FINISH_REASONS = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+}
+_EVENT_TYPES = {
+    EngineCoreEventType.QUEUED: engine_core_pb2.ENGINE_CORE_EVENT_TYPE_QUEUED,
+    EngineCoreEventType.SCHEDULED: engine_core_pb2.ENGINE_CORE_EVENT_TYPE_SCHEDULED,
+    EngineCoreEventType.PREEMPTED: engine_core_pb2.ENGINE_CORE_EVENT_TYPE_PREEMPTED,
 }
 _OUTPUT_KINDS = {
     common_pb2.OUTPUT_KIND_DELTA: RequestOutputKind.DELTA,
@@ -146,6 +158,9 @@ def output_to_proto(output: EngineCoreOutput) -> engine_core_pb2.EngineCoreOutpu
         proto.finish_reason = _FINISH_REASONS[output.finish_reason]
     if isinstance(output.stop_reason, int):
         proto.stop_token_id = output.stop_reason
+    if output.events:
+        proto.events.extend(engine_core_pb2.EngineCoreEvent(type=_EVENT_TYPES[e.type], timestamp=e.timestamp)
+                            for e in output.events)
     return proto
 
 

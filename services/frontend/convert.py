@@ -6,6 +6,8 @@ from tandem.v1 import common_pb2, engine_core_pb2, generation_pb2
 
 from services.frontend.input_processor import ChatPrompt, Prompt, TextPrompt, TokensPrompt
 from services.frontend.messages import (
+    EngineEvent,
+    EngineEventType,
     EngineInfo,
     EngineOutput,
     EngineRequest,
@@ -101,6 +103,8 @@ def outputs_from_proto(batch: engine_core_pb2.EngineCoreOutputs) -> list[EngineO
             finish_reason=FinishReason(o.finish_reason) if o.finish_reason else None,
             stop_token_id=o.stop_token_id if o.HasField("stop_token_id") else None,
             num_cached_tokens=o.num_cached_tokens,
+            events=[EngineEvent(EngineEventType(e.type), e.timestamp) for e in o.events],
+            timestamp=batch.timestamp,
         )
         for o in batch.outputs
     ]

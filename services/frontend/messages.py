@@ -53,6 +53,20 @@ class EngineRequest:
 
 
 # ---- engine -> frontend -----------------------------------------------------------
+class EngineEventType(enum.IntEnum):
+    """Scheduler events the engine reports (same numbers as tandem.v1.EngineCoreEventType)."""
+
+    QUEUED = 1
+    SCHEDULED = 2
+    PREEMPTED = 3
+
+
+@dataclass(frozen=True)
+class EngineEvent:
+    type: EngineEventType
+    timestamp: float  # engine clock, unix seconds
+
+
 @dataclass
 class EngineOutput:
     """One request's news from one engine step."""
@@ -64,6 +78,8 @@ class EngineOutput:
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     num_cached_tokens: int = 0
+    events: list[EngineEvent] = field(default_factory=list)  # since the request's last output
+    timestamp: float = 0.0  # the engine step's time (engine clock)
 
 
 # ---- frontend -> caller -----------------------------------------------------------

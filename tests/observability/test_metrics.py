@@ -1,0 +1,101 @@
+"""Both /metrics endpoints scraped during and after a small load: counters and histograms move exactly."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from tandem.v1 import admin_pb2, common_pb2
+
+from services.telemetry.metrics import metrics_port, one_two_five_buckets
+from tests.observability.conftest import metric
+
+N = 4  # concurrent streams
+PROMPT_LEN = 9  # two full KV blocks of 4 and one token
+MAX_TOKENS = 40
+
+
+def prompt(i: int) -> list[int]:
+    return [100 + i] + list(range(1, PROMPT_LEN))  # distinct first tokens: no prefix shared between requests
+
+
+def delta(after: dict, before: dict, name: str, **labels) -> float:
+    return metric(after, name, **labels) - metric(before, name, **labels)
+
+
+async def load_with_a_pause(stack):
+    """Start N streams, wait for every first token, freeze the engine, scrape, resume, drain the streams."""
+    calls = [stack.stub.Generate(stack.generate_request(prompt(i), MAX_TOKENS)) for i in range(N)]
+    tokens = [len((await call.read()).completions[0].token_ids) for call in calls]
+    assert (await stack.admin.Pause(admin_pb2.PauseRequest(mode=common_pb2.PAUSE_MODE_KEEP))).ok
+    during = stack.scrape("engine"), stack.scrape("frontend")
+    assert (await stack.admin.Resume(admin_pb2.AdminRequest())).ok
+    for i, call in enumerate(calls):
+        while (response := await call.read()) != grpc.aio.EOF:
+            tokens[i] += len(response.completions[0].token_ids)
+    assert tokens == [MAX_TOKENS] * N
+    return during
+
+
+def test_engine_and_frontend_metrics_during_and_after_a_load(make_stack):
+    stack = make_stack(metrics=True)
+    engine0, frontend0 = stack.scrape("engine"), stack.scrape("frontend")
+    engine1, frontend1 = stack.run(load_with_a_pause(stack))
+    engine2, frontend2 = stack.scrape("engine"), stack.scrape("frontend")
+
+    # ---- during: every stream open, every request running in the (frozen) engine
+    assert metric(engine1, "tandem:num_requests_running") == N
+    assert metric(engine1, "tandem:num_requests_waiting") == 0
+    assert 0 < metric(engine1, "tandem:kv_cache_usage_perc") < 1
+    assert metric(frontend1, "tandem:num_streams_in_flight") == N
+    assert delta(frontend1, frontend0, "tandem:time_to_first_token_seconds_count") == N
+    assert delta(frontend1, frontend0, "tandem:e2e_request_latency_seconds_count") == 0
+    assert delta(engine1, engine0, "tandem:prompt_tokens_total") == N * PROMPT_LEN
+
+    # ---- after: the engine's counters
+    assert metric(engine2, "tandem:num_requests_running") == 0
+    assert metric(engine2, "tandem:kv_cache_usage_perc") == 0
+    assert delta(engine2, engine0, "tandem:prompt_tokens_total") == N * PROMPT_LEN
+    assert delta(engine2, engine0, "tandem:generation_tokens_total") == N * MAX_TOKENS
+    assert delta(engine2, engine0, "tandem:prefix_cache_queries_total") == N * PROMPT_LEN
+    assert delta(engine2, engine0, "tandem:prefix_cache_hits_total") == 0
+    assert delta(engine2, engine0, "tandem:num_preemptions_total") == 0
+    # every computed token: the prompts, then one per request per decode step (the last token is never fed back)
+    assert delta(engine2, engine0, "tandem:iteration_tokens_total_sum") == N * (PROMPT_LEN + MAX_TOKENS - 1)
+    steps = delta(engine2, engine0, "tandem:iteration_tokens_total_count")
+    assert steps >= MAX_TOKENS and delta(engine2, engine0, "tandem:engine_step_duration_seconds_count") == steps
+
+    # ---- after: the frontend's histograms and counters
+    assert metric(frontend2, "tandem:num_streams_in_flight") == 0
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "request_prefill_time_seconds", "request_decode_time_seconds"):
+        assert delta(frontend2, frontend0, f"tandem:{name}_count") == N, name
+        assert delta(frontend2, frontend0, f"tandem:{name}_sum") > 0 or name == "request_queue_time_seconds"
+    assert delta(frontend2, frontend0, "tandem:inter_token_latency_seconds_count") == N * (MAX_TOKENS - 1)
+    assert delta(frontend2, frontend0, "tandem:request_success_total", finished_reason="length") == N
+    assert delta(frontend2, frontend0, "tandem:request_success_total", finished_reason="stop") == 0
+    assert delta(frontend2, frontend0, "tandem:request_prompt_tokens_sum") == N * PROMPT_LEN
+    assert delta(frontend2, frontend0, "tandem:request_generation_tokens_sum") == N * MAX_TOKENS
+    # the pause shows in e2e latency but not in time to first token
+    e2e = delta(frontend2, frontend0, "tandem:e2e_request_latency_seconds_sum")
+    assert e2e > delta(frontend2, frontend0, "tandem:time_to_first_token_seconds_sum")
+
+
+def test_prefix_hits_and_errors_are_counted(make_stack):
+    stack = make_stack(metrics=True)
+    stack.run(stack.generate(prompt(0), 2))
+    engine0, frontend0 = stack.scrape("engine"), stack.scrape("frontend")
+    stack.run(stack.generate(prompt(0), 2))  # the same prompt: its two full blocks come from the cache
+    with pytest.raises(grpc.aio.AioRpcError):
+        stack.run(stack.generate([10_000], 2))  # out of the tiny model's vocabulary
+    engine1, frontend1 = stack.scrape("engine"), stack.scrape("frontend")
+    assert delta(engine1, engine0, "tandem:prefix_cache_queries_total") == PROMPT_LEN
+    assert delta(engine1, engine0, "tandem:prefix_cache_hits_total") == 8
+    assert delta(frontend1, frontend0, "tandem:request_errors_total", code="INVALID_ARGUMENT") == 1
+    assert delta(frontend1, frontend0, "tandem:request_success_total") == 1
+
+
+def test_metrics_port_flag_values():
+    assert [metrics_port(v) for v in ("0", "9100", "off", "-1", "OFF")] == [0, 9100, None, None, None]
+    with pytest.raises(Exception, match="port number"):
+        metrics_port("nine")
+    assert one_two_five_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
