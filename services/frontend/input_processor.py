@@ -8,8 +8,9 @@ from dataclasses import dataclass, field, replace
 
 from services.frontend.chat_template import ChatTemplateError, render_chat
 from services.frontend.errors import InvalidRequest
+from services.frontend.limits import RequestLimits
 from services.frontend.messages import EngineRequest
-from services.frontend.sampling import DEFAULT_MAX_N, DEFAULT_MAX_STOP_STRINGS, validate_sampling
+from services.frontend.sampling import validate_sampling
 from services.frontend.tokenizer import TokenizerBundle
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -41,11 +42,9 @@ Prompt = TextPrompt | TokensPrompt | ChatPrompt
 class InputProcessor:
     """Validates and tokenizes prompts against the model's limits (learned from the engine)."""
 
-    def __init__(self, tokenizer: TokenizerBundle, *, max_n: int = DEFAULT_MAX_N,
-                 max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS) -> None:
+    def __init__(self, tokenizer: TokenizerBundle, *, limits: RequestLimits = RequestLimits()) -> None:
         self.tokenizer = tokenizer
-        self.max_n = max_n
-        self.max_stop_strings = max_stop_strings
+        self.limits = limits
         self.max_model_len = 0  # 0: unknown until an engine reports it
         self.vocab_size = tokenizer.vocab_size
 
@@ -57,11 +56,13 @@ class InputProcessor:
     # ---- the whole request ---------------------------------------------------------
     def process(self, request_id: str, prompt: Prompt, sampling_proto, *, priority: int = 0,
                 trace_headers: dict[str, str] | None = None) -> EngineRequest:
-        """Validate and tokenize; fill in max_tokens when unset (= the room left in the context)."""
-        params = validate_sampling(sampling_proto, vocab_size=self.vocab_size, max_n=self.max_n,
-                                   max_stop_strings=self.max_stop_strings)
+        """Validate and tokenize; fill in max_tokens when unset (the room left in the context, at most
+        the server's --max-tokens)."""
+        params = validate_sampling(sampling_proto, vocab_size=self.vocab_size, limits=self.limits)
         token_ids = self.tokenize(prompt)
         room = self._check_length(len(token_ids))
+        if params.max_tokens is None and self.limits.max_tokens is not None:
+            room = min(room, self.limits.max_tokens)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         params = replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
         return EngineRequest(
@@ -119,6 +120,10 @@ class InputProcessor:
         """The number of tokens left for generation; the prompt must leave at least one."""
         if not num_tokens:
             raise InvalidRequest("prompt is empty after tokenization")
+        cap = self.limits.max_prompt_tokens
+        if cap is not None and num_tokens > cap:
+            raise InvalidRequest(f"prompt is too long: prompt has {num_tokens} tokens, at most {cap} are allowed "
+                                 "(the server's --max-prompt-tokens)")
         if self.max_model_len and num_tokens >= self.max_model_len:
             raise InvalidRequest(f"prompt is too long: prompt has {num_tokens} tokens, max_model_len is "
                                  f"{self.max_model_len} (leave room for at least one generated token)")

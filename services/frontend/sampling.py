@@ -11,9 +11,8 @@ import math
 from dataclasses import dataclass, field, replace
 
 from services.frontend.errors import InvalidRequest
+from services.frontend.limits import RequestLimits
 
-DEFAULT_MAX_N = 16
-DEFAULT_MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
 
 
@@ -56,20 +55,18 @@ class SamplingParams:
         return replace(self, n=1, seed=seed)
 
 
-def validate_sampling(
-    proto,
-    *,
-    vocab_size: int,
-    max_n: int = DEFAULT_MAX_N,
-    max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS,
-) -> SamplingParams:
-    """A tandem.v1.SamplingParams (or None) -> SamplingParams; raises InvalidRequest naming the field."""
+def validate_sampling(proto, *, vocab_size: int, limits: RequestLimits = RequestLimits()) -> SamplingParams:
+    """A tandem.v1.SamplingParams (or None) -> SamplingParams; raises InvalidRequest naming the field.
+
+    `limits` caps n, max_tokens and the stop strings (see limits.py).
+    """
     if proto is None:
         return SamplingParams()
 
     def get(name, default):
         return getattr(proto, name) if proto.HasField(name) else default
 
+    max_n = limits.max_n
     n = _int("n", get("n", 1), 1, max_n, f"must be in [1, {max_n}] (the server's --max-n)")
     temperature = _float("temperature", get("temperature", 1.0), low=0.0, allowed="must be >= 0 (0 = greedy)")
     top_p = _float("top_p", get("top_p", 1.0), low=0.0, high=1.0, low_open=True, allowed="must be in (0, 1]")
@@ -78,7 +75,10 @@ def validate_sampling(
         raise InvalidRequest(f"sampling_params.top_k must be -1 or 0 (off) or a positive integer, got {top_k}")
     min_p = _float("min_p", get("min_p", 0.0), low=0.0, high=1.0, allowed="must be in [0, 1]")
     max_tokens = get("max_tokens", None)
-    if max_tokens is not None:
+    if max_tokens is not None and limits.max_tokens is not None:
+        _int("max_tokens", max_tokens, 1, limits.max_tokens,
+             f"must be in [1, {limits.max_tokens}] (the server's --max-tokens)")
+    elif max_tokens is not None:
         _int("max_tokens", max_tokens, 1, None, "must be >= 1 (or unset: up to max_model_len)")
     min_tokens = _int("min_tokens", get("min_tokens", 0), 0, None, "must be >= 0")
     if max_tokens is not None and min_tokens > max_tokens:
@@ -106,11 +106,15 @@ def validate_sampling(
         if value is not None:
             _int(name, value, 0, MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}] (or unset)")
     stop = tuple(proto.stop)
-    if len(stop) > max_stop_strings:
-        raise InvalidRequest(f"sampling_params.stop has {len(stop)} strings; at most {max_stop_strings} are allowed")
+    if len(stop) > limits.max_stop_strings:
+        raise InvalidRequest(f"sampling_params.stop has {len(stop)} strings; at most {limits.max_stop_strings} are "
+                             "allowed (the server's --max-stop-strings)")
     for i, s in enumerate(stop):
         if not s:
             raise InvalidRequest(f"sampling_params.stop[{i}] is empty; stop strings must be non-empty")
+        if len(s) > limits.max_stop_string_chars:
+            raise InvalidRequest(f"sampling_params.stop[{i}] is {len(s)} characters long; at most "
+                                 f"{limits.max_stop_string_chars} are allowed (the server's --max-stop-string-length)")
     kind = proto.output_kind
     if kind not in (0, *OutputKind):
         raise InvalidRequest(f"sampling_params.output_kind {kind} is not a known OutputKind (DELTA, CUMULATIVE, "

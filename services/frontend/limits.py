@@ -1,0 +1,52 @@
+"""Request limits: the caps on n, max_tokens, prompt length and stop strings, in one place.
+
+Each cap has a flag on tandem-frontend; a request over one gets INVALID_ARGUMENT naming the
+field, its value, the cap and the flag. Caps left unset fall back to the model's max_model_len.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+DEFAULT_MAX_N = 16
+DEFAULT_MAX_STOP_STRINGS = 16
+DEFAULT_MAX_STOP_STRING_CHARS = 256
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for."""
+
+    max_n: int = DEFAULT_MAX_N  # completions per request
+    max_tokens: int | None = None  # generated tokens per completion; None: up to max_model_len
+    max_prompt_tokens: int | None = None  # prompt tokens; None: up to max_model_len - 1
+    max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
+    max_stop_string_chars: int = DEFAULT_MAX_STOP_STRING_CHARS
+
+    @staticmethod
+    def add_flags(parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("request limits")
+        group.add_argument("--max-n", type=_positive, default=DEFAULT_MAX_N,
+                           help="the largest n (completions per request) accepted (default: %(default)s)")
+        group.add_argument("--max-tokens", type=_positive, default=None,
+                           help="the largest max_tokens accepted, and the value when a request leaves it unset "
+                                "(default: up to the model's max_model_len)")
+        group.add_argument("--max-prompt-tokens", type=_positive, default=None,
+                           help="the longest prompt accepted, in tokens (default: max_model_len - 1)")
+        group.add_argument("--max-stop-strings", type=_positive, default=DEFAULT_MAX_STOP_STRINGS,
+                           help="the most stop strings per request (default: %(default)s)")
+        group.add_argument("--max-stop-string-length", type=_positive, default=DEFAULT_MAX_STOP_STRING_CHARS,
+                           help="the longest stop string accepted, in characters (default: %(default)s)")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RequestLimits:
+        return cls(max_n=args.max_n, max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                   max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_length)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
