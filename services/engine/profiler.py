@@ -39,5 +39,7 @@ class Profiler:
         profile.stop()
         path = self._folder / f"engine-core-{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**9}.trace.json"
         profile.export_chrome_trace(str(path))
+        if not path.exists():  # torch logs the failure instead of raising it
+            raise OSError(f"torch could not write the trace {str(path)!r}")
         logger.info("wrote a profile to %s", path)
         return path

@@ -15,6 +15,10 @@ class TooManyRequests(FrontendError):
     """Over an admission limit (RESOURCE_EXHAUSTED): retry later."""
 
 
+class SlowReader(TooManyRequests):
+    """The client stopped reading its stream and too much output waited for it (RESOURCE_EXHAUSTED)."""
+
+
 class DuplicateRequest(FrontendError):
     """A request with this id is already in flight (ALREADY_EXISTS)."""
 
