@@ -11,9 +11,8 @@ import argparse
 import sys
 import time
 
-import grpc
-from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-
+from clients.client import TandemClient
+from clients.errors import TandemError
 from clients.local_stack import LocalStack, free_port
 
 
@@ -33,27 +32,18 @@ def main() -> int:
                        engine_args=["--max-model-len", "2048", *quiet], frontend_args=quiet)
     with stack:
         print(f"frontend at {stack.frontend_address}, engine core at {stack.engine_address}\n", flush=True)
-        with grpc.insecure_channel(stack.frontend_address) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            request = generation_pb2.ChatRequest(
-                messages=[generation_pb2.ChatMessage(role="user", content=args.prompt)],
-                sampling_params=common_pb2.SamplingParams(
-                    temperature=args.temperature, max_tokens=args.max_tokens,
-                    output_kind=common_pb2.OUTPUT_KIND_DELTA,
-                ),
-            )
+        with TandemClient(stack.frontend_address, timeout=300) as client:
             print(f"user> {args.prompt}\nassistant> ", end="", flush=True)
             started, first_token, usage = time.perf_counter(), None, None
             try:
-                for response in stub.Chat(request, timeout=300):
-                    for chunk in response.completions:
-                        if chunk.text and first_token is None:
-                            first_token = time.perf_counter() - started
-                        print(chunk.text, end="", flush=True)
-                    if response.HasField("usage"):
-                        usage = response.usage
-            except grpc.RpcError as e:
-                print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+                for chunk in client.chat([{"role": "user", "content": args.prompt}],
+                                         temperature=args.temperature, max_tokens=args.max_tokens):
+                    if chunk.text and first_token is None:
+                        first_token = time.perf_counter() - started
+                    print(chunk.text, end="", flush=True)
+                    usage = chunk.usage or usage
+            except TandemError as e:
+                print(f"\nerror: {e}", file=sys.stderr)
                 return 1
             elapsed = time.perf_counter() - started
             tokens = usage.completion_tokens if usage else 0

@@ -61,6 +61,11 @@ class LocalStack:
     def engine_address(self) -> str:
         return f"{self.host}:{self.engine_port}"
 
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the running services (engine first)."""
+        return [process.pid for process in self._processes]
+
     def start(self) -> "LocalStack":
         try:
             engine = self._spawn("services.engine", "--host", self.host, "--port", str(self.engine_port),

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from clients.bench.transformers_peer import generate_batch, load_transformers  # noqa: E402
 from engine_core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from engine_core.llm_engine import LLMEngine  # noqa: E402
 from engine_core.loader.registry import default_model_path  # noqa: E402
@@ -59,26 +60,6 @@ def bench_tandem(engine: LLMEngine, prompts: list[list[int]], gen_len: int) -> d
             "ttft_p50_s": ttfts[len(ttfts) // 2]}
 
 
-def bench_transformers(model, prompts: list[list[int]], gen_len: int) -> dict:
-    input_ids = torch.tensor(prompts)
-    started = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=gen_len,
-            min_new_tokens=gen_len, do_sample=False, pad_token_id=0,
-        )
-    elapsed = time.perf_counter() - started
-    generated = (out.shape[1] - input_ids.shape[1]) * out.shape[0]
-    return {"seconds": elapsed, "generated_tokens": generated, "tok_per_s": generated / elapsed}
-
-
-def load_transformers(dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
-
-
 def main() -> None:
     args = parse_args()
     max_batch = max(args.concurrency)
@@ -90,14 +71,14 @@ def main() -> None:
     vocab = engine.info.vocab_size
     dtype = getattr(torch, engine.info.dtype)
     engine.generate(make_prompts(2, 16, vocab, seed=99), SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-    hf_model = None if args.skip_transformers else load_transformers(dtype)
+    hf_model = None if args.skip_transformers else load_transformers(default_model_path(), dtype)
 
     rows = []
     for concurrency in args.concurrency:
         prompts = make_prompts(concurrency, args.prompt_len, vocab, seed=concurrency)
         row = {"concurrency": concurrency, "tandem": bench_tandem(engine, prompts, args.gen_len)}
         if hf_model is not None:
-            row["transformers"] = bench_transformers(hf_model, prompts, args.gen_len)
+            row["transformers"] = generate_batch(hf_model, prompts, args.gen_len)
             row["ratio"] = row["tandem"]["tok_per_s"] / row["transformers"]["tok_per_s"]
         rows.append(row)
         print_row(row)

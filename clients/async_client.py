@@ -1,0 +1,114 @@
+"""AsyncTandemClient: the asyncio twin of TandemClient (same calls, same keywords, awaitable).
+
+    async with AsyncTandemClient("localhost:50051") as client:
+        async for chunk in client.generate("Once upon a time", max_tokens=32, temperature=0):
+            print(chunk.text, end="")
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tandem.v1 import generation_pb2, generation_pb2_grpc
+
+from clients import messages as wire
+from clients.client import Metadata
+from clients.connection import DEFAULT_ADDRESS, RetryPolicy, TlsConfig, call_metadata, open_aio_channel
+from clients.errors import TandemError
+from clients.messages import GenerateChunk, Tokens
+
+
+class AsyncTandemClient:
+    """A grpc.aio channel to one frontend; create it inside the event loop that uses it."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, tls: TlsConfig | None = None,
+                 retry: RetryPolicy = RetryPolicy(), timeout: float | None = None, metadata: Metadata = None,
+                 token: str | None = None) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._metadata = tuple(call_metadata((), metadata, None) or ())
+        if token:  # the servers' --api-token-file / TANDEM_API_TOKEN
+            self._metadata += (("authorization", f"Bearer {token}"),)
+        self._channel = open_aio_channel(address, tls, retry)
+        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    # ---- streaming generation ----
+    def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None, metadata: Metadata = None,
+                 traceparent: str | None = None, **sampling) -> AsyncIterator[GenerateChunk]:
+        """Stream a completion (see TandemClient.generate); use with `async for`."""
+        request = wire.generate_request(prompt, **sampling)
+        return self._stream(self._stub.Generate, request, timeout, metadata, traceparent)
+
+    def chat(self, messages: Iterable, *, timeout: float | None = None, metadata: Metadata = None,
+             traceparent: str | None = None, **sampling) -> AsyncIterator[GenerateChunk]:
+        """Stream the assistant's answer (see TandemClient.chat); use with `async for`."""
+        request = wire.chat_request(messages, **sampling)
+        return self._stream(self._stub.Chat, request, timeout, metadata, traceparent)
+
+    async def _stream(self, method, request, timeout, metadata, traceparent) -> AsyncIterator[GenerateChunk]:
+        call = method(request, **self._call_options(timeout, metadata, traceparent))
+        try:
+            async for response in call:
+                yield wire.chunk_from_proto(response)
+        except grpc.RpcError as e:
+            raise TandemError.from_rpc_error(e) from None
+        finally:
+            call.cancel()
+
+    # ---- unary calls ----
+    async def tokenize(self, text: str | None = None, *, messages: Iterable | None = None,
+                       add_special_tokens: bool | None = None, timeout: float | None = None,
+                       metadata: Metadata = None, traceparent: str | None = None, **chat_options) -> Tokens:
+        request = wire.tokenize_request(text, messages=messages, add_special_tokens=add_special_tokens,
+                                        **chat_options)
+        return wire.tokens_from_proto(await self._unary(self._stub.Tokenize, request, timeout, metadata, traceparent))
+
+    async def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool | None = None,
+                         timeout: float | None = None, metadata: Metadata = None,
+                         traceparent: str | None = None) -> str:
+        request = generation_pb2.DetokenizeRequest(token_ids=list(token_ids))
+        if skip_special_tokens is not None:
+            request.skip_special_tokens = skip_special_tokens
+        return (await self._unary(self._stub.Detokenize, request, timeout, metadata, traceparent)).text
+
+    async def abort(self, request_ids: Sequence[str], *, timeout: float | None = None,
+                    metadata: Metadata = None) -> list[str]:
+        request = generation_pb2.AbortRequest(request_ids=list(request_ids))
+        return list((await self._unary(self._stub.Abort, request, timeout, metadata, None)).aborted_request_ids)
+
+    async def model_info(self, *, timeout: float | None = None, metadata: Metadata = None) -> generation_pb2.ModelInfo:
+        return await self._unary(self._stub.GetModelInfo, generation_pb2.GetModelInfoRequest(), timeout, metadata,
+                                 None)
+
+    async def server_info(self, *, timeout: float | None = None,
+                          metadata: Metadata = None) -> generation_pb2.ServerInfo:
+        return await self._unary(self._stub.GetServerInfo, generation_pb2.GetServerInfoRequest(), timeout, metadata,
+                                 None)
+
+    async def health(self, service: str = "", *, timeout: float | None = None, metadata: Metadata = None) -> str:
+        reply = await self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout,
+                                  metadata, None)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    async def _unary(self, method, request, timeout, metadata, traceparent):
+        try:
+            return await method(request, **self._call_options(timeout, metadata, traceparent))
+        except grpc.RpcError as e:
+            raise TandemError.from_rpc_error(e) from None
+
+    def _call_options(self, timeout, metadata, traceparent) -> dict:
+        return {"timeout": timeout if timeout is not None else self.timeout,
+                "metadata": call_metadata(self._metadata, metadata, traceparent)}
+
+    # ---- lifetime ----
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncTandemClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,96 @@
+"""Flags shared by the client commands of `tandem`: where the server is, TLS, token, deadline, sampling."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from clients.client import TandemClient
+from clients.connection import DEFAULT_ADDRESS, RetryPolicy, TlsConfig
+
+TOKEN_ENV = "TANDEM_API_TOKEN"
+
+
+def connection_parent(default_timeout: float = 120.0) -> argparse.ArgumentParser:
+    """A parent parser with --address, --timeout, --retries, TLS, token and metadata flags."""
+    parent = argparse.ArgumentParser(add_help=False)
+    group = parent.add_argument_group("connection")
+    group.add_argument("--address", default=DEFAULT_ADDRESS, help="the frontend's host:port")
+    group.add_argument("--timeout", type=float, default=default_timeout, metavar="S",
+                       help="deadline of each call in seconds")
+    group.add_argument("--retries", type=int, default=3, choices=range(5), metavar="N",
+                       help="retries (exponential backoff) of a call that gets UNAVAILABLE before any response")
+    group.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE",
+                       help="extra gRPC metadata on every call; repeatable (e.g. traceparent=00-...)")
+    group.add_argument("--token-file", metavar="PATH",
+                       help=f"send 'authorization: Bearer <token>' with the token in this file "
+                            f"(default: ${TOKEN_ENV} when set)")
+    tls = parent.add_argument_group("TLS (any of these turns TLS on)")
+    tls.add_argument("--tls", action="store_true", help="TLS, verifying the server against the system's CAs")
+    tls.add_argument("--tls-ca", metavar="PEM", help="the CA that signed the server's certificate")
+    tls.add_argument("--tls-cert", metavar="PEM", help="client certificate for mutual TLS (needs --tls-key)")
+    tls.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    tls.add_argument("--tls-server-name", metavar="NAME", help="the name the server's certificate must carry")
+    return parent
+
+
+def sampling_parent() -> argparse.ArgumentParser:
+    """A parent parser with the common sampling flags (all optional: the server applies its defaults)."""
+    parent = argparse.ArgumentParser(add_help=False)
+    group = parent.add_argument_group("sampling (unset flags get the server's defaults)")
+    group.add_argument("--max-tokens", type=int, default=256, metavar="N", help="most tokens to generate")
+    group.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (server default 1.0)")
+    group.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling, (0, 1]")
+    group.add_argument("--top-k", type=int, metavar="K", help="sample from the K most likely tokens")
+    group.add_argument("--min-p", type=float, metavar="P", help="drop tokens below P x the top probability")
+    group.add_argument("--seed", type=int, help="seeded sampling: the same seed gives the same text")
+    group.add_argument("--stop", action="append", metavar="TEXT", help="stop string; repeatable")
+    group.add_argument("--repetition-penalty", type=float, metavar="R", help="(0, 2], 1 = off")
+    group.add_argument("--ignore-eos", action="store_true", default=None, help="keep going past end-of-sequence")
+    return parent
+
+
+def sampling_from_args(args: argparse.Namespace) -> dict:
+    names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "repetition_penalty",
+             "ignore_eos")
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+def tls_from_args(args: argparse.Namespace) -> TlsConfig | None:
+    if not (args.tls or args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name):
+        return None
+    return TlsConfig(root_ca=args.tls_ca, client_cert=args.tls_cert, client_key=args.tls_key,
+                     server_name=args.tls_server_name)
+
+
+def metadata_from_args(args: argparse.Namespace) -> list[tuple[str, str]]:
+    pairs = []
+    for item in args.metadata:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--metadata expects KEY=VALUE, got {item!r}")
+        pairs.append((key.strip(), value))
+    return pairs
+
+
+def token_from_args(args: argparse.Namespace) -> str | None:
+    if args.token_file:
+        try:
+            with open(args.token_file) as f:
+                token = f.readline().strip()
+        except OSError as e:
+            raise ValueError(f"--token-file: cannot read {args.token_file} ({e.strerror})") from None
+        if not token:
+            raise ValueError(f"--token-file: {args.token_file} is empty")
+        return token
+    return os.environ.get(TOKEN_ENV, "").strip() or None
+
+
+def client_kwargs_from_args(args: argparse.Namespace) -> dict:
+    """Keyword arguments for TandemClient / AsyncTandemClient from the connection flags."""
+    return {"address": args.address, "tls": tls_from_args(args), "retry": RetryPolicy(retries=args.retries),
+            "timeout": args.timeout, "metadata": metadata_from_args(args), "token": token_from_args(args)}
+
+
+def client_from_args(args: argparse.Namespace) -> TandemClient:
+    return TandemClient(**client_kwargs_from_args(args))

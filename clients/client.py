@@ -1,0 +1,124 @@
+"""TandemClient: the blocking Python client of a Tandem frontend.
+
+    from clients.client import TandemClient
+
+    with TandemClient("localhost:50051") as client:
+        for chunk in client.chat([{"role": "user", "content": "Hi!"}], temperature=0, max_tokens=32):
+            print(chunk.text, end="", flush=True)
+
+Every call takes `timeout=` (seconds, the gRPC deadline), `metadata=` (extra gRPC metadata) and
+`traceparent=` (a W3C trace context, passed through to the server's traces); `token=` on the
+client sends `authorization: Bearer <token>` with every call. Failures raise
+TandemError with the gRPC status code and the server's message. The async twin is
+`clients.async_client.AsyncTandemClient`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tandem.v1 import generation_pb2, generation_pb2_grpc
+
+from clients import messages as wire
+from clients.connection import DEFAULT_ADDRESS, RetryPolicy, TlsConfig, call_metadata, open_channel
+from clients.errors import TandemError
+from clients.messages import GenerateChunk, Tokens
+
+Metadata = Mapping[str, str] | Sequence[tuple[str, str]] | None
+
+
+class TandemClient:
+    """A channel to one frontend. Thread-safe; close() it (or use `with`) when done."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, tls: TlsConfig | None = None,
+                 retry: RetryPolicy = RetryPolicy(), timeout: float | None = None, metadata: Metadata = None,
+                 token: str | None = None) -> None:
+        self.address = address
+        self.timeout = timeout  # the default deadline of every call
+        self._metadata = tuple(call_metadata((), metadata, None) or ())
+        if token:  # the servers' --api-token-file / TANDEM_API_TOKEN
+            self._metadata += (("authorization", f"Bearer {token}"),)
+        self._channel = open_channel(address, tls, retry)
+        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    # ---- streaming generation ----
+    def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None, metadata: Metadata = None,
+                 traceparent: str | None = None, **sampling) -> Iterator[GenerateChunk]:
+        """Stream a completion of a text prompt or of token ids. Keywords: SamplingParams fields
+        (temperature, max_tokens, stop, seed, ...) and request_id, priority, add_special_tokens."""
+        request = wire.generate_request(prompt, **sampling)
+        return self._stream(self._stub.Generate, request, timeout, metadata, traceparent)
+
+    def chat(self, messages: Iterable, *, timeout: float | None = None, metadata: Metadata = None,
+             traceparent: str | None = None, **sampling) -> Iterator[GenerateChunk]:
+        """Stream the assistant's answer to chat messages. Keywords: SamplingParams fields and
+        request_id, priority, add_generation_prompt, continue_final_message."""
+        request = wire.chat_request(messages, **sampling)
+        return self._stream(self._stub.Chat, request, timeout, metadata, traceparent)
+
+    def _stream(self, method, request, timeout, metadata, traceparent) -> Iterator[GenerateChunk]:
+        call = method(request, **self._call_options(timeout, metadata, traceparent))
+        try:
+            for response in call:
+                yield wire.chunk_from_proto(response)
+        except grpc.RpcError as e:
+            raise TandemError.from_rpc_error(e) from None
+        finally:
+            call.cancel()  # a consumer that stops early aborts the request on the server
+
+    # ---- unary calls ----
+    def tokenize(self, text: str | None = None, *, messages: Iterable | None = None,
+                 add_special_tokens: bool | None = None, timeout: float | None = None, metadata: Metadata = None,
+                 traceparent: str | None = None, **chat_options) -> Tokens:
+        """Token ids and token strings of text, or of chat messages rendered by the chat template."""
+        request = wire.tokenize_request(text, messages=messages, add_special_tokens=add_special_tokens,
+                                            **chat_options)
+        return wire.tokens_from_proto(self._unary(self._stub.Tokenize, request, timeout, metadata, traceparent))
+
+    def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool | None = None,
+                   timeout: float | None = None, metadata: Metadata = None, traceparent: str | None = None) -> str:
+        request = generation_pb2.DetokenizeRequest(token_ids=list(token_ids))
+        if skip_special_tokens is not None:
+            request.skip_special_tokens = skip_special_tokens
+        return self._unary(self._stub.Detokenize, request, timeout, metadata, traceparent).text
+
+    def abort(self, request_ids: Sequence[str], *, timeout: float | None = None,
+              metadata: Metadata = None) -> list[str]:
+        """Abort in-flight requests by id; returns those that were in flight."""
+        request = generation_pb2.AbortRequest(request_ids=list(request_ids))
+        return list(self._unary(self._stub.Abort, request, timeout, metadata, None).aborted_request_ids)
+
+    def model_info(self, *, timeout: float | None = None, metadata: Metadata = None) -> generation_pb2.ModelInfo:
+        return self._unary(self._stub.GetModelInfo, generation_pb2.GetModelInfoRequest(), timeout, metadata, None)
+
+    def server_info(self, *, timeout: float | None = None, metadata: Metadata = None) -> generation_pb2.ServerInfo:
+        return self._unary(self._stub.GetServerInfo, generation_pb2.GetServerInfoRequest(), timeout, metadata, None)
+
+    def health(self, service: str = "", *, timeout: float | None = None, metadata: Metadata = None) -> str:
+        """The grpc.health.v1 status name: SERVING, NOT_SERVING, SERVICE_UNKNOWN or UNKNOWN."""
+        reply = self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout, metadata,
+                            None)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    def _unary(self, method, request, timeout, metadata, traceparent):
+        try:
+            return method(request, **self._call_options(timeout, metadata, traceparent))
+        except grpc.RpcError as e:
+            raise TandemError.from_rpc_error(e) from None
+
+    def _call_options(self, timeout, metadata, traceparent) -> dict:
+        return {"timeout": timeout if timeout is not None else self.timeout,
+                "metadata": call_metadata(self._metadata, metadata, traceparent)}
+
+    # ---- lifetime ----
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "TandemClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,109 @@
+"""The one-shot client commands of `tandem`: generate, tokenize, info, health.
+
+Each takes the parsed arguments and returns the exit code; TandemError propagates to cli.main,
+which prints "tandem: CODE: message".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from google.protobuf.json_format import MessageToDict
+
+from clients.cli_options import client_from_args, sampling_from_args
+
+
+def generate(args: argparse.Namespace) -> int:
+    prompt = _parse_ids(args.token_ids, "--token-ids") if args.token_ids else args.prompt
+    if prompt is None:
+        raise ValueError("give a prompt, or --token-ids")
+    options = sampling_from_args(args)
+    if args.request_id:
+        options["request_id"] = args.request_id
+    with client_from_args(args) as client:
+        started, first, usage, finish = time.perf_counter(), None, None, None
+        for chunk in client.generate(prompt, **options):
+            if first is None and chunk.token_ids:
+                first = time.perf_counter() - started
+            if args.json:
+                print(json.dumps({"text": chunk.text, "token_ids": list(chunk.token_ids),
+                                  "finish_reason": chunk.finish_reason,
+                                  "usage": chunk.usage and vars(chunk.usage)}), flush=True)
+            else:
+                print(chunk.text, end="", flush=True)
+            usage, finish = chunk.usage or usage, chunk.finish_reason or finish
+        if not args.json:
+            print()
+    _print_stats(usage, finish, first, time.perf_counter() - started)
+    return 0
+
+
+def tokenize(args: argparse.Namespace) -> int:
+    with client_from_args(args) as client:
+        if args.decode:
+            text = client.detokenize(_parse_ids(" ".join(args.decode), "--decode"),
+                                     skip_special_tokens=not args.keep_special)
+            print(json.dumps({"text": text}) if args.json else text)
+            return 0
+        if args.text is None:
+            raise ValueError("give the text to tokenize, or --decode IDS")
+        add_special = False if args.no_special else None
+        if args.chat:
+            tokens = client.tokenize(messages=[{"role": "user", "content": args.text}],
+                                     add_special_tokens=add_special)
+        else:
+            tokens = client.tokenize(args.text, add_special_tokens=add_special)
+    if args.json:
+        print(json.dumps({"token_ids": list(tokens.token_ids), "tokens": list(tokens.tokens),
+                          "max_model_len": tokens.max_model_len}))
+    else:
+        print(" ".join(map(str, tokens.token_ids)))
+        print(" ".join(repr(t) for t in tokens.tokens))
+        print(f"{len(tokens.token_ids)} tokens (max_model_len {tokens.max_model_len})", file=sys.stderr)
+    return 0
+
+
+def info(args: argparse.Namespace) -> int:
+    with client_from_args(args) as client:
+        model, server = client.model_info(), client.server_info()
+    if args.json:
+        print(json.dumps({"model": MessageToDict(model, always_print_fields_with_no_presence=True),
+                          "server": MessageToDict(server, always_print_fields_with_no_presence=True)}, indent=2))
+        return 0
+    print(f"model          {model.model_name}  ({model.model_path})")
+    print(f"max_model_len  {model.max_model_len}")
+    print(f"vocab_size     {model.vocab_size}   eos ids {list(model.eos_token_ids)}")
+    print(f"chat template  {'yes' if model.has_chat_template else 'no'}")
+    print(f"server         tandem {server.version}, {server.num_in_flight} requests in flight "
+          f"(admits {server.max_waiting_requests})")
+    for engine in server.engines:
+        state = "connected" if engine.connected else "DISCONNECTED"
+        print(f"engine         {engine.address}  {state}, {engine.num_in_flight} in flight")
+    return 0
+
+
+def health(args: argparse.Namespace) -> int:
+    with client_from_args(args) as client:
+        status = client.health(args.service)
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
+def _parse_ids(text: str, flag: str) -> list[int]:
+    try:
+        return [int(piece) for piece in text.replace(",", " ").split()]
+    except ValueError:
+        raise ValueError(f"{flag} expects integers separated by spaces or commas, got {text!r}") from None
+
+
+def _print_stats(usage, finish, ttft, elapsed) -> None:
+    if usage is None:
+        return
+    rate = usage.completion_tokens / elapsed if elapsed > 0 else 0.0
+    ttft_text = f"{ttft:.2f} s" if ttft is not None else "-"
+    print(f"[{usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens "
+          f"({usage.cached_tokens} cached), finish: {finish}, first token {ttft_text}, "
+          f"{elapsed:.2f} s, {rate:.1f} tok/s]", file=sys.stderr)

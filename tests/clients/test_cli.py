@@ -1,0 +1,113 @@
+"""Every `tandem` client command as a user runs it (a subprocess) against the live stack."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from clients.cli import main
+from clients.client import TandemClient
+from clients.local_stack import free_port
+from tests.clients.conftest import run_cli
+from tests.test_stack import MAX_MODEL_LEN
+
+COMMANDS = ("serve", "generate", "chat", "tokenize", "info", "health", "bench")
+
+
+@pytest.fixture(scope="module")
+def address(live_stack):
+    return live_stack.frontend_address
+
+
+@pytest.fixture(scope="module")
+def client(address):
+    with TandemClient(address, timeout=60) as c:
+        yield c
+
+
+def greedy_text(chunks) -> str:
+    return "".join(chunk.text for chunk in chunks)
+
+
+def test_every_command_has_help_with_examples(capsys):
+    for command in COMMANDS:
+        with pytest.raises(SystemExit) as exit_info:
+            main([command, "--help"])
+        assert exit_info.value.code == 0
+        assert "examples:\n  tandem " + command in capsys.readouterr().out, command
+    result = run_cli("--help")  # and the real entry point
+    assert result.returncode == 0 and all(command in result.stdout for command in COMMANDS)
+
+
+def test_generate_streams_the_same_text_as_the_client(address, client):
+    expected = greedy_text(client.generate("The weather today", temperature=0, max_tokens=12, ignore_eos=True))
+    result = run_cli("generate", "The weather today", "--temperature", "0", "--max-tokens", "12", "--ignore-eos",
+                     "--address", address)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == expected + "\n"
+    assert "12 completion tokens" in result.stderr and "finish: length" in result.stderr
+
+
+def test_generate_json_from_token_ids(address, client):
+    ids = client.tokenize("Good morning").token_ids
+    result = run_cli("generate", "--token-ids", ",".join(map(str, ids)), "--temperature", "0", "--max-tokens", "5",
+                     "--ignore-eos", "--json", "--address", address)
+    assert result.returncode == 0, result.stderr
+    messages = [json.loads(line) for line in result.stdout.splitlines()]
+    assert sum(len(m["token_ids"]) for m in messages) == 5
+    assert messages[-1]["finish_reason"] == "length" and messages[-1]["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_chat_from_piped_stdin_keeps_the_history(address, client):
+    sampling = {"temperature": 0, "max_tokens": 10, "ignore_eos": True}
+    result = run_cli("chat", "--temperature", "0", "--max-tokens", "10", "--ignore-eos", "--system", "Be nice.",
+                     "--address", address, stdin="Hello there\n\n/reset\nHow are you?\nAnd then?\n")
+    assert result.returncode == 0, result.stderr
+    first, second, third = result.stdout.split("\n")[:3]
+    system = {"role": "system", "content": "Be nice."}
+    assert first == greedy_text(client.chat([system, {"role": "user", "content": "Hello there"}], **sampling))
+    history = [system, {"role": "user", "content": "How are you?"}]  # /reset dropped the first turn
+    assert second == greedy_text(client.chat(history, **sampling))
+    history += [{"role": "assistant", "content": second}, {"role": "user", "content": "And then?"}]
+    assert third == greedy_text(client.chat(history, **sampling))
+    assert "history cleared" in result.stderr
+
+
+def test_tokenize_and_decode(address, client):
+    expected = client.tokenize("Hello world")
+    result = run_cli("tokenize", "Hello world", "--address", address)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0] == " ".join(map(str, expected.token_ids))
+    decoded = run_cli("tokenize", "--decode", *map(str, expected.token_ids), "--address", address)
+    assert decoded.stdout == "Hello world\n"
+    chat = json.loads(run_cli("tokenize", "Hi", "--chat", "--json", "--address", address).stdout)
+    assert chat["token_ids"] == list(client.tokenize(messages=[("user", "Hi")]).token_ids)
+
+
+def test_info_and_health(address, live_stack):
+    result = run_cli("info", "--json", "--address", address)
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    assert info["model"]["maxModelLen"] == MAX_MODEL_LEN
+    assert info["server"]["engines"][0]["address"] == live_stack.engine_address
+    text = run_cli("info", "--address", address).stdout
+    assert f"max_model_len  {MAX_MODEL_LEN}" in text and "connected" in text
+    health = run_cli("health", "--address", address)
+    assert (health.returncode, health.stdout) == (0, "SERVING\n")
+
+
+def test_a_bad_request_prints_the_status_and_message_not_a_traceback(address):
+    result = run_cli("generate", "hi", "--top-p", "0", "--address", address)
+    assert result.returncode == 1
+    assert result.stderr.startswith("tandem: INVALID_ARGUMENT: sampling_params.top_p")
+    assert "Traceback" not in result.stderr
+    local = run_cli("tokenize", "--decode", "1", "x", "--address", address)
+    assert local.returncode == 1 and local.stderr.startswith("tandem: INVALID_ARGUMENT: --decode expects integers")
+
+
+def test_an_unreachable_server_is_unavailable():
+    for command in (["health"], ["generate", "hi"], ["info"]):
+        result = run_cli(*command, "--address", f"127.0.0.1:{free_port()}", "--retries", "0", "--timeout", "10")
+        assert result.returncode == 1, command
+        assert result.stderr.startswith("tandem: UNAVAILABLE: ") and "Traceback" not in result.stderr
