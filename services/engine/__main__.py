@@ -3,7 +3,8 @@
     python -m services.engine --model ./my-llama --port 50061
 
 Every EngineConfig field is a flag. SIGTERM / SIGINT drain gracefully: health goes
-NOT_SERVING, open streams get --grace seconds, then the process exits 0.
+NOT_SERVING, new requests are held, requests in flight get --grace seconds to finish,
+then the streams close (held requests end UNAVAILABLE) and the process exits 0.
 """
 
 from __future__ import annotations
@@ -16,6 +17,12 @@ import sys
 from pathlib import Path
 
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from services.engine.outbox import DEFAULT_MAX_PENDING_OUTPUTS
+from services.security import flags as security_flags
+from services.security.transport import ENGINE_LINK_MAX_MESSAGE_BYTES
+from services.telemetry import flags as telemetry_flags
+from services.telemetry.request_log import configure_logging
+from services.telemetry.tracing import setup_tracing, shutdown_tracing
 
 logger = logging.getLogger("tandem.engine")
 
@@ -32,9 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--port", type=int, default=50061, help="port to listen on (0 picks a free one)")
     server.add_argument("--stall-timeout", type=float, default=30.0,
                         help="seconds without engine progress, while there is work, before health says NOT_SERVING")
-    server.add_argument("--grace", type=float, default=5.0, help="seconds open streams get on shutdown")
+    server.add_argument("--grace", type=float, default=5.0, help="seconds requests in flight get to finish on shutdown")
+    server.add_argument("--max-pending-outputs", type=int, default=DEFAULT_MAX_PENDING_OUTPUTS,
+                        help="output messages buffered per connection for a client that does not read; "
+                             "beyond that the connection ends with RESOURCE_EXHAUSTED and its requests are aborted")
     server.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="logging level")
+    security_flags.add_server_flags(p, max_message_bytes=ENGINE_LINK_MAX_MESSAGE_BYTES)
+    telemetry_flags.add_telemetry_arguments(p.add_argument_group("observability"))
 
     m = p.add_argument_group("model")
     m.add_argument("--model", default=model.model,
@@ -67,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: triton on cuda, torch elsewhere")
     d.add_argument("--num-threads", type=int, default=device.num_threads,
                    help="torch CPU threads (default: torch's own choice)")
+    d.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: run every step eagerly (graphs capture decode batches on CUDA by default)")
+    d.add_argument("--cuda-graph-max-batch-size", type=int, default=device.cuda_graph_max_batch_size,
+                   help="largest decode batch captured as a CUDA graph (also capped by --max-num-seqs)")
     return p
 
 
@@ -84,7 +100,10 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             policy=args.policy, enable_chunked_prefill=not args.no_chunked_prefill,
         ),
-        device=DeviceConfig(device=args.device, attention_backend=args.attention_backend, num_threads=args.num_threads),
+        device=DeviceConfig(
+            device=args.device, attention_backend=args.attention_backend, num_threads=args.num_threads,
+            enforce_eager=args.enforce_eager, cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
+        ),
     )
 
 
@@ -108,15 +127,23 @@ async def serve(server, args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
+    tracer_provider = None
     try:
         config = config_from_args(args)
+        transport = security_flags.server_transport_from_args(args)
+        tracer_provider = setup_tracing(telemetry_flags.tracing_settings(args, "tandem-engine"))
         from services.engine.server import EngineServer  # torch loads here, after the flags are checked
 
-        server = EngineServer(config, f"{args.host}:{args.port}", stall_timeout=args.stall_timeout)
+        server = EngineServer(config, f"{args.host}:{args.port}", stall_timeout=args.stall_timeout,
+                              max_pending_outputs=args.max_pending_outputs,
+                              transport=transport, tracer_provider=tracer_provider,
+                              metrics_port=args.metrics_port, metrics_host=args.host)
         asyncio.run(serve(server, args))
     except (ValueError, FileNotFoundError, NotADirectoryError) as exc:
         parser.exit(2, f"tandem-engine: error: {exc}\n")
+    finally:
+        shutdown_tracing(tracer_provider)
     return 0
 
 

@@ -11,6 +11,7 @@ two frontends may use the same ids; outputs are routed back by that prefix.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -38,6 +39,7 @@ from services.engine.messages import (
     UtilityResult,
 )
 from services.engine.profiler import Profiler
+from services.engine.telemetry import EngineTelemetry
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +48,9 @@ _IDLE_TICK_S = 1.0  # an idle loop still records a heartbeat this often
 
 
 class EngineBusyLoop:
-    def __init__(self, engine: EngineCore) -> None:
+    def __init__(self, engine: EngineCore, telemetry: EngineTelemetry | None = None) -> None:
         self.engine = engine
+        self.telemetry = telemetry  # request spans and step metrics; None: none at all
         self._inputs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()  # orders "submit" against "die"
         self._connection_ids = itertools.count(1)
@@ -110,14 +113,25 @@ class EngineBusyLoop:
         try:
             while self._process_inputs(block=not self._has_work()):
                 if self._has_work():
-                    self._route(self.engine.step())
+                    self._route(self._step())
                 if self._drain_waiters and not self.engine.has_unfinished_requests():
                     self._finish_drain()  # by finishing or by aborts
                 self.heartbeat = time.monotonic()
         except BaseException as exc:  # noqa: BLE001 - any crash must fail the connections
             self._die(exc)
         finally:
-            self._profiler.stop()
+            with contextlib.suppress(OSError, ValueError):  # a trace that cannot be written is lost
+                self._profiler.stop()
+            if self.telemetry is not None:
+                self.telemetry.close()  # requests still in flight end with the loop
+
+    def _step(self) -> EngineCoreOutputs:
+        if self.telemetry is None:
+            return self.engine.step()
+        started = time.perf_counter()
+        step = self.engine.step()
+        self.telemetry.record_step(step, time.perf_counter() - started)
+        return step
 
     def _has_work(self) -> bool:
         return self._stepping and self.engine.has_unfinished_requests()
@@ -185,12 +199,20 @@ class EngineBusyLoop:
 
     def _admit(self, connection: int, request: EngineCoreRequest) -> None:
         engine_id = f"{connection}/{request.request_id}"
+        admitted_ns = time.time_ns()  # the request span starts before the scheduler's QUEUED event
         try:
             self.engine.add_request(dataclasses.replace(request, request_id=engine_id))
         except ValueError as exc:
             self._refuse(connection, request.request_id, str(exc).replace(engine_id, request.request_id))
             return
         self._owned[connection].add(engine_id)
+        if self.telemetry is not None:
+            self.telemetry.start_request(engine_id, request, admitted_ns)
+
+    def _abort_in_engine(self, engine_ids: list[str]) -> None:
+        self.engine.abort_requests(engine_ids)
+        if self.telemetry is not None:
+            self.telemetry.end_requests(engine_ids)
 
     def _refuse(self, connection: int, request_id: str, message: str) -> None:
         self._send(connection, ConnectionOutputs(errors=[RequestError(request_id, message)], timestamp=time.time()))
@@ -198,12 +220,12 @@ class EngineBusyLoop:
     def _abort(self, connection: int, request_ids: list[str]) -> None:
         """Client aborts: the client knows, so no output is sent (the ids show up as finished)."""
         engine_ids = {f"{connection}/{request_id}" for request_id in request_ids}
-        self.engine.abort_requests(list(engine_ids))
+        self._abort_in_engine(list(engine_ids))
         self._owned[connection] -= engine_ids
         self._held = deque((c, r) for c, r in self._held if c != connection or r.request_id not in request_ids)
 
     def _close(self, connection: int) -> None:
-        self.engine.abort_requests(list(self._owned.pop(connection, ())))
+        self._abort_in_engine(list(self._owned.pop(connection, ())))
         self._held = deque((c, r) for c, r in self._held if c != connection)
         self._sinks.pop(connection, None)
 
@@ -212,7 +234,7 @@ class EngineBusyLoop:
         now = time.time()
         aborted: dict[int, list[str]] = defaultdict(list)
         for connection, engine_ids in self._owned.items():
-            self.engine.abort_requests(list(engine_ids))
+            self._abort_in_engine(list(engine_ids))
             aborted[connection] += [engine_id.partition("/")[2] for engine_id in engine_ids]
         for connection, request in self._held:
             aborted[connection].append(request.request_id)
@@ -274,9 +296,16 @@ class EngineBusyLoop:
                 return self._fail(call, "a profile is already running; call StopProfile first")
             if not call.profile_dir:
                 return self._fail(call, "profile_dir must name a folder for the trace")
-            self._profiler.start(call.profile_dir)
+            try:
+                self._profiler.start(call.profile_dir)
+            except (OSError, ValueError) as exc:  # a folder that cannot be made: the caller's to fix
+                return self._fail(call, f"cannot write a profile into {call.profile_dir!r}: {exc}")
         elif method is UtilityMethod.STOP_PROFILE:
-            if self._profiler.stop() is None:
+            try:
+                trace = self._profiler.stop()
+            except (OSError, ValueError) as exc:  # e.g. the folder was removed while profiling
+                return self._fail(call, f"the profile could not be written: {exc}")
+            if trace is None:
                 return self._fail(call, "no profile is running; call StartProfile first")
         return UtilityResult(call.call_id, True, stats=self.engine.make_stats())
 

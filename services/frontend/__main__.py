@@ -12,9 +12,17 @@ import signal
 
 from services.frontend.async_llm import DEFAULT_MAX_WAITING_REQUESTS, AsyncLLM
 from services.frontend.engine_client import GrpcEngineClient
-from services.frontend.sampling import DEFAULT_MAX_N
+from services.frontend.limits import RequestLimits
+from services.frontend.output_processor import DEFAULT_MAX_UNSENT_TOKENS
 from services.frontend.server import FrontendServer
+from services.frontend.telemetry import FrontendTelemetry
 from services.frontend.tokenizer import load_tokenizer
+from services.security import flags as security_flags
+from services.security.transport import DEFAULT_MAX_MESSAGE_BYTES
+from services.telemetry import flags as telemetry_flags
+from services.telemetry.metrics import FrontendMetrics, MetricsServer
+from services.telemetry.request_log import configure_logging
+from services.telemetry.tracing import setup_tracing, shutdown_tracing
 
 log = logging.getLogger("tandem.frontend")
 
@@ -32,14 +40,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
                         help="engine requests in flight before new ones get RESOURCE_EXHAUSTED "
                              "(default: %(default)s)")
-    parser.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
-                        help="the largest n (completions per request) accepted (default: %(default)s)")
+    parser.add_argument("--max-unsent-tokens", type=int, default=DEFAULT_MAX_UNSENT_TOKENS,
+                        help="generated tokens a stream may have waiting for a client that does not read before "
+                             "the request is aborted with RESOURCE_EXHAUSTED (default: %(default)s)")
     parser.add_argument("--grace", type=float, default=10.0,
                         help="seconds in-flight streams get to finish on shutdown (default: %(default)s)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="log level (default: %(default)s)")
+    telemetry_flags.add_telemetry_arguments(parser)
+    RequestLimits.add_flags(parser)
+    security_flags.add_server_flags(parser, max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES, tokens=True)
+    security_flags.add_engine_link_flags(parser)
     args = parser.parse_args(argv)
+    if args.max_unsent_tokens < 1:
+        parser.error(f"--max-unsent-tokens must be >= 1, got {args.max_unsent_tokens}")
     args.engine = args.engine or ["127.0.0.1:50061"]
+    try:
+        args.transport = security_flags.server_transport_from_args(args)
+        args.engine_link = security_flags.engine_link_from_args(args)
+    except ValueError as exc:  # a missing or bad certificate, key or token file
+        parser.exit(2, f"tandem-frontend: error: {exc}\n")
     return args
 
 
@@ -48,15 +68,18 @@ async def serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    client = GrpcEngineClient(args.engine)
+    telemetry, metrics_server = _telemetry_from_args(args)
+    client = GrpcEngineClient(args.engine, transport=args.engine_link)
     await client.start()
     try:
         tokenizer_path = args.tokenizer or await _model_path_from_engine(client, stop, args.engine)
         if tokenizer_path is None:
             return
         tokenizer = load_tokenizer(tokenizer_path)
-        llm = AsyncLLM(client, tokenizer, max_waiting_requests=args.max_waiting_requests, max_n=args.max_n)
-        server = FrontendServer(llm, f"{args.host}:{args.port}")
+        llm = AsyncLLM(client, tokenizer, max_waiting_requests=args.max_waiting_requests,
+                       limits=RequestLimits.from_args(args), max_unsent_tokens=args.max_unsent_tokens,
+                       telemetry=telemetry)
+        server = FrontendServer(llm, f"{args.host}:{args.port}", transport=args.transport)
         await server.start()
         log.info("frontend listening on %s:%d (tokenizer %s)", args.host, server.port, tokenizer_path)
         await stop.wait()
@@ -64,6 +87,21 @@ async def serve(args: argparse.Namespace) -> None:
         await server.stop(args.grace)
     finally:
         await client.close()
+        if metrics_server is not None:
+            metrics_server.stop()
+        shutdown_tracing(telemetry.tracer_provider)
+
+
+def _telemetry_from_args(args: argparse.Namespace) -> tuple[FrontendTelemetry, MetricsServer | None]:
+    """Tracing per --otel / OTEL_*, and /metrics served from now on (also while waiting for an engine)."""
+    metrics = FrontendMetrics() if args.metrics_port is not None else None
+    metrics_server = None
+    if metrics is not None:
+        metrics_server = MetricsServer(metrics.registry, args.host, args.metrics_port)
+        port = metrics_server.start()
+        log.info("Prometheus metrics on http://%s:%d/metrics", args.host, port)
+    tracer_provider = setup_tracing(telemetry_flags.tracing_settings(args, "tandem-frontend"))
+    return FrontendTelemetry(tracer_provider, metrics), metrics_server
 
 
 async def _model_path_from_engine(client: GrpcEngineClient, stop: asyncio.Event, engines: list[str]) -> str | None:
@@ -82,8 +120,11 @@ async def _model_path_from_engine(client: GrpcEngineClient, stop: asyncio.Event,
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(args))
+    configure_logging(args.log_level, args.log_format)
+    try:
+        asyncio.run(serve(args))
+    except ValueError as exc:  # a metrics port that cannot be bound, an unknown OTLP protocol
+        raise SystemExit(f"tandem-frontend: error: {exc}") from None
 
 
 if __name__ == "__main__":

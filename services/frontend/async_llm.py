@@ -14,9 +14,10 @@ from dataclasses import replace
 from services.frontend.engine_client import EngineClient, UtilityResult
 from services.frontend.errors import DuplicateRequest, EngineUnavailable, TooManyRequests
 from services.frontend.input_processor import InputProcessor, Prompt
+from services.frontend.limits import RequestLimits
 from services.frontend.messages import EngineInfo, EngineRequest, RequestOutput
-from services.frontend.output_processor import OutputProcessor, RequestOutputCollector
-from services.frontend.sampling import DEFAULT_MAX_N
+from services.frontend.output_processor import DEFAULT_MAX_UNSENT_TOKENS, OutputProcessor, RequestOutputCollector
+from services.frontend.telemetry import FrontendTelemetry
 from services.frontend.tokenizer import TokenizerBundle
 
 log = logging.getLogger(__name__)
@@ -28,11 +29,17 @@ class AsyncLLM:
     """Generate text through one or more engine cores."""
 
     def __init__(self, engine_client: EngineClient, tokenizer: TokenizerBundle, *,
-                 max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS, max_n: int = DEFAULT_MAX_N) -> None:
+                 max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+                 limits: RequestLimits = RequestLimits(),
+                 max_unsent_tokens: int = DEFAULT_MAX_UNSENT_TOKENS,
+                 telemetry: FrontendTelemetry | None = None) -> None:
         self.engine_client = engine_client
         self.tokenizer = tokenizer
-        self.input_processor = InputProcessor(tokenizer, max_n=max_n)
-        self.output_processor = OutputProcessor(tokenizer.tokenizer)
+        self.telemetry = telemetry or FrontendTelemetry()  # default: request log lines only
+        self.input_processor = InputProcessor(tokenizer, limits=limits)
+        self.output_processor = OutputProcessor(tokenizer.tokenizer, max_unsent_tokens, self.telemetry)
+        if self.telemetry.metrics is not None:
+            self.telemetry.metrics.track_streams(lambda: len(self.output_processor.parents))
         self.max_waiting_requests = max_waiting_requests
         self.model_info: EngineInfo | None = None  # the last model an engine reported
         self.draining = False
@@ -44,6 +51,8 @@ class AsyncLLM:
         info = self.engine_client.engine_info
         if info is not None:
             self.model_info = info
+            if self.telemetry.metrics is not None:
+                self.telemetry.metrics.set_model(info.model_name)
             self.input_processor.set_model_limits(info.max_model_len, info.vocab_size)
 
     # ---- generation -----------------------------------------------------------------
@@ -81,9 +90,10 @@ class AsyncLLM:
         if in_flight + n > self.max_waiting_requests:
             raise TooManyRequests(f"the server is full: {in_flight} requests in flight, the limit is "
                                   f"{self.max_waiting_requests} (--max-waiting-requests); retry later")
+        request, stats = self.telemetry.start_request(request)  # its span's context goes into the trace headers
         children = [request] if n == 1 else [_child(request, i) for i in range(n)]
         collector = RequestOutputCollector(request.sampling_params.output_kind)
-        self.output_processor.add_request(request.request_id, children, collector)
+        self.output_processor.add_request(request.request_id, children, collector, stats)
         try:
             for child in children:
                 self.engine_client.add_request(child)

@@ -24,10 +24,11 @@ from tandem.v1 import engine_core_pb2, engine_core_pb2_grpc
 from services.frontend import convert
 from services.frontend.errors import EngineUnavailable, InvalidRequest
 from services.frontend.messages import EngineInfo, EngineOutput, EngineRequest
+from services.security.transport import ENGINE_LINK_MAX_MESSAGE_BYTES, ChannelTransport
 
 log = logging.getLogger(__name__)
 
-_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+PLAINTEXT_LINK = ChannelTransport(max_message_bytes=ENGINE_LINK_MAX_MESSAGE_BYTES)
 
 
 class OutputSink(Protocol):
@@ -113,9 +114,9 @@ class EngineClient(ABC):
 class _Engine:
     """One engine address: its channel, its current stream and what is in flight on it."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, transport: ChannelTransport) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.channel = transport.aio_channel(address)
         self.stub = engine_core_pb2_grpc.EngineCoreStub(self.channel)
         self.info: EngineInfo | None = None
         self.queue: asyncio.Queue | None = None  # inputs for the current stream; None: not connected
@@ -132,12 +133,16 @@ class _Engine:
 
 
 class GrpcEngineClient(EngineClient):
-    """Engine cores over gRPC: reconnects with capped exponential backoff, routes to the least loaded."""
+    """Engine cores over gRPC: reconnects with capped exponential backoff, routes to the least loaded.
+
+    `transport` says how to reach the engines (plaintext by default; TLS / mutual TLS from the
+    frontend's --engine-tls-* flags).
+    """
 
     def __init__(self, addresses: list[str], *, backoff_initial_s: float = 0.1, backoff_max_s: float = 5.0,
-                 info_timeout_s: float = 5.0) -> None:
+                 info_timeout_s: float = 5.0, transport: ChannelTransport = PLAINTEXT_LINK) -> None:
         super().__init__()
-        self._engines = [_Engine(address) for address in addresses]
+        self._engines = [_Engine(address, transport) for address in addresses]
         self._owner: dict[str, _Engine] = {}  # engine request id -> its engine
         self._call_ids = itertools.count(1)
         self._backoff = (backoff_initial_s, backoff_max_s)

@@ -3,17 +3,21 @@
 Per engine request: detokenize incrementally, check stop strings, build the message
 for the request's output kind and put it into the client request's collector, which
 merges messages while the consumer is behind. Stop-string hits are returned so the
-caller can abort them in the engine.
+caller can abort them in the engine, and so are the requests of a client that stopped
+reading: once more than `max_unsent_tokens` merged DELTA tokens wait in its collector,
+the request ends with SlowReader (RESOURCE_EXHAUSTED) and is aborted in the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
 from services.frontend.detokenizer import Detokenizer, decode_logprobs
+from services.frontend.errors import SlowReader
 from services.frontend.messages import (
     CompletionOutput,
     EngineOutput,
@@ -24,6 +28,9 @@ from services.frontend.messages import (
     Usage,
 )
 from services.frontend.sampling import OutputKind
+from services.frontend.telemetry import FrontendTelemetry, RequestStats
+
+DEFAULT_MAX_UNSENT_TOKENS = 8192
 
 
 # ---- collector --------------------------------------------------------------------
@@ -46,6 +53,13 @@ class RequestOutputCollector:
         while self.output is None:
             await self.ready.wait()
         return self._take()
+
+    @property
+    def backlog_tokens(self) -> int:
+        """Tokens merged into the unsent DELTA message (what grows while the consumer does not read)."""
+        if not self.aggregate or not isinstance(self.output, RequestOutput):
+            return 0
+        return sum(len(c.token_ids) for c in self.output.completions)
 
     def get_nowait(self) -> RequestOutput | None:
         return None if self.output is None else self._take()
@@ -70,6 +84,7 @@ class ParentRequest:
     completion_tokens: int = 0
     cached_tokens: int = 0
     first_sent: bool = False
+    stats: RequestStats | None = None  # timestamps and span, for metrics, tracing and the log line
 
 
 class RequestState:
@@ -108,8 +123,11 @@ class RequestState:
 class OutputProcessor:
     """Owns every in-flight request's state; the only code that turns engine outputs into client messages."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, max_unsent_tokens: int = DEFAULT_MAX_UNSENT_TOKENS,
+                 telemetry: FrontendTelemetry | None = None) -> None:
         self.tokenizer = tokenizer
+        self.telemetry = telemetry or FrontendTelemetry()
+        self.max_unsent_tokens = max_unsent_tokens
         self.requests: dict[str, RequestState] = {}  # engine request id -> state
         self.parents: dict[str, ParentRequest] = {}  # client request id -> parent
 
@@ -122,9 +140,10 @@ class OutputProcessor:
         return request_id in self.parents
 
     def add_request(self, request_id: str, children: list[EngineRequest],
-                    collector: RequestOutputCollector) -> None:
+                    collector: RequestOutputCollector, stats: RequestStats | None = None) -> None:
         """Track a client request and its engine requests (one per completion)."""
-        parent = ParentRequest(request_id, collector, len(children[0].prompt_token_ids))
+        parent = ParentRequest(request_id, collector, len(children[0].prompt_token_ids),
+                               stats=stats or RequestStats(request_id, children[0].arrival_time))
         self.parents[request_id] = parent
         for index, child in enumerate(children):
             parent.children[index] = child.request_id
@@ -132,12 +151,14 @@ class OutputProcessor:
 
     # ---- the loop ------------------------------------------------------------------
     def process_outputs(self, outputs: list[EngineOutput]) -> list[str]:
-        """Process one engine step; return the engine request ids stopped by a stop string."""
+        """Process one engine step; return the engine request ids to abort (stop strings, slow readers)."""
         stopped = []
+        now = time.time()
         for out in outputs:
             state = self.requests.get(out.request_id)
             if state is None:  # aborted or finished already
                 continue
+            self.telemetry.observe(state.parent.stats, out, now)
             finish = out.finish_reason
             skip_last = finish == FinishReason.STOP and out.stop_token_id is not None and not state.include_stop
             stop_string = state.detokenizer.update(out.new_token_ids, skip_last=skip_last)
@@ -152,6 +173,8 @@ class OutputProcessor:
             state.parent.cached_tokens = max(state.parent.cached_tokens, out.num_cached_tokens)
             completion = state.completion(out, finish, stop_string, new_logprobs)
             self._emit(state, completion, finished=finish is not None)
+            if state.parent.children and state.parent.collector.backlog_tokens > self.max_unsent_tokens:
+                stopped += self._cut_off(state.parent)
         return stopped
 
     def abort_request(self, request_id: str) -> list[str]:
@@ -180,7 +203,22 @@ class OutputProcessor:
                     siblings.append(child_id)
             parent.children.clear()
             parent.collector.put(error)
+            self.telemetry.fail(parent.stats, error)
         return siblings
+
+    def _cut_off(self, parent: ParentRequest) -> list[str]:
+        """End a request whose client stopped reading (its backlog is dropped); its running engine ids."""
+        self.parents.pop(parent.request_id, None)
+        running = list(parent.children.values())
+        for engine_id in running:
+            self.requests.pop(engine_id, None)
+        parent.children.clear()
+        error = SlowReader(
+            f"the client did not read the stream: more than {self.max_unsent_tokens} generated tokens were "
+            "waiting to be sent (--max-unsent-tokens); the request was aborted")
+        parent.collector.put(error)
+        self.telemetry.fail(parent.stats, error)
+        return running
 
     # ---- messages -------------------------------------------------------------------
     def _emit(self, state: RequestState, completion: CompletionOutput | None, finished: bool) -> None:
@@ -200,4 +238,5 @@ class OutputProcessor:
         if done:
             self.parents.pop(parent.request_id, None)
             output.usage = Usage(parent.num_prompt_tokens, parent.completion_tokens, parent.cached_tokens)
+            self.telemetry.finish(parent.stats, output.usage, completion.finish_reason if completion else None)
         parent.collector.put(output)

@@ -20,6 +20,7 @@ from services.frontend.async_llm import AsyncLLM
 from services.frontend.engine_client import UtilityResult
 from services.frontend.errors import DuplicateRequest, EngineUnavailable, FrontendError, InvalidRequest, TooManyRequests
 from services.frontend.input_processor import TextPrompt
+from services.security.transport import ServerTransport
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +63,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             yield response
 
     async def _stream(self, context, request_id, prompt, sampling_params, priority):
-        trace_headers = {k: v for k, v in (context.invocation_metadata() or ()) if k in _TRACE_KEYS}
+        # Tracing on: the OpenTelemetry interceptor already made the client's context current.
+        trace_headers = None if self.llm.telemetry.tracing else {
+            k: v for k, v in (context.invocation_metadata() or ()) if k in _TRACE_KEYS}
         try:
             async with aclosing(self.llm.generate(prompt, sampling_params, request_id, priority=priority,
                                                   trace_headers=trace_headers)) as outputs:
                 async for output in outputs:
                     yield convert.response_from_output(output)
         except Exception as e:  # noqa: BLE001 - mapped to a status code
+            self.llm.telemetry.count_error(status_for(e) if isinstance(e, FrontendError) else grpc.StatusCode.INTERNAL)
             await _abort(context, e)
 
     async def Tokenize(self, request, context):
@@ -126,7 +130,10 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self.llm = llm
 
     async def Pause(self, request, context):
-        return await self._forward(context, self.llm.pause_generation(self._PAUSE_MODES.get(request.mode, "abort")))
+        if request.mode not in self._PAUSE_MODES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"mode {request.mode} is not a PauseMode "
+                                "(PAUSE_MODE_ABORT, PAUSE_MODE_WAIT or PAUSE_MODE_KEEP)")
+        return await self._forward(context, self.llm.pause_generation(self._PAUSE_MODES[request.mode]))
 
     async def Resume(self, request, context):
         return await self._forward(context, self.llm.resume_generation())
@@ -163,11 +170,14 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
 # ---- the server -------------------------------------------------------------------
 class FrontendServer:
-    """The grpc.aio server: Generation, Admin, health (SERVING while an engine is connected), reflection."""
+    """The grpc.aio server: Generation, Admin, health (SERVING while an engine is connected), reflection.
 
-    def __init__(self, llm: AsyncLLM, address: str) -> None:
+    `transport` sets TLS, the bearer-token interceptor and the message size limit (default: plaintext).
+    """
+
+    def __init__(self, llm: AsyncLLM, address: str, *, transport: ServerTransport = ServerTransport()) -> None:
         self.llm = llm
-        self.server = grpc.aio.server()
+        self.server = transport.server(*llm.telemetry.server_interceptors())
         self.health = health_aio.HealthServicer()
         generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(llm), self.server)
         admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(llm), self.server)
@@ -180,7 +190,7 @@ class FrontendServer:
         )
         reflection.enable_server_reflection(services, self.server)
         self._services = services[:2]
-        self.port = self.server.add_insecure_port(address)
+        self.port = transport.add_port(self.server, address)
         if not self.port:
             raise OSError(f"cannot listen on {address}")
         self._health_task: asyncio.Task | None = None
@@ -200,7 +210,10 @@ class FrontendServer:
             await self.health.set(service, status)
 
     async def stop(self, grace_s: float = 5.0) -> None:
-        """Health NOT_SERVING first (load balancers stop sending), then stop with a grace period."""
+        """Drain, then stop: health NOT_SERVING, new requests UNAVAILABLE ("draining") while the server still
+        listens, in-flight streams get up to `grace_s` to finish, then whatever is left is cancelled."""
+        deadline = asyncio.get_running_loop().time() + max(grace_s, 0.0)
         self.llm.engine_client.remove_listener(self._schedule_health)
         await self.update_health(serving=False)
-        await self.server.stop(grace_s)
+        await self.llm.drain(grace_s)  # sets draining: admits nothing new
+        await self.server.stop(max(deadline - asyncio.get_running_loop().time(), 0.0))
