@@ -66,6 +66,7 @@ class Scheduler:
         self._num_scheduled_tokens = 0  # in the last schedule()
         self._num_prompt_tokens = 0  # in the last update_from_output()
         self._num_generation_tokens = 0  # in the last update_from_output()
+        self._prefix_cache_queries = self._prefix_cache_hits = 0  # tokens, in the last schedule()
 
     # ---- requests in and out -----------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -245,6 +246,7 @@ class Scheduler:
             ))
         self._num_prompt_tokens = num_prompt_tokens
         self._num_generation_tokens = num_generation_tokens
+        self._prefix_cache_queries, self._prefix_cache_hits = self.kv_cache_manager.take_prefix_cache_stats()
 
         if stopped:
             self.running = [r for r in self.running if r.request_id not in stopped]
@@ -284,8 +286,10 @@ class Scheduler:
         return True
 
     def make_stats(self) -> SchedulerStats:
-        """Gauges now; counters (prefix cache, preemptions, tokens) for the last step."""
-        queries, hits = self.kv_cache_manager.take_prefix_cache_stats()
+        """Gauges now; counters (prefix cache, preemptions, tokens) for the last step.
+
+        A pure read: utility calls may ask between steps without taking counts from the step's metrics.
+        """
         manager = self.kv_cache_manager
         return SchedulerStats(
             num_running_reqs=len(self.running),
@@ -293,8 +297,8 @@ class Scheduler:
             kv_cache_usage=manager.usage,
             num_free_blocks=manager.num_free_blocks,
             num_total_blocks=manager.num_blocks - 1,  # usable: the null block is not counted
-            prefix_cache_queries=queries,
-            prefix_cache_hits=hits,
+            prefix_cache_queries=self._prefix_cache_queries,
+            prefix_cache_hits=self._prefix_cache_hits,
             num_preemptions=self._num_preemptions,
             num_scheduled_tokens=self._num_scheduled_tokens,
             num_prompt_tokens=self._num_prompt_tokens,

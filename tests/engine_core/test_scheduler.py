@@ -196,6 +196,22 @@ def test_shared_prefix_is_not_recomputed(caching):
     assert all_blocks_free(scheduler)
 
 
+def test_stats_between_steps_do_not_take_the_steps_prefix_counts():
+    """A utility call's make_stats() is a read: the step's own stats still carry its prefix-cache counts."""
+    scheduler = make_scheduler()
+    runner = FakeRunner(BLOCK)
+    prefix = list(range(50, 50 + 2 * BLOCK))
+    scheduler.add_request(make_request("first", prefix + [1], max_tokens=1))
+    run_to_completion(scheduler, runner)
+    scheduler.add_request(make_request("second", prefix + [2], max_tokens=1))
+    out = scheduler.schedule()
+    assert scheduler.make_stats() == scheduler.make_stats()  # reading twice changes nothing
+    step_stats = scheduler.update_from_output(out, runner.execute(out)).scheduler_stats
+    assert (step_stats.prefix_cache_queries, step_stats.prefix_cache_hits) == (2 * BLOCK + 1, 2 * BLOCK)
+    between = scheduler.make_stats()
+    assert (between.prefix_cache_queries, between.prefix_cache_hits) == (2 * BLOCK + 1, 2 * BLOCK)
+
+
 def test_reset_prefix_cache_waits_for_idle():
     scheduler = make_scheduler()
     scheduler.add_request(make_request("a", range(10)))
