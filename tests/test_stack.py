@@ -26,7 +26,7 @@ from engine_core.sampling_params import SamplingParams
 from services.frontend.chat_template import render_chat
 from services.frontend.tokenizer import load_tokenizer
 from tests.engine_core.tiny_models import write_tiny_model
-from tests.services.conftest import Stream
+from tests.services.conftest import engine_stats
 
 VOCAB = 49152  # SmolLM2's, so its tokenizer fits the tiny model
 MAX_MODEL_LEN = 256
@@ -114,15 +114,6 @@ async def stream_tokens(stub, request, method="Generate") -> list[int]:
         for chunk in response.completions:
             tokens.extend(chunk.token_ids)
     return tokens
-
-
-def engine_stats(address: str) -> common_pb2.SchedulerStats:
-    with grpc.insecure_channel(address) as channel:
-        stream = Stream(channel)
-        try:
-            return stream.stats()
-        finally:
-            stream.close()
 
 
 def wait_for_all_blocks_free(address: str, timeout: float = 10.0) -> None:

@@ -194,28 +194,23 @@ class OutputProcessor:
         siblings = []
         for engine_id in engine_ids:
             state = self.requests.get(engine_id)
-            if state is None:
-                continue
-            parent = self.parents.pop(state.parent.request_id)
-            for child_id in parent.children.values():
-                self.requests.pop(child_id, None)
-                if child_id not in engine_ids:
-                    siblings.append(child_id)
-            parent.children.clear()
-            parent.collector.put(error)
-            self.telemetry.fail(parent.stats, error)
+            if state is not None:
+                siblings += [c for c in self._fail_parent(state.parent, error) if c not in engine_ids]
         return siblings
 
     def _cut_off(self, parent: ParentRequest) -> list[str]:
         """End a request whose client stopped reading (its backlog is dropped); its running engine ids."""
+        return self._fail_parent(parent, SlowReader(
+            f"the client did not read the stream: more than {self.max_unsent_tokens} generated tokens were "
+            "waiting to be sent (--max-unsent-tokens); the request was aborted"))
+
+    def _fail_parent(self, parent: ParentRequest, error: Exception) -> list[str]:
+        """End a client request with `error`; return the engine ids of its children that were still running."""
         self.parents.pop(parent.request_id, None)
         running = list(parent.children.values())
         for engine_id in running:
             self.requests.pop(engine_id, None)
         parent.children.clear()
-        error = SlowReader(
-            f"the client did not read the stream: more than {self.max_unsent_tokens} generated tokens were "
-            "waiting to be sent (--max-unsent-tokens); the request was aborted")
         parent.collector.put(error)
         self.telemetry.fail(parent.stats, error)
         return running

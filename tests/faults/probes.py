@@ -8,7 +8,7 @@ import time
 import grpc
 from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
-from tests.services.conftest import Stream
+from tests.services.conftest import engine_stats
 
 VOCAB = 49152  # SmolLM2's, so its tokenizer fits the tiny model
 MAX_MODEL_LEN = 256
@@ -53,16 +53,6 @@ async def quiet_run(address: str, requests: list) -> list[list[int]]:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         return [await stream_tokens(stub, request) for request in requests]
-
-
-def engine_stats(address: str) -> common_pb2.SchedulerStats:
-    """The engine's scheduler stats, over a Connect stream of our own (GET_STATS)."""
-    with grpc.insecure_channel(address) as channel:
-        stream = Stream(channel)
-        try:
-            return stream.stats()
-        finally:
-            stream.close()
 
 
 def busy(stats: common_pb2.SchedulerStats) -> int:

@@ -145,6 +145,16 @@ class Stream:
         self._responses.cancel()
 
 
+def engine_stats(address: str) -> engine_core_pb2.SchedulerStats:
+    """A running engine's scheduler stats, over a Connect stream of our own (GET_STATS)."""
+    with grpc.insecure_channel(address) as channel:
+        stream = Stream(channel)
+        try:
+            return stream.stats()
+        finally:
+            stream.close()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), max_position_embeddings=256)
