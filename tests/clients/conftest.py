@@ -13,6 +13,7 @@ import pytest
 
 from engine_core.loader import default_model_path
 from tests.engine_core.tiny_models import write_tiny_model
+from tests.event_loops import close_loop
 from tests.test_stack import ENGINE_FLAGS, VOCAB, Services
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,4 +46,4 @@ def run_async(coro):
     try:
         return loop.run_until_complete(coro)
     finally:
-        loop.close()
+        close_loop(loop)

@@ -19,6 +19,7 @@ from services.frontend.async_llm import AsyncLLM
 from services.frontend.engine_client import GrpcEngineClient
 from services.frontend.server import FrontendServer
 from services.frontend.tokenizer import TokenizerBundle, load_tokenizer
+from tests.event_loops import close_loop
 from tests.frontend.fake_engine import FakeEngine, echo_prompt, start_fake_engine
 
 
@@ -94,7 +95,7 @@ class Stack:
         try:
             self.run(self._stop())
         finally:
-            self.loop.close()
+            close_loop(self.loop)
 
 
 async def wait_until(predicate, timeout_s: float = 5.0) -> None:

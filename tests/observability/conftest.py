@@ -28,6 +28,7 @@ from services.frontend.tokenizer import load_tokenizer
 from services.telemetry.metrics import FrontendMetrics, MetricsServer
 from services.telemetry.tracing import TracingSettings, setup_tracing, shutdown_tracing
 from tests.engine_core.tiny_models import write_tiny_model
+from tests.event_loops import close_loop
 from tests.frontend.conftest import smollm2_gguf
 from tests.services.conftest import tiny_engine_config
 
@@ -58,7 +59,7 @@ class EngineThread:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(WAIT_S)
-            self.loop.close()
+            close_loop(self.loop)
 
 
 class ObservedStack:
@@ -143,7 +144,7 @@ class ObservedStack:
                 if self.engine is not None:
                     self.engine.shutdown()
             finally:
-                self.loop.close()
+                close_loop(self.loop)
                 for provider in self.providers:
                     shutdown_tracing(provider)
 

@@ -21,6 +21,7 @@ from services.frontend.server import FrontendServer
 from services.frontend.tokenizer import TokenizerBundle, load_tokenizer
 from services.security.tls import channel_credentials
 from services.security.transport import ChannelTransport, ServerTransport
+from tests.event_loops import close_loop
 from tests.frontend.conftest import smollm2_gguf
 from tests.frontend.fake_engine import start_fake_engine
 from tests.security.pki import Pki, make_pki
@@ -94,7 +95,7 @@ class Frontend:
         try:
             self.run(stop())
         finally:
-            self.loop.close()
+            close_loop(self.loop)
 
 
 @pytest.fixture
@@ -147,7 +148,7 @@ class EngineThread:
     def _stop_loop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(WAIT_S)
-        self.loop.close()
+        close_loop(self.loop)
 
 
 @pytest.fixture(scope="session")

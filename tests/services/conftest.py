@@ -17,6 +17,7 @@ from tandem.v1 import engine_core_pb2, engine_core_pb2_grpc
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from services.engine.server import EngineServer
 from tests.engine_core.tiny_models import write_tiny_model
+from tests.event_loops import close_loop
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 96
@@ -58,7 +59,7 @@ class ServerThread:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(WAIT_S)
-            self.loop.close()
+            close_loop(self.loop)
 
 
 class Stream:
