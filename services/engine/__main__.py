@@ -2,7 +2,8 @@
 
     python -m services.engine --model ./my-llama --port 50061
 
-Every EngineConfig field is a flag. SIGTERM / SIGINT drain gracefully: health goes
+Every EngineConfig field is a flag. The engine steps on the main thread, gRPC I/O runs on a
+background thread (services/engine/process.py). SIGTERM / SIGINT drain gracefully: health goes
 NOT_SERVING, new requests are held, requests in flight get --grace seconds to finish,
 then the streams close (held requests end UNAVAILABLE) and the process exits 0.
 """
@@ -10,9 +11,7 @@ then the streams close (held requests end UNAVAILABLE) and the process exits 0.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import signal
 import sys
 from pathlib import Path
 
@@ -107,23 +106,6 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-async def serve(server, args: argparse.Namespace) -> None:
-    """Run `server` until SIGTERM / SIGINT, then shut it down gracefully."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    try:
-        port = await server.start()
-    except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
-        await server.stop(0)
-        raise ValueError(f"cannot listen on {args.host}:{args.port}: {exc}") from None
-    print(f"tandem-engine listening on {args.host}:{port}", flush=True)
-    await stop.wait()
-    logger.info("shutting down (grace %.1f s)", args.grace)
-    await server.stop(args.grace)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -139,7 +121,15 @@ def main(argv: list[str] | None = None) -> int:
                               max_pending_outputs=args.max_pending_outputs,
                               transport=transport, tracer_provider=tracer_provider,
                               metrics_port=args.metrics_port, metrics_host=args.host)
-        asyncio.run(serve(server, args))
+        from services.engine.process import serve_on_main_thread
+
+        def announce(port: int) -> None:
+            print(f"tandem-engine listening on {args.host}:{port}", flush=True)
+
+        try:
+            serve_on_main_thread(server, args.grace, announce)  # the engine steps on this, the main thread
+        except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
+            raise ValueError(f"cannot listen on {args.host}:{args.port}: {exc}") from None
     except (ValueError, FileNotFoundError, NotADirectoryError) as exc:
         parser.exit(2, f"tandem-engine: error: {exc}\n")
     finally:

@@ -5,6 +5,11 @@ receive outputs through each connection's sink (vLLM v1's EngineCoreProc, with
 gRPC streams in place of ZMQ sockets). Each pass: drain every pending input, then
 run one step if there is work; block on the queue when there is none.
 
+`run()` steps on the calling thread: `tandem-engine` calls it from the process's main
+thread, because torch's OpenMP work started from any other thread runs 1.4-1.65x
+slower on these CPUs (services/engine/process.py). `start()` runs the same loop on a
+thread of its own, for servers embedded in a test's process.
+
 Request ids are namespaced per connection inside the engine ("{conn}/{id}"), so
 two frontends may use the same ids; outputs are routed back by that prefix.
 """
@@ -54,7 +59,9 @@ class EngineBusyLoop:
         self._inputs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()  # orders "submit" against "die"
         self._connection_ids = itertools.count(1)
-        self._thread = threading.Thread(target=self._run, name="engine-busy-loop", daemon=True)
+        self._started = False
+        self._exited = threading.Event()
+        self.thread: threading.Thread | None = None  # the thread that steps the engine, once running
         # ---- owned by the loop thread
         self._sinks: dict[int, object] = {}  # connection id -> sink
         self._owned: dict[int, set[str]] = defaultdict(set)  # connection id -> engine request ids
@@ -70,14 +77,26 @@ class EngineBusyLoop:
         self.error: str | None = None  # set when the loop crashed
 
     # ---- any thread ---------------------------------------------------------------
+    def run(self) -> None:
+        """Run the loop on the calling thread until `stop()` (or a crash: see `error`)."""
+        self._mark_started()
+        self._run()
+
     def start(self) -> None:
-        self._thread.start()
+        """Run the loop on a daemon thread of its own."""
+        self._mark_started()
+        threading.Thread(target=self._run, name="engine-busy-loop", daemon=True).start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Ask the loop to end and wait for it (a stuck loop is left behind: it is a daemon)."""
+        """Ask the loop to end and wait for it (a stuck loop is left behind)."""
         self._inputs.put((0, _STOP))
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        if self._started:
+            self._exited.wait(timeout)
+
+    def _mark_started(self) -> None:
+        if self._started:
+            raise RuntimeError("the engine busy loop is already running")
+        self._started = True
 
     def open(self, sink) -> int:
         """Register a connection; `sink(item)` is called from the loop thread and must not block."""
@@ -102,7 +121,8 @@ class EngineBusyLoop:
 
     @property
     def alive(self) -> bool:
-        return self.error is None and self._thread.is_alive()
+        """Not crashed and not stopped (inputs submitted before it starts wait on its queue)."""
+        return self.error is None and not self._exited.is_set()
 
     def stalled(self, timeout: float) -> bool:
         """Working, but no step or idle wait completed for `timeout` seconds."""
@@ -110,6 +130,7 @@ class EngineBusyLoop:
 
     # ---- the loop -------------------------------------------------------------------
     def _run(self) -> None:
+        self.thread = threading.current_thread()
         try:
             while self._process_inputs(block=not self._has_work()):
                 if self._has_work():
@@ -124,6 +145,7 @@ class EngineBusyLoop:
                 self._profiler.stop()
             if self.telemetry is not None:
                 self.telemetry.close()  # requests still in flight end with the loop
+            self._exited.set()
 
     def _step(self) -> EngineCoreOutputs:
         if self.telemetry is None:

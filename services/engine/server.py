@@ -140,7 +140,9 @@ class EngineServer:
         self.telemetry = EngineTelemetry(tracer_provider, metrics) if tracer_provider or metrics else None
         self.metrics_port: int | None = None
 
-    async def start(self) -> int:
+    async def start(self, start_busy_loop: bool = True) -> int:
+        """Listen (returns the port). The busy loop gets a thread of its own unless `start_busy_loop` is
+        False, when the caller runs it (`tandem-engine` runs it on the main thread: services/engine/process.py)."""
         self.server = self.transport.server()
         info = convert.engine_info_to_proto(self.engine.info, self.config)
         servicer = EngineCoreServicer(self.busy_loop, info, self.max_pending_outputs)
@@ -153,7 +155,8 @@ class EngineServer:
             raise RuntimeError(f"could not listen on {self.address}")
         if self.metrics_server is not None:
             self.metrics_port = self.metrics_server.start()
-        self.busy_loop.start()
+        if start_busy_loop:
+            self.busy_loop.start()
         await self.server.start()
         await self.health.start()
         logger.info("engine core serving %s on port %d", self.engine.info.model_path, self.port)
