@@ -1,13 +1,11 @@
 """GGUF checkpoints: metadata -> ModelArchConfig, tensors -> Hugging Face-named fp32 weights.
 
-The header is parsed here with `struct` rather than `gguf.GGUFReader`, which spends
-seconds building a numpy view per tokenizer string (about 100k of them in SmolLM2);
-the `gguf` package still supplies the type tables and `gguf.quants.dequantize`.
+The header comes from `engine_core.gguf_metadata` (the one GGUF header reader, shared with the
+frontend); the `gguf` package supplies the type tables and `gguf.quants.dequantize`.
 """
 
 from __future__ import annotations
 
-import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,22 +13,17 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from engine_core.config import ModelArchConfig
+from engine_core.gguf_metadata import read_gguf_header
 from engine_core.models.llama import packed_groups
 
 _SUPPORTED_ARCHS = ("llama", "qwen2")
 # Tokens that end a turn, added to eos like llama.cpp's end-of-generation set.
 _EOG_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>", "<end_of_turn>")
 
-_SCALAR_FORMATS = {
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
-    GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
-}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -55,64 +48,20 @@ class GGUFFile:
 # ---- reading the file -------------------------------------------------------------------
 
 
-class _Cursor:
-    def __init__(self, buf: memoryview) -> None:
-        self.buf, self.pos = buf, 0
-
-    def scalar(self, fmt: str) -> Any:
-        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += struct.calcsize(fmt)
-        return value
-
-    def string(self) -> str:
-        n = self.scalar("<Q")
-        self.pos += n
-        return str(self.buf[self.pos - n : self.pos], "utf-8", errors="replace")
-
-    def value(self, vtype: int) -> Any:
-        if vtype == GGUFValueType.STRING:
-            return self.string()
-        if vtype != GGUFValueType.ARRAY:
-            return self.scalar(_SCALAR_FORMATS[GGUFValueType(vtype)])
-        item_type, count = self.scalar("<I"), self.scalar("<Q")
-        if item_type in (GGUFValueType.STRING, GGUFValueType.ARRAY):
-            return [self.value(item_type) for _ in range(count)]
-        dtype = np.dtype(_SCALAR_FORMATS[GGUFValueType(item_type)])
-        items = np.frombuffer(self.buf, dtype, count, self.pos)
-        self.pos += items.nbytes
-        return items.tolist()
-
-
 def read_gguf(path: str | Path) -> GGUFFile:
     """Parse a little-endian GGUF v2/v3 file; tensor data stays memory-mapped."""
+    header = read_gguf_header(path)
     data = np.memmap(path, dtype=np.uint8, mode="r")
-    cur = _Cursor(memoryview(data))
-    if bytes(cur.buf[:4]) != b"GGUF":
-        raise ValueError(f"{path} is not a GGUF file (bad magic)")
-    cur.pos = 4
-    version, n_tensors, n_kv = cur.scalar("<I"), cur.scalar("<Q"), cur.scalar("<Q")
-    if version not in (2, 3):
-        raise ValueError(f"{path}: GGUF version {version} is not supported (2 or 3)")
-    metadata = {}
-    for _ in range(n_kv):
-        key = cur.string()
-        metadata[key] = cur.value(cur.scalar("<I"))
-    infos = []
-    for _ in range(n_tensors):
-        name, n_dims = cur.string(), cur.scalar("<I")
-        dims = [cur.scalar("<Q") for _ in range(n_dims)]
-        infos.append((name, dims, GGMLQuantizationType(cur.scalar("<I")), cur.scalar("<Q")))
-    alignment = metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
-    start = -(-cur.pos // alignment) * alignment
+    start = header.data_start
     tensors = {}
-    for name, dims, qtype, offset in infos:
+    for name, dims, qtype, offset in header.tensors:
         block_size, type_size = GGML_QUANT_SIZES[qtype]
         row_bytes = dims[0] // block_size * type_size
         rows = [int(d) for d in reversed(dims[1:])]
         nbytes = row_bytes * int(np.prod(rows, dtype=np.int64))
         raw = data[start + offset : start + offset + nbytes]
         tensors[name] = GGUFTensor(qtype, raw.view(np.ndarray).reshape(*rows, row_bytes))
-    return GGUFFile(metadata, tensors)
+    return GGUFFile(header.metadata, tensors)
 
 
 # ---- metadata -> ModelArchConfig ---------------------------------------------------------
