@@ -12,14 +12,18 @@ Every command has --help with examples. Errors print "tandem: CODE: message" and
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import signal
 import sys
 
 from clients import chat_session, commands
 from clients.bench import command as bench_command
-from clients.cli_options import connection_parent, sampling_parent
+from clients.cli_options import HelpFormatter, connection_parent, sampling_parent
 from clients.errors import TandemError
-from clients.local_stack import LocalStack
+from clients.local_stack import LocalStack, RestartPolicy
+
+ENGINE_EXTRA = "pip install 'tandem[engine]'"
+_RESTART = RestartPolicy()
 
 _EXAMPLES = {
     "serve": """examples:
@@ -28,6 +32,7 @@ _EXAMPLES = {
     "generate": """examples:
   tandem generate "The capital of France is" --max-tokens 16 --temperature 0
   tandem generate --token-ids 1,4093,198 --max-tokens 8 --json
+  tandem generate "A haiku about gRPC:" --n 3 --temperature 0.8 --max-tokens 32   # three samples, labelled
   tandem generate "Tell a story" --stop "The end" --seed 7 --address gpu-box:50051 --tls-ca ca.pem""",
     "chat": """examples:
   tandem chat                                   # on a terminal: you> ... assistant> ...
@@ -53,8 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve = subcommands.add_parser(
         "serve", help="start an engine core and a frontend locally",
         description="Start tandem-engine and tandem-frontend as two processes and serve until "
-                    "SIGINT/SIGTERM. Flags after `--` are passed to tandem-engine (see tandem-engine --help).",
-        epilog=_EXAMPLES["serve"], formatter_class=_HelpFormatter,
+                    "SIGINT/SIGTERM (both then drain and stop; exit 0). A service that exits on its own is "
+                    f"restarted after a backoff ({_RESTART.backoff_initial_s:g} s, doubling up to "
+                    f"{_RESTART.backoff_max_s:g} s); {_RESTART.max_restarts} quick failures in a row (each within "
+                    f"{_RESTART.stable_s:g} s of starting) end the stack (exit 1). Needs the engine: {ENGINE_EXTRA}. "
+                    "Flags after `--` are passed to tandem-engine (see tandem-engine --help).",
+        epilog=_EXAMPLES["serve"], formatter_class=HelpFormatter,
     )
     serve.add_argument("--host", default="127.0.0.1", help="address both services listen on")
     serve.add_argument("--port", type=int, default=50051, help="the frontend's (public API) port")
@@ -75,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "(tokens, finish reason, timings) goes to stderr.")
     generate.add_argument("prompt", nargs="?", help="the text prompt")
     generate.add_argument("--token-ids", metavar="IDS", help="prompt as token ids (comma or space separated)")
+    generate.add_argument("--n", type=int, default=1, metavar="N",
+                          help="completions of the prompt; with N > 1 each is printed, labelled, once it finishes")
     generate.add_argument("--request-id", help="the request's id (default: the server makes one)")
     generate.add_argument("--json", action="store_true", help="one JSON object per streamed message")
     generate.set_defaults(run=commands.generate)
@@ -110,14 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add(subcommands, name: str, help_text: str, parents: list, description: str) -> argparse.ArgumentParser:
     return subcommands.add_parser(name, help=help_text, description=description, epilog=_EXAMPLES[name],
-                               parents=parents, formatter_class=_HelpFormatter)
-
-
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Keep the examples' line breaks and show defaults."""
+                               parents=parents, formatter_class=HelpFormatter)
 
 
 def serve(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("torch") is None:
+        print(f"tandem: serve runs an engine core, which needs torch; this install has the client and the frontend "
+              f"only. Install the engine with: {ENGINE_EXTRA}", file=sys.stderr)
+        return 1
     engine_args = [a for a in args.engine_args if a != "--"]
     if args.model:
         engine_args = ["--model", args.model, *engine_args]
@@ -129,9 +140,10 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop() runs in the finally below
     try:
         stack.start()
-        print(f"tandem: serving on {stack.frontend_address} (engine core at {stack.engine_address}); "
-              "Ctrl-C to stop", flush=True)
-        return stack.wait()
+        engine_pid, frontend_pid = stack.pids
+        print(f"tandem: serving on {stack.frontend_address} (engine core at {stack.engine_address}, pid {engine_pid}; "
+              f"frontend pid {frontend_pid}); a service that exits is restarted; Ctrl-C to stop", flush=True)
+        return stack.supervise()
     except KeyboardInterrupt:
         return 0
     except (RuntimeError, TimeoutError) as e:

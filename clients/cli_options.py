@@ -11,6 +11,17 @@ from clients.connection import DEFAULT_ADDRESS, RetryPolicy, TlsConfig
 TOKEN_ENV = "TANDEM_API_TOKEN"
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the examples' line breaks and shows each flag's default once: not where the help already
+    says it, and not for flags that have none (None, an off switch, an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False or action.default in ([], ""):
+            return text
+        return super()._get_help_string(action)
+
+
 def connection_parent(default_timeout: float = 120.0) -> argparse.ArgumentParser:
     """A parent parser with --address, --timeout, --retries, TLS, token and metadata flags."""
     parent = argparse.ArgumentParser(add_help=False)

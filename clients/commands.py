@@ -21,24 +21,52 @@ def generate(args: argparse.Namespace) -> int:
     if prompt is None:
         raise ValueError("give a prompt, or --token-ids")
     options = sampling_from_args(args)
+    if args.n != 1:
+        options["n"] = args.n
     if args.request_id:
         options["request_id"] = args.request_id
+    labelled = _LabelledCompletions() if args.n > 1 and not args.json else None
     with client_from_args(args) as client:
         started, first, usage, finish = time.perf_counter(), None, None, None
         for chunk in client.generate(prompt, **options):
             if first is None and chunk.token_ids:
                 first = time.perf_counter() - started
             if args.json:
-                print(json.dumps({"text": chunk.text, "token_ids": list(chunk.token_ids),
-                                  "finish_reason": chunk.finish_reason,
-                                  "usage": chunk.usage and vars(chunk.usage)}), flush=True)
+                for line in _json_lines(chunk):
+                    print(line, flush=True)
+            elif labelled is not None:
+                labelled.add(chunk)
             else:
                 print(chunk.text, end="", flush=True)
             usage, finish = chunk.usage or usage, chunk.finish_reason or finish
-        if not args.json:
+        if labelled is None and not args.json:
             print()
-    _print_stats(usage, finish, first, time.perf_counter() - started)
+    _print_stats(usage, None if labelled else finish, first, time.perf_counter() - started)  # n > 1: in the labels
     return 0
+
+
+def _json_lines(chunk) -> list[str]:
+    """One JSON object per completion in a streamed message (one per message unless --n > 1)."""
+    usage = chunk.usage and vars(chunk.usage)
+    lines = [json.dumps({"index": c.index, "text": c.text, "token_ids": list(c.token_ids),
+                         "finish_reason": c.finish_reason, "usage": usage}) for c in chunk.completions]
+    if not lines and usage:
+        lines.append(json.dumps({"usage": usage}))
+    return lines
+
+
+class _LabelledCompletions:
+    """--n > 1: each completion's deltas are gathered and it is printed, labelled, once it finishes."""
+
+    def __init__(self) -> None:
+        self.texts: dict[int, list[str]] = {}
+
+    def add(self, chunk) -> None:
+        for c in chunk.completions:
+            self.texts.setdefault(c.index, []).append(c.text)
+            if c.finish_reason:
+                print(f"--- completion {c.index} (finish: {c.finish_reason}) ---", flush=True)
+                print("".join(self.texts.pop(c.index)), flush=True)
 
 
 def tokenize(args: argparse.Namespace) -> int:
@@ -104,6 +132,7 @@ def _print_stats(usage, finish, ttft, elapsed) -> None:
         return
     rate = usage.completion_tokens / elapsed if elapsed > 0 else 0.0
     ttft_text = f"{ttft:.2f} s" if ttft is not None else "-"
+    finish_text = f"finish: {finish}, " if finish else ""
     print(f"[{usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens "
-          f"({usage.cached_tokens} cached), finish: {finish}, first token {ttft_text}, "
+          f"({usage.cached_tokens} cached), {finish_text}first token {ttft_text}, "
           f"{elapsed:.2f} s, {rate:.1f} tok/s]", file=sys.stderr)

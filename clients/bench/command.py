@@ -22,7 +22,7 @@ from clients.bench.metrics import summarize
 from clients.bench.plot import plot_sweep
 from clients.bench.prompts import BenchPrompt, jsonl_prompts, repeat_to, synthetic_prompts
 from clients.bench.report import format_table, write_json
-from clients.cli_options import client_from_args, client_kwargs_from_args
+from clients.cli_options import HelpFormatter, client_from_args, client_kwargs_from_args
 
 EXAMPLES = """examples:
   tandem bench                                         # 32 requests, 1 at a time, 128 in / 128 out tokens
@@ -37,8 +37,7 @@ def add_parser(subcommands, connection: argparse.ArgumentParser) -> argparse.Arg
     parser = subcommands.add_parser(
         "bench", help="benchmark a frontend: TTFT, ITL, TPOT, e2e, throughput",
         description=__doc__.strip(), epilog=EXAMPLES, parents=[connection],
-        formatter_class=type("Formatter", (argparse.RawDescriptionHelpFormatter,
-                                           argparse.ArgumentDefaultsHelpFormatter), {}))
+        formatter_class=HelpFormatter)
     load = parser.add_argument_group("load").add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=_positive_int, nargs="+", metavar="N",
                       help="closed loop: N requests in flight; several values sweep (default: 1)")

@@ -11,6 +11,7 @@ then the streams close (held requests end UNAVAILABLE) and the process exits 0.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import sys
 from pathlib import Path
@@ -26,12 +27,22 @@ from services.telemetry.tracing import setup_tracing, shutdown_tracing
 logger = logging.getLogger("tandem.engine")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default once: not where the help already says it, not for flags without one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     defaults = EngineConfig()
     model, cache, sched, device = defaults.model, defaults.cache, defaults.scheduler, defaults.device
     p = argparse.ArgumentParser(
         prog="tandem-engine", description="Serve an engine core (tandem.v1.EngineCore) over gRPC.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     server = p.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
@@ -109,6 +120,9 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if importlib.util.find_spec("torch") is None:
+        parser.exit(2, "tandem-engine: error: the engine core needs torch, which this install lacks "
+                       "(the client and frontend only); install the engine with: pip install 'tandem[engine]'\n")
     configure_logging(args.log_level, args.log_format)
     tracer_provider = None
     try:

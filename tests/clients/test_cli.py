@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -38,6 +39,33 @@ def test_every_command_has_help_with_examples(capsys):
         assert "examples:\n  tandem " + command in capsys.readouterr().out, command
     result = run_cli("--help")  # and the real entry point
     assert result.returncode == 0 and all(command in result.stdout for command in COMMANDS)
+
+
+def test_help_shows_each_default_once(capsys):
+    for command in COMMANDS:
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = capsys.readouterr().out
+        assert "(default: None)" not in text and "(default: False)" not in text, command
+        for option in re.split(r"\n(?=  -)|\n\n", text):  # one option's help (wrapped lines included) per piece
+            assert option.count("default") <= 1, (command, option)
+
+
+def test_generate_n_prints_each_completion_labelled(address):
+    result = run_cli("generate", "Once upon a time", "--n", "3", "--temperature", "0.8", "--seed", "1",
+                     "--max-tokens", "6", "--ignore-eos", "--address", address)
+    assert result.returncode == 0, result.stderr
+    labels = re.findall(r"^--- completion (\d) \(finish: (\w+)\) ---$", result.stdout, re.MULTILINE)
+    assert sorted(labels) == [("0", "length"), ("1", "length"), ("2", "length")]
+    assert "18 completion tokens" in result.stderr
+
+    result = run_cli("generate", "Once upon a time", "--n", "2", "--temperature", "0", "--max-tokens", "5",
+                     "--ignore-eos", "--json", "--address", address)
+    assert result.returncode == 0, result.stderr
+    messages = [json.loads(line) for line in result.stdout.splitlines()]
+    for index in (0, 1):
+        mine = [m for m in messages if m.get("index") == index]
+        assert sum(len(m["token_ids"]) for m in mine) == 5 and mine[-1]["finish_reason"] == "length"
 
 
 def test_generate_streams_the_same_text_as_the_client(address, client):
