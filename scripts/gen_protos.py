@@ -1,6 +1,6 @@
 """Generate the Python gRPC code for protos/ into build/generated/ (the `tandem.v1` package).
 
-    python scripts/gen_protos.py          # run by `make install` before the package is installed
+    python scripts/gen_protos.py          # `make protos`; every pip install runs it (scripts/build_backend.py)
 
 The output is never committed and never edited by hand: pyproject.toml maps the
 `tandem` package to build/generated/tandem, so `from tandem.v1 import generation_pb2`

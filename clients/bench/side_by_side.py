@@ -73,8 +73,10 @@ def peers_available(model_path: str, llama_url: str | None, want_in_process: boo
     has_torch = importlib.util.find_spec("torch") is not None
     if not want_in_process:
         notes["in-process"] = "skipped (--no-in-process)"
-    elif not (local and has_torch):
-        notes["in-process"] = f"skipped: needs torch and the model at {model_path} on this machine"
+    elif not has_torch:
+        notes["in-process"] = "skipped: needs the engine here (pip install 'tandem[engine]')"
+    elif not local:
+        notes["in-process"] = f"skipped: needs the model at {model_path} on this machine"
     if not want_transformers:
         notes["transformers"] = "skipped (--no-transformers)"
     elif not (local and importlib.util.find_spec("transformers") is not None and has_torch):
