@@ -1,7 +1,7 @@
 """The PEP 517 build backend: setuptools, with the `tandem.v1` gRPC code generated from protos/ first.
 
 pyproject.toml names this module (`backend-path = ["scripts"]`), so `pip install .` in a fresh
-clone builds without `make`: every hook that reads the package list runs scripts/gen_protos.py
+clone builds without `make`: every hook runs scripts/gen_protos.py
 (grpc_tools.protoc from the build requirement grpcio-tools, which needs no torch) into
 build/generated/, which `package-dir` maps to the `tandem` package. Everything else is
 setuptools' own backend, unchanged (the pattern of setuptools' "in-tree build backend" docs).
@@ -12,11 +12,6 @@ from __future__ import annotations
 import functools
 
 from setuptools import build_meta as _setuptools
-from setuptools.build_meta import (  # noqa: F401 - re-exported PEP 517 hooks
-    get_requires_for_build_editable,
-    get_requires_for_build_sdist,
-    get_requires_for_build_wheel,
-)
 
 import gen_protos
 
@@ -31,6 +26,10 @@ def _after_generating(hook):
     return wrapped
 
 
+# every hook: even get_requires_* runs setuptools' egg_info, which checks the package folders exist
+get_requires_for_build_wheel = _after_generating(_setuptools.get_requires_for_build_wheel)
+get_requires_for_build_editable = _after_generating(_setuptools.get_requires_for_build_editable)
+get_requires_for_build_sdist = _after_generating(_setuptools.get_requires_for_build_sdist)
 prepare_metadata_for_build_wheel = _after_generating(_setuptools.prepare_metadata_for_build_wheel)
 prepare_metadata_for_build_editable = _after_generating(_setuptools.prepare_metadata_for_build_editable)
 build_wheel = _after_generating(_setuptools.build_wheel)
