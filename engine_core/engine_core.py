@@ -19,6 +19,7 @@ from engine_core.config import EngineConfig, ModelArchConfig
 from engine_core.cuda_graphs import capture_sizes
 from engine_core.loader.registry import default_model_path, load_model
 from engine_core.model_runner import ModelRunner, kv_cache_bytes_per_block
+from engine_core.profiler import Profiler
 from engine_core.request import Request, RequestStatus
 from engine_core.scheduler import Scheduler
 from engine_core.types import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
@@ -95,6 +96,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len,
                                    log_stats=log_stats)
         self.eos_token_ids = frozenset(self.arch.eos_token_ids)
+        self.asleep = False  # the KV cache is freed (sleep / wake_up)
+        self._profiler = Profiler(device)
         self.info = EngineInfo(
             model_name=Path(self.model_path).stem if self.model_path.endswith(".gguf") else Path(self.model_path).name,
             model_path=self.model_path,
@@ -203,3 +206,36 @@ class EngineCore:
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
+
+    # ---- sleep and profiling --------------------------------------------------------
+    def sleep(self) -> None:
+        """Free the KV cache (on CUDA also move the weights to CPU) until `wake_up()`; idempotent.
+        Raises ValueError while requests are in flight: their KV blocks would be lost."""
+        if self.asleep:
+            return
+        if self.has_unfinished_requests():
+            raise ValueError(f"{self.get_num_unfinished_requests()} requests are in flight; "
+                             "abort them (or let them finish) before sleeping")
+        self.runner.free_kv_cache()
+        if self.runner.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self.asleep = True
+
+    def wake_up(self) -> None:
+        """Allocate the KV cache again (and move the weights back); the prefix cache starts empty."""
+        if not self.asleep:
+            return
+        if self.runner.device.type == "cuda":
+            self.model.to(self.runner.device)
+        self.runner.allocate_kv_cache()
+        self.reset_prefix_cache()  # the cached blocks' contents are gone
+        self.asleep = False
+
+    def start_profile(self, folder: str) -> None:
+        """Profile the steps from now on (torch.profiler); ValueError when it cannot (engine_core/profiler.py)."""
+        self._profiler.start(folder)
+
+    def stop_profile(self) -> Path:
+        """Write the running profile into its folder as a chrome trace; returns the file."""
+        return self._profiler.stop()

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import functools
 
-from setuptools import build_meta as _setuptools
-
 import gen_protos
+from setuptools import build_meta as _setuptools
 
 
 def _after_generating(hook):

@@ -10,8 +10,9 @@ thread, because torch's OpenMP work started from any other thread runs 1.4-1.65x
 slower on these CPUs (services/engine/process.py). `start()` runs the same loop on a
 thread of its own, for servers embedded in a test's process.
 
-Request ids are namespaced per connection inside the engine ("{conn}/{id}"), so
-two frontends may use the same ids; outputs are routed back by that prefix.
+Its parts: `ConnectionRouter` (routing.py) maps engine ids to (connection, request id), so two
+frontends may use the same ids; `PauseState` (pause.py) says whether it admits and steps; sleep,
+wake-up and profiling are EngineCore's own.
 """
 
 from __future__ import annotations
@@ -23,27 +24,23 @@ import logging
 import queue
 import threading
 import time
-from collections import defaultdict, deque
-
-import torch
 
 from engine_core.engine_core import EngineCore
-from engine_core.types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from engine_core.types import EngineCoreOutputs, EngineCoreRequest
 from services.engine.messages import (
     Abort,
     Add,
     Call,
     Close,
-    ConnectionOutputs,
     EngineDied,
     Open,
     PauseMode,
-    RequestError,
     Utility,
     UtilityMethod,
     UtilityResult,
 )
-from services.engine.profiler import Profiler
+from services.engine.pause import PauseState, Waiter
+from services.engine.routing import ConnectionRouter
 from services.engine.telemetry import EngineTelemetry
 
 logger = logging.getLogger(__name__)
@@ -63,14 +60,8 @@ class EngineBusyLoop:
         self._exited = threading.Event()
         self.thread: threading.Thread | None = None  # the thread that steps the engine, once running
         # ---- owned by the loop thread
-        self._sinks: dict[int, object] = {}  # connection id -> sink
-        self._owned: dict[int, set[str]] = defaultdict(set)  # connection id -> engine request ids
-        self._held: deque[tuple[int, EngineCoreRequest]] = deque()  # adds waiting for resume
-        self._admitting = True  # False while paused or draining for a WAIT pause
-        self._stepping = True  # False while paused
-        self._drain_waiters: list[tuple[int, int]] = []  # (connection, call id) of WAIT pauses
-        self._asleep = False
-        self._profiler = Profiler(engine.runner.device)
+        self._router = ConnectionRouter()
+        self._pause = PauseState()
         # ---- read by the health watchdog from any thread
         self.heartbeat = time.monotonic()  # the last completed step or idle wait
         self.busy = False  # working (not blocked on the queue)
@@ -134,15 +125,15 @@ class EngineBusyLoop:
         try:
             while self._process_inputs(block=not self._has_work()):
                 if self._has_work():
-                    self._route(self._step())
-                if self._drain_waiters and not self.engine.has_unfinished_requests():
-                    self._finish_drain()  # by finishing or by aborts
+                    self._router.route(self._step())
+                if self._pause.draining and not self.engine.has_unfinished_requests():
+                    self._answer(self._pause.drained(), ok=True)  # by finishing or by aborts
                 self.heartbeat = time.monotonic()
         except BaseException as exc:  # noqa: BLE001 - any crash must fail the connections
             self._die(exc)
         finally:
-            with contextlib.suppress(OSError, ValueError):  # a trace that cannot be written is lost
-                self._profiler.stop()
+            with contextlib.suppress(ValueError):  # none running, or a trace that cannot be written: lost
+                self.engine.stop_profile()
             if self.telemetry is not None:
                 self.telemetry.close()  # requests still in flight end with the loop
             self._exited.set()
@@ -156,7 +147,7 @@ class EngineBusyLoop:
         return step
 
     def _has_work(self) -> bool:
-        return self._stepping and self.engine.has_unfinished_requests()
+        return self._pause.stepping and self.engine.has_unfinished_requests()
 
     def _process_inputs(self, block: bool) -> bool:
         """Handle every pending input, first waiting for one if `block`; False on stop."""
@@ -187,9 +178,9 @@ class EngineBusyLoop:
         elif isinstance(item, Utility):
             result = self._utility(connection, item)
             if result is not None:
-                self._send(connection, ConnectionOutputs(utility_result=result, timestamp=time.time()))
+                self._router.reply(connection, result)
         elif isinstance(item, Open):
-            self._sinks[connection] = item.sink
+            self._router.open(connection, item.sink)
         elif isinstance(item, Close):
             self._close(connection)
         elif isinstance(item, Call):
@@ -200,7 +191,7 @@ class EngineBusyLoop:
         logger.exception("the engine busy loop crashed", exc_info=exc)
         with self._lock:
             self.error = f"engine core crashed: {type(exc).__name__}: {exc}"
-            sinks = dict(self._sinks)
+            sinks = dict(self._router.sinks)
             while not self._inputs.empty():
                 connection, item = self._inputs.get_nowait()
                 if isinstance(item, Open):
@@ -210,24 +201,27 @@ class EngineBusyLoop:
 
     # ---- requests -------------------------------------------------------------------
     def _add(self, connection: int, request: EngineCoreRequest) -> None:
-        if connection not in self._sinks:
+        if not self._router.is_open(connection):
             return  # the connection closed while this add was queued
-        if self._asleep:
-            self._refuse(connection, request.request_id, "engine is asleep; call WakeUp")
-        elif not self._admitting:
-            self._held.append((connection, request))
+        if self.engine.asleep:
+            self._router.refuse(connection, request.request_id, "engine is asleep; call WakeUp")
+        elif not self._pause.admitting:
+            self._pause.hold(connection, request)
         else:
             self._admit(connection, request)
 
     def _admit(self, connection: int, request: EngineCoreRequest) -> None:
-        engine_id = f"{connection}/{request.request_id}"
         admitted_ns = time.time_ns()  # the request span starts before the scheduler's QUEUED event
         try:
-            self.engine.add_request(dataclasses.replace(request, request_id=engine_id))
+            engine_id = self._router.assign(connection, request.request_id)  # refuses a duplicate id
+            try:
+                self.engine.add_request(dataclasses.replace(request, request_id=engine_id))
+            except ValueError:
+                self._router.forget(engine_id)
+                raise
         except ValueError as exc:
-            self._refuse(connection, request.request_id, str(exc).replace(engine_id, request.request_id))
+            self._router.refuse(connection, request.request_id, str(exc))
             return
-        self._owned[connection].add(engine_id)
         if self.telemetry is not None:
             self.telemetry.start_request(engine_id, request, admitted_ns)
 
@@ -236,150 +230,62 @@ class EngineBusyLoop:
         if self.telemetry is not None:
             self.telemetry.end_requests(engine_ids)
 
-    def _refuse(self, connection: int, request_id: str, message: str) -> None:
-        self._send(connection, ConnectionOutputs(errors=[RequestError(request_id, message)], timestamp=time.time()))
-
     def _abort(self, connection: int, request_ids: list[str]) -> None:
         """Client aborts: the client knows, so no output is sent (the ids show up as finished)."""
-        engine_ids = {f"{connection}/{request_id}" for request_id in request_ids}
-        self._abort_in_engine(list(engine_ids))
-        self._owned[connection] -= engine_ids
-        self._held = deque((c, r) for c, r in self._held if c != connection or r.request_id not in request_ids)
+        self._abort_in_engine(self._router.release(connection, request_ids))
+        self._pause.drop_held(connection, request_ids)
 
     def _close(self, connection: int) -> None:
-        self._abort_in_engine(list(self._owned.pop(connection, ())))
-        self._held = deque((c, r) for c, r in self._held if c != connection)
-        self._sinks.pop(connection, None)
+        self._abort_in_engine(self._router.close(connection))
+        self._pause.drop_held(connection)
 
     def _abort_everything(self) -> None:
         """Server-side aborts (PAUSE ABORT): each request gets an ABORT finish on its connection."""
-        now = time.time()
-        aborted: dict[int, list[str]] = defaultdict(list)
-        for connection, engine_ids in self._owned.items():
-            self._abort_in_engine(list(engine_ids))
-            aborted[connection] += [engine_id.partition("/")[2] for engine_id in engine_ids]
-        for connection, request in self._held:
-            aborted[connection].append(request.request_id)
-        self._owned.clear()
-        self._held.clear()
+        aborted: dict[int, list[str]] = {}
+        for connection, in_flight in self._router.release_all().items():
+            self._abort_in_engine(list(in_flight.values()))
+            aborted[connection] = list(in_flight)
+        for connection, request in self._pause.take_held():
+            aborted.setdefault(connection, []).append(request.request_id)
         for connection, request_ids in aborted.items():
-            if not request_ids:
-                continue
-            outputs = [EngineCoreOutput(r, [], finish_reason=FinishReason.ABORT) for r in request_ids]
-            self._send(connection, ConnectionOutputs(outputs, request_ids, self.engine.make_stats(), now))
-
-    # ---- outputs --------------------------------------------------------------------
-    def _route(self, step: EngineCoreOutputs) -> None:
-        """One message per connection that has outputs or finished requests in this step."""
-        messages: dict[int, ConnectionOutputs] = {}
-
-        def message_for(engine_id: str) -> tuple[ConnectionOutputs, str]:
-            prefix, _, request_id = engine_id.partition("/")
-            connection = int(prefix)
-            if connection not in messages:
-                messages[connection] = ConnectionOutputs(scheduler_stats=step.scheduler_stats, timestamp=step.timestamp)
-            return messages[connection], request_id
-
-        for output in step.outputs:
-            message, request_id = message_for(output.request_id)
-            message.outputs.append(dataclasses.replace(output, request_id=request_id))
-        for engine_id in step.finished_request_ids:
-            message, request_id = message_for(engine_id)
-            message.finished_request_ids.append(request_id)
-            self._owned.get(int(engine_id.partition("/")[0]), set()).discard(engine_id)
-        for connection, message in messages.items():
-            self._send(connection, message)
-
-    def _send(self, connection: int, item) -> None:
-        sink = self._sinks.get(connection)
-        if sink is not None:
-            sink(item)
+            self._router.send_aborted(connection, request_ids, self.engine.make_stats())
 
     # ---- utility calls ----------------------------------------------------------------
     def _utility(self, connection: int, call: Utility) -> UtilityResult | None:
         """Run one utility call; None when its result comes later (a WAIT pause)."""
         method = call.method
-        if method is UtilityMethod.PAUSE:
-            return self._pause(connection, call)
-        if method is UtilityMethod.RESUME:
-            self._resume()
-        elif method is UtilityMethod.RESET_PREFIX_CACHE:
-            if not self.engine.reset_prefix_cache():
-                return self._fail(call, "KV blocks are in use by requests in flight; abort or finish them first")
-        elif method is UtilityMethod.SLEEP:
-            if self.engine.has_unfinished_requests():
-                return self._fail(call, f"{self.engine.get_num_unfinished_requests()} requests are in flight; "
-                                        "pause with mode ABORT (or let them finish) before Sleep")
-            self._sleep()
-        elif method is UtilityMethod.WAKE_UP:
-            self._wake_up()
-        elif method is UtilityMethod.START_PROFILE:
-            if self._profiler.running:
-                return self._fail(call, "a profile is already running; call StopProfile first")
-            if not call.profile_dir:
-                return self._fail(call, "profile_dir must name a folder for the trace")
-            try:
-                self._profiler.start(call.profile_dir)
-            except (OSError, ValueError) as exc:  # a folder that cannot be made: the caller's to fix
-                return self._fail(call, f"cannot write a profile into {call.profile_dir!r}: {exc}")
-        elif method is UtilityMethod.STOP_PROFILE:
-            try:
-                trace = self._profiler.stop()
-            except (OSError, ValueError) as exc:  # e.g. the folder was removed while profiling
-                return self._fail(call, f"the profile could not be written: {exc}")
-            if trace is None:
-                return self._fail(call, "no profile is running; call StartProfile first")
+        try:
+            if method is UtilityMethod.PAUSE:
+                return self._pause_engine(connection, call)
+            if method is UtilityMethod.RESUME:
+                self._resume()
+            elif method is UtilityMethod.RESET_PREFIX_CACHE and not self.engine.reset_prefix_cache():
+                raise ValueError("KV blocks are in use by requests in flight; abort or finish them first")
+            elif method is UtilityMethod.SLEEP:
+                self.engine.sleep()
+            elif method is UtilityMethod.WAKE_UP:
+                self.engine.wake_up()
+            elif method is UtilityMethod.START_PROFILE:
+                self.engine.start_profile(call.profile_dir)
+            elif method is UtilityMethod.STOP_PROFILE:
+                self.engine.stop_profile()
+        except ValueError as exc:  # refused, with a message for the caller
+            return UtilityResult(call.call_id, False, str(exc), self.engine.make_stats())
         return UtilityResult(call.call_id, True, stats=self.engine.make_stats())
 
-    def _fail(self, call: Utility, error: str) -> UtilityResult:
-        return UtilityResult(call.call_id, False, error, self.engine.make_stats())
-
-    def _pause(self, connection: int, call: Utility) -> UtilityResult | None:
-        self._admitting = False
+    def _pause_engine(self, connection: int, call: Utility) -> UtilityResult | None:
         if call.pause_mode is PauseMode.ABORT:
             self._abort_everything()
-            self._stepping = False
-        elif call.pause_mode is PauseMode.KEEP:
-            self._stepping = False
-        else:  # WAIT: keep stepping until running requests finish, then answer
-            self._stepping = True
-            self._drain_waiters.append((connection, call.call_id))
-            return None  # answered by the loop once nothing is in flight
+        if not self._pause.pause(call.pause_mode, (connection, call.call_id)):
+            return None  # WAIT: answered by the loop once nothing is in flight
         return UtilityResult(call.call_id, True, stats=self.engine.make_stats())
 
-    def _finish_drain(self) -> None:
-        self._stepping = False
-        self._answer_drain_waiters(ok=True)
-
-    def _answer_drain_waiters(self, ok: bool, error: str = "") -> None:
-        waiters, self._drain_waiters = self._drain_waiters, []
+    def _answer(self, waiters: list[Waiter], ok: bool, error: str = "") -> None:
         for connection, call_id in waiters:
-            result = UtilityResult(call_id, ok, error, self.engine.make_stats())
-            self._send(connection, ConnectionOutputs(utility_result=result, timestamp=time.time()))
+            self._router.reply(connection, UtilityResult(call_id, ok, error, self.engine.make_stats()))
 
     def _resume(self) -> None:
-        self._answer_drain_waiters(ok=False, error="resumed before the running requests finished")
-        self._admitting = self._stepping = True
-        held, self._held = self._held, deque()
+        cut_short, held = self._pause.resume()
+        self._answer(cut_short, ok=False, error="resumed before the running requests finished")
         for connection, request in held:
             self._add(connection, request)
-
-    def _sleep(self) -> None:
-        """Free the KV cache (and on CUDA move the weights to CPU) until wake up."""
-        if self._asleep:
-            return
-        self.engine.runner.free_kv_cache()
-        if self.engine.runner.device.type == "cuda":
-            self.engine.model.to("cpu")
-            torch.cuda.empty_cache()
-        self._asleep = True
-
-    def _wake_up(self) -> None:
-        if not self._asleep:
-            return
-        runner = self.engine.runner
-        if runner.device.type == "cuda":
-            self.engine.model.to(runner.device)
-        runner.allocate_kv_cache()
-        self.engine.reset_prefix_cache()  # the cached blocks' contents are gone
-        self._asleep = False

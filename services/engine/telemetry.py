@@ -1,6 +1,6 @@
 """The engine's observability: a span per request continuing the frontend's trace, and step metrics.
 
-Used only from the busy-loop thread. Spans are keyed by engine request id ("{conn}/{id}").
+Used only from the busy-loop thread. Spans are keyed by engine request id (services/engine/routing.py).
 Each span gets the scheduler's events (queued, scheduled, preempted) at the engine's own
 timestamps, a first_token event and a finished event. Without a tracer provider nothing
 here creates span objects; without metrics no metric is touched.

@@ -1,0 +1,98 @@
+"""The busy loop's bookkeeping parts on their own (no engine, no gRPC): connection routing and pause state."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_core.sampling_params import SamplingParams
+from engine_core.types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from services.engine.messages import ConnectionOutputs, PauseMode
+from services.engine.pause import PauseState
+from services.engine.routing import ConnectionRouter
+
+
+def open_router(*connections: int) -> tuple[ConnectionRouter, dict[int, list]]:
+    router, received = ConnectionRouter(), {}
+    for connection in connections:
+        received[connection] = []
+        router.open(connection, received[connection].append)
+    return router, received
+
+
+def step(outputs=(), finished=()) -> EngineCoreOutputs:
+    return EngineCoreOutputs(outputs=list(outputs), finished_request_ids=set(finished), timestamp=1.0)
+
+
+def test_two_connections_may_use_the_same_request_id():
+    router, received = open_router(1, 2)
+    a, b = router.assign(1, "x"), router.assign(2, "x")
+    assert a != b
+    router.route(step([EngineCoreOutput(a, [7]), EngineCoreOutput(b, [8], finish_reason=FinishReason.LENGTH)], [b]))
+    [to_1], [to_2] = received[1], received[2]
+    assert [(o.request_id, o.new_token_ids) for o in to_1.outputs] == [("x", [7])] and not to_1.finished_request_ids
+    assert [(o.request_id, o.new_token_ids) for o in to_2.outputs] == [("x", [8])] and to_2.finished_request_ids == ["x"]
+    assert router.assign(2, "x") != b  # finished: the id may be used again
+    with pytest.raises(ValueError, match="request id 'x' is already in flight"):
+        router.assign(1, "x")
+
+
+def test_a_client_abort_is_reported_finished_once_and_frees_the_id_at_once():
+    router, received = open_router(1)
+    first = router.assign(1, "r")
+    assert router.release(1, ["r", "r", "unknown"]) == [first]
+    second = router.assign(1, "r")  # re-used before the engine reported the abort
+    router.route(step(finished=[first]))
+    assert received[1][-1].finished_request_ids == ["r"]
+    assert router.release(1, ["r"]) == [second]  # the new request is still tracked
+
+
+def test_close_and_release_all_forget_requests():
+    router, received = open_router(1, 2)
+    a, b, c = router.assign(1, "a"), router.assign(1, "b"), router.assign(2, "c")
+    assert sorted(router.close(1)) == sorted([a, b]) and not router.is_open(1)
+    assert router.release_all() == {2: {"c": c}}
+    router.route(step([EngineCoreOutput(a, [1])], [a, b, c]))
+    assert received == {1: [], 2: []}  # nobody left to tell: closed, or PAUSE ABORT already did
+    router.send_aborted(2, ["c"], stats=None)
+    [message] = received[2]
+    assert isinstance(message, ConnectionOutputs) and message.finished_request_ids == ["c"]
+    assert message.outputs[0].finish_reason == FinishReason.ABORT
+
+
+def test_a_refused_request_can_be_forgotten():
+    router, received = open_router(1)
+    router.forget(router.assign(1, "bad"))
+    router.refuse(1, "bad", "the prompt is empty")
+    assert received[1][0].errors[0].message == "the prompt is empty"
+    router.assign(1, "bad")
+
+
+def held(request_id: str) -> EngineCoreRequest:
+    return EngineCoreRequest(request_id, [1], SamplingParams())
+
+
+def test_pause_modes_and_resume():
+    state = PauseState()
+    assert state.pause(PauseMode.KEEP, (1, 10)) and not state.admitting and not state.stepping
+    state.hold(1, held("a"))
+    state.hold(2, held("b"))
+    state.hold(1, held("c"))
+    state.drop_held(1, ["a"])
+    assert state.resume() == ([], [(2, held("b")), (1, held("c"))])
+    assert state.admitting and state.stepping and not state.held
+
+    assert not state.pause(PauseMode.WAIT, (1, 11))  # completes later
+    assert state.draining and state.stepping and not state.admitting
+    assert state.drained() == [(1, 11)] and not state.stepping and not state.draining
+    state.pause(PauseMode.WAIT, (2, 12))
+    state.hold(2, held("d"))
+    assert state.resume() == ([(2, 12)], [(2, held("d"))])  # a WAIT cut short is answered, not ok
+
+
+def test_pause_abort_takes_every_held_add():
+    state = PauseState()
+    state.pause(PauseMode.ABORT, (1, 1))
+    state.hold(1, held("a"))
+    state.hold(2, held("b"))
+    state.drop_held(2)
+    assert state.take_held() == [(1, held("a"))] and not state.held
