@@ -87,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--n", type=int, default=1, metavar="N",
                           help="completions of the prompt; with N > 1 each is printed, labelled, once it finishes")
     generate.add_argument("--request-id", help="the request's id (default: the server makes one)")
-    generate.add_argument("--json", action="store_true", help="one JSON object per streamed message")
+    generate.add_argument("--json", action="store_true",
+                          help="one JSON object (index, text, token_ids, finish_reason, usage) per completion "
+                               "in each streamed message")
     generate.set_defaults(run=commands.generate)
 
     chat = _add(subcommands, "chat", "chat in the terminal (streams tokens, keeps history)", [connection, sampling],
