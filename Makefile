@@ -6,7 +6,9 @@ PIP := $(PY) -m pip
 PROTOS := $(shell find protos -name '*.proto')
 GENERATED := build/generated/.stamp
 
-.PHONY: install protos run test test-faults bench clean
+PYTEST := $(PY) -m pytest -q
+
+.PHONY: install protos run test test-slow test-faults test-faults-long test-all test-portability bench clean
 
 # The virtualenv with torch==2.13.0 (CPU), the project (editable) and the embedded SmolLM2.
 $(VENV)/.installed: pyproject.toml
@@ -37,14 +39,25 @@ protos: $(GENERATED)
 run: install  ## start engine + frontend on the embedded SmolLM2, stream a chat answer over gRPC, stop them
 	$(PY) -m clients.demo
 
-test: install  ## every test, on CPU
-	$(PY) -m pytest -q
+test: install  ## the fast suite on CPU: everything but the SmolLM2 end-to-end tests (slow) and the fault suite
+	$(PYTEST) -m "not slow and not faults"
 
-test-faults: install  ## the long fault suite (>= 1,000 cancelled streams, a 3-minute soak); writes bench_results/faults.json
-	TANDEM_FAULTS=long $(PY) -m pytest -q tests/faults
+test-slow: install  ## the real SmolLM2 end to end: chat through the stack, parity with transformers, fp32 and auto dtype
+	$(PYTEST) -m "slow and not faults"
 
-bench: install  ## offline throughput vs transformers on SmolLM2 (prints a table, writes JSON)
-	$(PY) scripts/bench_offline.py
+test-faults: install  ## the quick fault probes: fuzzing, cancels, kills, drains, stalled readers, flood
+	$(PYTEST) tests/faults
+
+test-faults-long: install  ## the long fault suite (>= 1,000 cancelled streams, a 3-minute soak); writes bench_results/faults.json
+	TANDEM_FAULTS=long $(PYTEST) tests/faults
+
+test-all: test test-slow test-faults  ## what CI runs (.ci/run)
+
+test-portability: install  ## engine + kernel tests under other CPU dispatch settings (AVX2-only, scalar ATen, MKL CBWR, 1 thread)
+	$(PY) scripts/test_portability.py
+
+bench: install  ## SmolLM2 at 1 and 32 streams: cpu floor, in-process, over gRPC and llama.cpp's llama-server in one run (table + bench_results/bench_engine.json)
+	$(PY) scripts/bench_engine.py
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .hypothesis bench_results clients/node/node_modules

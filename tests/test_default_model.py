@@ -12,6 +12,8 @@ from services.frontend.chat_template import render_chat
 from services.frontend.tokenizer import load_tokenizer
 from tests.engine_core.test_loader import CHAT_PROMPT
 
+pytestmark = pytest.mark.slow  # loads the real SmolLM2 (make test-slow)
+
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -30,7 +32,7 @@ def test_chat_prompt_tokens_match_transformers(tokenizer):
     assert chat_prompt_ids(tokenizer, QUESTION) == CHAT_PROMPT
 
 
-@pytest.mark.parametrize("dtype", ["float32", "auto"])
+@pytest.mark.parametrize("dtype", ["float32", "auto"])  # auto: bf16 where the CPU has it
 def test_greedy_chat_answer_names_paris(tokenizer, dtype):
     engine = LLMEngine(EngineConfig(model=ModelConfig(dtype=dtype, max_model_len=512)))
     output = engine.generate([chat_prompt_ids(tokenizer, QUESTION)], SamplingParams(temperature=0.0, max_tokens=32))[0]

@@ -210,6 +210,7 @@ def test_engine_killed_then_restarted(services):
 
 
 # ---- the embedded SmolLM2 through the stack ---------------------------------------------------------
+@pytest.mark.slow
 def test_smollm2_chat_through_the_stack_says_paris():
     services = Services(["--dtype", "float32", "--max-model-len", "1024"], [])
     try:

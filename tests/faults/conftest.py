@@ -1,6 +1,6 @@
 """Fault-suite fixtures: a shared engine + frontend as processes, the scale, and the session's FaultReport.
 
-`make test` runs the quick version; `make test-faults` (TANDEM_FAULTS=long) the long one,
+`make test-faults` runs the quick version (CI runs it); `make test-faults-long` (TANDEM_FAULTS=long) the long one,
 which also writes bench_results/faults.json. Every process is stopped by its fixture.
 """
 

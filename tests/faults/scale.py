@@ -1,6 +1,6 @@
-"""How hard the fault suite pushes: a quick version for `make test`, a long one for `make test-faults`.
+"""How hard the fault suite pushes: a quick version for `make test-faults` (and CI), a long one for `make test-faults-long`.
 
-TANDEM_FAULTS=long (set by `make test-faults`) selects the long version; anything else the quick one.
+TANDEM_FAULTS=long (set by `make test-faults-long`) selects the long version; anything else the quick one.
 """
 
 from __future__ import annotations

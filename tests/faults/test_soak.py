@@ -63,7 +63,7 @@ async def worker(stub, rng: random.Random, prefixes, stop_at: float, report) -> 
 
 def test_soak_memory_flat_and_blocks_free(stack, idle_after, scale, report):
     if not scale.soak_seconds:
-        pytest.skip("the soak runs in the long suite: make test-faults")
+        pytest.skip("the soak runs in the long suite: make test-faults-long")
     frontend = stack.frontends[0]
     rng = random.Random(81)
     prefixes = [[rng.randrange(10, VOCAB) for _ in range(rng.randrange(32, 120))] for _ in range(6)]

@@ -1,0 +1,269 @@
+"""The engine side by side with its peers and the machine's floor, in one run (`make bench`).
+
+On the same prompts (SmolLM2-135M, synthetic prompts of --input-len tokens, exactly --output-len
+generated, greedy, EOS ignored), at 1 and 32 concurrent streams:
+
+  floor        ../shared/tools/cpu_floor.py --json: the model's linear layers alone, plain torch
+  in-process   LLMEngine stepped on this process's main thread (no transport, no frontend)
+  grpc         `tandem serve`'s two processes (engine + frontend) over loopback, the public API
+  llama.cpp    llama.cpp's llama-server (../shared/tools/llama_server.sh) on the same GGUF, -np N
+
+It prints two tables and writes JSON: end-to-end throughput and TTFT with ratios, and the engine's
+step time inside the server (its own `tandem:engine_step_duration_seconds`) next to the same
+workload's in-process step and the pure-decode step against the floor. Both Tandem sides get the
+same engine flags (parsed by tandem-engine's own parser). The machine is noisy: quote ratios.
+
+    python scripts/bench_engine.py                          # everything
+    python scripts/bench_engine.py --no-llama -- --dtype float32 --quantization none
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from clients.async_client import AsyncTandemClient  # noqa: E402
+from clients.bench.backends import LlamaServerBackend, TandemBackend  # noqa: E402
+from clients.bench.loadgen import closed_loop  # noqa: E402
+from clients.bench.metrics import RequestRecord, summarize  # noqa: E402
+from clients.bench.prompts import BenchPrompt, synthetic_prompts  # noqa: E402
+from clients.local_stack import LocalStack, free_port  # noqa: E402
+
+SHARED_TOOLS = ROOT.parent / "shared" / "tools"
+STEP_METRIC = "tandem:engine_step_duration_seconds"
+
+
+# ---- the machine's floor ------------------------------------------------------------------------
+def run_floor(path: Path, batches: list[int]) -> dict | None:
+    if not path.exists():
+        print(f"floor: {path} not found, skipped", file=sys.stderr)
+        return None
+    cmd = [sys.executable, str(path), "--json", "--batches", *map(str, batches)]
+    return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+
+
+def floor_ms(floor: dict | None, dtype: str, batch: int) -> float | None:
+    for row in (floor or {}).get("linears_only", []):
+        if row["dtype"] == dtype and row["batch"] == batch and "step_ms" in row:
+            return row["step_ms"]
+    return None
+
+
+# ---- in-process: LLMEngine on the main thread ------------------------------------------------------
+def run_in_process(engine, prompts: list[BenchPrompt]) -> dict:
+    """Every prompt added at once (as a closed loop of len(prompts) streams starts), stepped here."""
+    from engine_core.sampling_params import SamplingParams
+
+    core = engine.engine_core
+    steps: list[tuple[float, object]] = []  # (seconds, scheduler stats)
+    records: dict[str, RequestRecord] = {}
+    started = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        request_id = f"bench-{i}"
+        records[request_id] = RequestRecord(start=time.perf_counter(), prompt_tokens=len(prompt.token_ids))
+        engine.add_request(request_id, list(prompt.token_ids),
+                           SamplingParams(temperature=0.0, max_tokens=prompt.max_tokens, ignore_eos=True))
+    step = core.step
+    try:
+        def timed_step():
+            t = time.perf_counter()
+            out = step()
+            steps.append((time.perf_counter() - t, out.scheduler_stats))
+            return out
+        core.step = timed_step
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                now = time.perf_counter()
+                record = records[output.request_id]
+                record.add_tokens(len(output.outputs[0].new_token_ids), now)
+                if output.finished:
+                    record.end = now
+    finally:
+        core.step = step
+    summary = summarize(list(records.values()), time.perf_counter() - started)
+    decode = [s for s, stats in steps
+              if stats.num_prompt_tokens == 0 and stats.num_scheduled_tokens == stats.num_generation_tokens
+              == len(prompts)]
+    summary["step_mean_ms"] = 1000 * sum(s for s, _ in steps) / len(steps)
+    summary["decode_step_ms"] = 1000 * statistics.median(decode) if decode else None
+    return summary
+
+
+# ---- over gRPC: the two-service stack ----------------------------------------------------------------
+def scrape_step_metric(url: str) -> tuple[float, float]:
+    """(sum of seconds, count) of the engine's step histogram."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    values = {}
+    for line in text.splitlines():
+        for suffix in ("_sum", "_count"):
+            if line.startswith(STEP_METRIC + suffix):
+                values[suffix] = float(line.split()[-1])
+    return values["_sum"], values["_count"]
+
+
+async def run_closed_loop(backend, prompts: list[BenchPrompt]) -> dict:
+    records, wall = await closed_loop(backend, prompts, len(prompts))
+    return summarize(records, wall)
+
+
+def run_grpc(engine_args: list[str], workloads: dict[int, list[BenchPrompt]]) -> dict[int, dict]:
+    metrics_port = free_port()
+    stack = LocalStack(frontend_port=free_port(), engine_port=free_port(),
+                       engine_args=[*engine_args, "--metrics-port", str(metrics_port), "--log-level", "WARNING"],
+                       frontend_args=["--log-level", "WARNING"])
+    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    results = {}
+    with stack:
+        async def one(prompts):
+            backend = TandemBackend(AsyncTandemClient(stack.frontend_address, timeout=600))
+            try:
+                return await run_closed_loop(backend, prompts)
+            finally:
+                await backend.close()
+
+        asyncio.run(one([BenchPrompt(None, (1, 2, 3, 4), 8)]))  # warm up
+        for streams, prompts in workloads.items():
+            before = scrape_step_metric(metrics_url)
+            summary = asyncio.run(one(prompts))
+            after = scrape_step_metric(metrics_url)
+            summary["step_mean_ms"] = 1000 * (after[0] - before[0]) / max(after[1] - before[1], 1)
+            results[streams] = summary
+    return results
+
+
+# ---- llama.cpp's llama-server -------------------------------------------------------------------------
+def run_llama(workloads: dict[int, list[BenchPrompt]]) -> dict[int, dict]:
+    script = SHARED_TOOLS / "llama_server.sh"
+    subprocess.run(["bash", str(script), "build"], check=True, capture_output=True)
+    results = {}
+    for streams, prompts in workloads.items():
+        port = free_port()
+        server = subprocess.Popen(["bash", str(script), "serve", str(streams), str(port)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                        break
+                except OSError:
+                    if time.monotonic() > deadline or server.poll() is not None:
+                        raise RuntimeError("llama-server did not become healthy") from None
+                    time.sleep(0.5)
+            asyncio.run(run_closed_loop(LlamaServerBackend(url), [BenchPrompt(None, (1, 2, 3, 4), 8)]))
+            results[streams] = asyncio.run(run_closed_loop(LlamaServerBackend(url), prompts))
+        finally:
+            server.terminate()
+            server.wait(30)
+    return results
+
+
+# ---- report -----------------------------------------------------------------------------------------------
+def ratio(a, b):
+    return round(a / b, 2) if a is not None and b else None
+
+
+def fmt(value, digits=1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def print_report(result: dict) -> None:
+    print(f"\nCPU: {result['cpu']}, torch threads {result['threads']}, engine dtype {result['engine_dtype']}")
+    print(f"{'streams':>7} | {'llama.cpp tok/s':>15} {'TTFT p50':>9} | {'gRPC tok/s':>10} {'TTFT p50':>9} | "
+          f"{'in-proc tok/s':>13} {'TTFT p50':>9} | {'gRPC/llama':>10} {'gRPC/in-proc':>12}")
+    for streams, row in result["streams"].items():
+        cells = []
+        for side in ("llama.cpp", "grpc", "in_process"):
+            s = row.get(side)
+            cells.append((s["output_token_throughput"], s["ttft"]["p50_ms"] / 1000) if s else (None, None))
+        print(f"{streams:>7} | {fmt(cells[0][0]):>15} {fmt(cells[0][1], 2):>8}s | {fmt(cells[1][0]):>10} "
+              f"{fmt(cells[1][1], 2):>8}s | {fmt(cells[2][0]):>13} {fmt(cells[2][1], 2):>8}s | "
+              f"{fmt(row['ratios']['grpc_over_llama'], 2):>10} {fmt(row['ratios']['grpc_over_in_process'], 2):>12}")
+    print(f"\n{'streams':>7} | {'server step ms':>14} {'in-proc step ms':>15} {'ratio':>6} | {'decode step ms':>14} "
+          f"{'floor ms':>8} {'ratio':>6} (floor of the dtype used, linears only)")
+    for streams, row in result["streams"].items():
+        step = row["step"]
+        print(f"{streams:>7} | {fmt(step['server_ms'], 2):>14} {fmt(step['in_process_ms'], 2):>15} "
+              f"{fmt(step['server_over_in_process'], 2):>6} | {fmt(step['decode_ms'], 2):>14} "
+              f"{fmt(step['floor_ms'], 2):>8} {fmt(step['decode_over_floor'], 2):>6}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 32], help="concurrent streams per point")
+    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
+    parser.add_argument("--no-llama", action="store_true", help="skip llama-server")
+    parser.add_argument("--no-floor", action="store_true", help="skip cpu_floor.py")
+    parser.add_argument("--floor-script", type=Path, default=SHARED_TOOLS / "cpu_floor.py")
+    parser.add_argument("--json", type=Path, default=ROOT / "bench_results" / "bench_engine.json")
+    args, engine_args = parser.parse_known_args()
+    engine_args = [a for a in engine_args if a != "--"]
+
+    import torch
+
+    from engine_core.llm_engine import LLMEngine
+    from engine_core.loader import default_model_path
+    from services.engine.__main__ import build_parser, config_from_args
+    from services.frontend.tokenizer import load_tokenizer
+
+    config = config_from_args(build_parser().parse_args(engine_args))
+    tokenizer = load_tokenizer(config.model.model or default_model_path())
+    prompts = synthetic_prompts(max(args.streams), args.input_len, args.output_len, seed=0,
+                                tokenize=lambda t: tokenizer.encode(t, add_special_tokens=False),
+                                detokenize=tokenizer.decode)
+    workloads = {n: prompts[:n] for n in args.streams}
+    result = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+              "input_len": args.input_len, "output_len": args.output_len, "engine_args": engine_args}
+    try:
+        result["cpu"] = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                             if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+
+    floor = None if args.no_floor else run_floor(args.floor_script, args.streams)
+    engine = LLMEngine(config)
+    result["engine_dtype"] = str(engine.engine_core.runner.dtype).removeprefix("torch.")
+    run_in_process(engine, [BenchPrompt(None, (1, 2, 3, 4), 8)])  # warm up
+    in_process = {n: run_in_process(engine, p) for n, p in workloads.items()}
+    del engine
+    grpc = run_grpc(engine_args, workloads)
+    llama = {} if args.no_llama else run_llama(workloads)
+
+    floor_dtype = {"float32": "float32", "bfloat16": "bfloat16"}.get(result["engine_dtype"], result["engine_dtype"])
+    result["floor"] = floor
+    result["streams"] = {}
+    for n in args.streams:
+        ip, g, ll = in_process[n], grpc[n], llama.get(n)
+        f = floor_ms(floor, floor_dtype, n)
+        result["streams"][n] = {
+            "in_process": ip, "grpc": g, "llama.cpp": ll,
+            "ratios": {"grpc_over_llama": ratio(g["output_token_throughput"], ll and ll["output_token_throughput"]),
+                       "grpc_over_in_process": ratio(g["output_token_throughput"], ip["output_token_throughput"])},
+            "step": {"server_ms": g["step_mean_ms"], "in_process_ms": ip["step_mean_ms"],
+                     "server_over_in_process": ratio(g["step_mean_ms"], ip["step_mean_ms"]),
+                     "decode_ms": ip["decode_step_ms"], "floor_ms": f,
+                     "decode_over_floor": ratio(ip["decode_step_ms"], f)},
+        }
+    print_report(result)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
