@@ -7,7 +7,9 @@ Nothing here talks to a cluster.
 
 from __future__ import annotations
 
+import argparse
 import functools
+import importlib.util
 import math
 import re
 import shutil
@@ -19,11 +21,43 @@ import pytest
 import yaml
 
 from tests.observability.conftest import make_stack, observed_engine_config, tokenizer  # noqa: F401
+from tests.security.pki import Pki, make_pki
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = sorted(p.parent.name for p in (K8S / "overlays").glob("*/kustomization.yaml"))
 ENGINE, FRONTEND = "tandem-engine", "tandem-frontend"
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+
+
+def _load_healthcheck():
+    spec = importlib.util.spec_from_file_location("docker_healthcheck", ROOT / "docker" / "healthcheck.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+healthcheck = _load_healthcheck()  # docker/healthcheck.py, the exec probes' command
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What one probe checks: the port, and the health service name (None for a TCP check)."""
+
+    port: int
+    service: str | None
+    tls: argparse.Namespace | None = None  # docker/healthcheck.py's flags, for an exec probe
+
+
+def probe_target(probe: dict) -> Probe:
+    if "grpc" in probe:
+        return Probe(probe["grpc"]["port"], probe["grpc"].get("service", ""))
+    if "tcpSocket" in probe:
+        return Probe(probe["tcpSocket"]["port"], None)
+    command = probe["exec"]["command"]
+    assert command[:2] == ["python", "/app/docker/healthcheck.py"], f"unexpected exec probe {command}"
+    args = healthcheck.parse_args(command[2:])
+    return Probe(int(args.address.rsplit(":", 1)[1]), args.service, args)
 
 
 @dataclass(frozen=True)
@@ -84,6 +118,16 @@ class Workload:
 
         return [re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)", expand, arg) for arg in self.container["args"]]
 
+    def secret_files(self) -> dict[str, tuple[str, str]]:
+        """Path in the container -> (Secret name, key), for every mounted Secret item."""
+        mounts = {m["name"]: m["mountPath"] for m in self.container.get("volumeMounts", [])}
+        files = {}
+        for volume in self.pod.get("volumes", []):
+            if "secret" in volume and volume["name"] in mounts:
+                for item in volume["secret"]["items"]:
+                    files[f"{mounts[volume['name']]}/{item['path']}"] = (volume["secret"]["secretName"], item["key"])
+        return files
+
     def port(self, name: str) -> int:
         (port,) = [p["containerPort"] for p in self.container["ports"] if p["name"] == name]
         return port
@@ -125,6 +169,11 @@ def render(path: Path) -> list[dict]:
     result = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, f"kubectl kustomize {path.relative_to(ROOT)}: {result.stderr}"
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("k8s-pki"))
 
 
 @pytest.fixture(scope="session", params=OVERLAYS)

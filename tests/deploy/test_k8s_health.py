@@ -1,7 +1,8 @@
 """The gRPC probes in deploy/k8s ask the real servers for service names they actually report.
 
-The kubelet's gRPC probe is one grpc.health.v1 Check for `probe.grpc.service`: a name the server
-never sets answers NOT_FOUND and the pod never becomes ready. So each probe's name is checked
+The kubelet's gRPC probe (and docker/healthcheck.py, the TLS overlay's exec probe) is one
+grpc.health.v1 Check for a service name: a name the server never sets answers NOT_FOUND and the pod
+never becomes ready. So each probe's name is checked
 against a live engine and frontend (tiny model, loopback) rather than against a copy of the names:
 a renamed service fails here, not on a cluster.
 """
@@ -12,13 +13,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.engine.health import SERVICES as ENGINE_HEALTH_SERVICES
-from tests.deploy.conftest import Workload
-
-PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+from tests.deploy.conftest import PROBES, Workload, probe_target
 
 
 def grpc_probe_services(workload: Workload) -> set[str]:
-    return {workload.container[kind]["grpc"]["service"] for kind in PROBES if "grpc" in workload.container[kind]}
+    """The health service names the gRPC and exec (docker/healthcheck.py) probes ask for."""
+    names = {probe_target(workload.container[kind]).service for kind in PROBES}
+    return names - {None}  # a TCP check asks for none
 
 
 def test_every_grpc_probe_names_a_service_the_live_server_reports_serving(overlays, make_stack):
