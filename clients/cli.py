@@ -47,7 +47,7 @@ _EXAMPLES = {
   tandem info --json --address 10.0.0.5:50051""",
     "health": """examples:
   tandem health                                 # prints SERVING and exits 0, else exits 1
-  tandem health --service tandem.v1.Generation --timeout 2""",
+  tandem health --service tandem.v1.GenerationService --timeout 2""",
 }
 
 
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the frontend requires 'authorization: Bearer <token>' with this token "
                             "($TANDEM_API_TOKEN works too)")
     serve.add_argument("--admin-token-file", metavar="PATH", default=argparse.SUPPRESS,
-                       help="a separate token for tandem.v1.Admin calls")
+                       help="a separate token for tandem.v1.AdminService calls")
     serve.add_argument("--max-message-bytes", type=int, metavar="N", default=argparse.SUPPRESS,
                        help="the frontend's largest message (default: tandem-frontend's)")
     serve.add_argument("engine_args", nargs=argparse.REMAINDER, help="-- then flags for tandem-engine")

@@ -41,7 +41,7 @@ class TandemClient:
         if token:  # the servers' --api-token-file / TANDEM_API_TOKEN
             self._metadata += (("authorization", f"Bearer {token}"),)
         self._channel = open_channel(address, tls, retry)
-        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     # ---- streaming generation ----
@@ -91,10 +91,12 @@ class TandemClient:
         request = generation_pb2.AbortRequest(request_ids=list(request_ids))
         return list(self._unary(self._stub.Abort, request, timeout, metadata, None).aborted_request_ids)
 
-    def model_info(self, *, timeout: float | None = None, metadata: Metadata = None) -> generation_pb2.ModelInfo:
+    def model_info(self, *, timeout: float | None = None,
+                   metadata: Metadata = None) -> generation_pb2.GetModelInfoResponse:
         return self._unary(self._stub.GetModelInfo, generation_pb2.GetModelInfoRequest(), timeout, metadata, None)
 
-    def server_info(self, *, timeout: float | None = None, metadata: Metadata = None) -> generation_pb2.ServerInfo:
+    def server_info(self, *, timeout: float | None = None,
+                    metadata: Metadata = None) -> generation_pb2.GetServerInfoResponse:
         return self._unary(self._stub.GetServerInfo, generation_pb2.GetServerInfoRequest(), timeout, metadata, None)
 
     def health(self, service: str = "", *, timeout: float | None = None, metadata: Metadata = None) -> str:

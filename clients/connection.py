@@ -53,8 +53,8 @@ class RetryPolicy:
     def service_config(self) -> str:
         if not 0 <= self.retries < MAX_ATTEMPTS:
             raise ValueError(f"retries must be in [0, {MAX_ATTEMPTS - 1}], got {self.retries}")
-        config = {"methodConfig": [{"name": [{"service": "tandem.v1.Generation"}, {"service": "tandem.v1.Admin"},
-                                             {"service": "grpc.health.v1.Health"}]}]}
+        services = ("tandem.v1.GenerationService", "tandem.v1.AdminService", "grpc.health.v1.Health")
+        config = {"methodConfig": [{"name": [{"service": service} for service in services]}]}
         if self.retries:
             config["methodConfig"][0]["retryPolicy"] = {
                 "maxAttempts": self.retries + 1,

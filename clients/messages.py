@@ -72,7 +72,7 @@ class Tokens:
     max_model_len: int
 
 
-def chunk_from_proto(response: generation_pb2.GenerateResponse) -> GenerateChunk:
+def chunk_from_proto(response: generation_pb2.GenerateResponse | generation_pb2.ChatResponse) -> GenerateChunk:
     completions = tuple(
         Completion(
             index=c.index, text=c.text, token_ids=tuple(c.token_ids),

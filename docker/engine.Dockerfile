@@ -31,7 +31,7 @@ COPY docker/healthcheck.py ./docker/healthcheck.py
 RUN useradd --system --uid 10001 tandem
 USER tandem
 
-# gRPC (tandem.v1.EngineCore, health, reflection) and Prometheus /metrics
+# gRPC (tandem.v1.EngineCoreService, health, reflection) and Prometheus /metrics
 EXPOSE 50061 8061
 HEALTHCHECK --interval=5s --timeout=4s --start-period=120s --retries=5 \
   CMD ["python", "/app/docker/healthcheck.py", "127.0.0.1:50061"]

@@ -27,7 +27,7 @@ COPY docker/healthcheck.py ./docker/healthcheck.py
 RUN useradd --system --uid 10001 tandem
 USER tandem
 
-# the public gRPC API (tandem.v1.Generation / Admin, health, reflection) and Prometheus /metrics
+# the public gRPC API (tandem.v1.GenerationService / AdminService, health, reflection) and Prometheus /metrics
 EXPOSE 50051 8051
 HEALTHCHECK --interval=5s --timeout=4s --start-period=60s --retries=5 \
   CMD ["python", "/app/docker/healthcheck.py", "127.0.0.1:50051"]

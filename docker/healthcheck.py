@@ -1,28 +1,67 @@
 """Container healthcheck: one grpc.health.v1 Check; exit 0 when the server says SERVING, else 1.
 
     python docker/healthcheck.py 127.0.0.1:50061
+    python docker/healthcheck.py --service tandem.v1.EngineCore --tls-ca ca.crt \
+        --tls-cert tls.crt --tls-key tls.key --tls-server-name tandem-engine 127.0.0.1:50061
+
+Plaintext by default (the compose healthchecks). With --tls-ca it speaks TLS, and with
+--tls-cert/--tls-key it presents a client certificate (a server with --tls-client-ca wants one):
+Kubernetes' own gRPC probes are plaintext only, so deploy/k8s/components/tls probes with this.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="healthcheck.py", description=__doc__.splitlines()[0])
+    parser.add_argument("address", metavar="HOST:PORT")
+    parser.add_argument("--service", default="", help="the health service name to check (default: the server)")
+    parser.add_argument("--timeout", type=float, default=3.0, help="seconds (default: %(default)s)")
+    parser.add_argument("--tls-ca", metavar="PEM", help="speak TLS, trusting this CA")
+    parser.add_argument("--tls-cert", metavar="PEM", help="client certificate for mutual TLS (needs --tls-key)")
+    parser.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    parser.add_argument("--tls-server-name", metavar="NAME", help="the name the server's certificate carries")
+    args = parser.parse_args(argv)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together")
+    if (args.tls_cert or args.tls_server_name) and not args.tls_ca:
+        parser.error("--tls-cert, --tls-key and --tls-server-name need --tls-ca")
+    return args
+
+
+def channel(args: argparse.Namespace) -> grpc.Channel:
+    if not args.tls_ca:
+        return grpc.insecure_channel(args.address)
+    credentials = grpc.ssl_channel_credentials(_read(args.tls_ca), _read(args.tls_key), _read(args.tls_cert))
+    options = [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else []
+    return grpc.secure_channel(args.address, credentials, options=options)
+
+
+def _read(path: str | None) -> bytes | None:
+    return Path(path).read_bytes() if path else None
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: healthcheck.py HOST:PORT", file=sys.stderr)
-        return 2
-    with grpc.insecure_channel(argv[0]) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=3.0)
-        except grpc.RpcError as exc:
-            print(f"{argv[0]}: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            return 1
+    args = parse_args(argv)
+    try:
+        with channel(args) as chan:
+            reply = health_pb2_grpc.HealthStub(chan).Check(health_pb2.HealthCheckRequest(service=args.service),
+                                                          timeout=args.timeout)
+    except grpc.RpcError as exc:
+        print(f"{args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a certificate or key file that cannot be read
+        print(f"{args.address}: {exc}", file=sys.stderr)
+        return 1
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    print(f"{argv[0]}: {status}")
+    print(f"{args.address}: {status}")
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 

@@ -53,7 +53,7 @@ def cpu_seconds(pid: int) -> float:
 def wait_for_engine(address: str, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(address) as channel:
-        stub = engine_core_pb2_grpc.EngineCoreStub(channel)
+        stub = engine_core_pb2_grpc.EngineCoreServiceStub(channel)
         while True:
             try:
                 stub.GetEngineInfo(engine_core_pb2.GetEngineInfoRequest(), timeout=1)
@@ -79,7 +79,7 @@ async def one_stream(stub, tokens: int) -> int:
 
 async def load(address: str, streams: int, tokens: int) -> tuple[int, float]:
     async with grpc.aio.insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
         await one_stream(stub, 8)  # warm-up
         started = time.perf_counter()
         counts = await asyncio.gather(*(one_stream(stub, tokens) for _ in range(streams)))

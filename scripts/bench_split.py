@@ -61,7 +61,7 @@ async def one_stream(stub, prompt: list[int], gen_len: int) -> dict:
 
 async def bench_grpc(address: str, prompts: list[list[int]], gen_len: int) -> dict:
     async with grpc.aio.insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
         await one_stream(stub, prompts[0][:16], 4)  # warm-up
         started = time.perf_counter()
         results = await asyncio.gather(*(one_stream(stub, p, gen_len) for p in prompts))
@@ -74,7 +74,7 @@ async def bench_grpc(address: str, prompts: list[list[int]], gen_len: int) -> di
 async def single_stream_ttft(address: str, prompts: list[list[int]]) -> float:
     """Median time to the first token of one request at a time (no batching, no queueing)."""
     async with grpc.aio.insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
         ttfts = [(await one_stream(stub, p, 1))["ttft"] for p in prompts]
     return statistics.median(ttfts)
 

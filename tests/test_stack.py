@@ -136,7 +136,7 @@ def test_64_concurrent_streams_match_the_offline_engine(services, offline):
 
     async def run():
         async with grpc.aio.insecure_channel(services.frontend_address) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
             requests = [generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=p),
                                                        sampling_params=greedy(12)) for p in prompts]
             return await asyncio.gather(*(stream_tokens(stub, r) for r in requests))
@@ -157,7 +157,7 @@ def test_chat_streams_the_offline_engine_tokens(services, offline, tokenizer):
 
     async def run():
         async with grpc.aio.insecure_channel(services.frontend_address) as channel:
-            return await stream_tokens(generation_pb2_grpc.GenerationStub(channel), request, "Chat")
+            return await stream_tokens(generation_pb2_grpc.GenerationServiceStub(channel), request, "Chat")
 
     assert asyncio.run(run()) == expected.outputs[0].token_ids
 
@@ -167,7 +167,7 @@ def test_cancel_and_deadline_free_every_kv_block(services):
     request = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=list(range(100, 140))),
                                              sampling_params=greedy(MAX_MODEL_LEN - 41))
     with grpc.insecure_channel(services.frontend_address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
         call = stub.Generate(request)
         next(call)  # the stream is running in the engine
         assert engine_stats(services.engine_address).num_running_reqs == 1
@@ -186,7 +186,7 @@ def test_engine_killed_then_restarted(services):
     request = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=list(range(100, 140))),
                                              sampling_params=greedy(MAX_MODEL_LEN - 41))
     with grpc.insecure_channel(services.frontend_address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
         health = health_pb2_grpc.HealthStub(channel)
         call = stub.Generate(request)
         next(call)
@@ -215,7 +215,7 @@ def test_smollm2_chat_through_the_stack_says_paris():
     services = Services(["--dtype", "float32", "--max-model-len", "1024"], [])
     try:
         with grpc.insecure_channel(services.frontend_address) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
             request = generation_pb2.ChatRequest(
                 messages=[generation_pb2.ChatMessage(role="user", content="What is the capital of France?")],
                 sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=32,
@@ -238,12 +238,13 @@ def test_a_call_built_from_reflection_alone(services, tokenizer):
 
     with grpc.insecure_channel(services.frontend_address) as channel:
         database = ProtoReflectionDescriptorDatabase(channel)
-        assert {"tandem.v1.Generation", "tandem.v1.Admin", "grpc.health.v1.Health"} <= set(database.get_services())
-        service = descriptor_pool.DescriptorPool(database).FindServiceByName("tandem.v1.Generation")
+        names = set(database.get_services())
+        assert {"tandem.v1.GenerationService", "tandem.v1.AdminService", "grpc.health.v1.Health"} <= names
+        service = descriptor_pool.DescriptorPool(database).FindServiceByName("tandem.v1.GenerationService")
         method = service.methods_by_name["Tokenize"]
         request_class = message_factory.GetMessageClass(method.input_type)
         response_class = message_factory.GetMessageClass(method.output_type)
-        tokenize = channel.unary_unary("/tandem.v1.Generation/Tokenize",
+        tokenize = channel.unary_unary("/tandem.v1.GenerationService/Tokenize",
                                        request_serializer=request_class.SerializeToString,
                                        response_deserializer=response_class.FromString)
         reply = tokenize(request_class(text="What is the capital of France?"), timeout=10)

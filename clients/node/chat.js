@@ -17,7 +17,7 @@ const PROTOS = path.resolve(__dirname, '..', '..', 'protos');
 function usage(exitCode) {
   const text = `usage: node chat.js [options] MESSAGE
 
-Stream the assistant's answer to MESSAGE from a Tandem frontend (tandem.v1.Generation/Chat).
+Stream the assistant's answer to MESSAGE from a Tandem frontend (tandem.v1.GenerationService/Chat).
 
 options:
   --address HOST:PORT   the frontend (default: localhost:50051)
@@ -73,20 +73,20 @@ function fail(message) {
   process.exit(2);
 }
 
-function loadGeneration() {
+function loadGenerationService() {
   const definition = protoLoader.loadSync('tandem/v1/generation.proto', {
     includeDirs: [PROTOS], keepCase: true, longs: String, enums: String, defaults: false, oneofs: true,
   });
-  return grpc.loadPackageDefinition(definition).tandem.v1.Generation;
+  return grpc.loadPackageDefinition(definition).tandem.v1.GenerationService;
 }
 
 function main() {
   const args = parseArgs(process.argv.slice(2));
-  const Generation = loadGeneration();
+  const GenerationService = loadGenerationService();
   const credentials = args.tlsCa
     ? grpc.credentials.createSsl(fs.readFileSync(args.tlsCa))
     : grpc.credentials.createInsecure();
-  const client = new Generation(args.address, credentials);
+  const client = new GenerationService(args.address, credentials);
 
   const messages = [];
   if (args.system) messages.push({ role: 'system', content: args.system });

@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = EngineConfig()
     model, cache, sched, device = defaults.model, defaults.cache, defaults.scheduler, defaults.device
     p = argparse.ArgumentParser(
-        prog="tandem-engine", description="Serve an engine core (tandem.v1.EngineCore) over gRPC.",
+        prog="tandem-engine", description="Serve an engine core (tandem.v1.EngineCoreService) over gRPC.",
         formatter_class=_HelpFormatter,
     )
     server = p.add_argument_group("server")

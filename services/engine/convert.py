@@ -179,8 +179,8 @@ def utility_result_to_proto(result: UtilityResult) -> engine_core_pb2.UtilityRes
     return proto
 
 
-def engine_info_to_proto(info: EngineInfo, config: EngineConfig) -> engine_core_pb2.EngineInfo:
-    return engine_core_pb2.EngineInfo(
+def engine_info_to_proto(info: EngineInfo, config: EngineConfig) -> engine_core_pb2.GetEngineInfoResponse:
+    return engine_core_pb2.GetEngineInfoResponse(
         **dataclasses.asdict(info),  # same field names; bos_token_id None stays unset
         max_num_seqs=config.scheduler.max_num_seqs,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,

@@ -1,6 +1,6 @@
 """Standard grpc.health.v1 for the engine core, driven by a watchdog over the busy loop.
 
-Both "" (the whole server) and "tandem.v1.EngineCore" report SERVING while the busy
+Both "" (the whole server) and "tandem.v1.EngineCoreService" report SERVING while the busy
 loop is alive and making progress; NOT_SERVING when it died, or when it has work but
 completed no step for `stall_timeout` seconds (SERVING again once it recovers).
 """
@@ -18,7 +18,7 @@ from services.engine.busy_loop import EngineBusyLoop
 
 logger = logging.getLogger(__name__)
 
-ENGINE_CORE_SERVICE = "tandem.v1.EngineCore"
+ENGINE_CORE_SERVICE = "tandem.v1.EngineCoreService"
 SERVICES = ("", ENGINE_CORE_SERVICE)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -33,14 +33,14 @@ logger = logging.getLogger(__name__)
 _INPUT_ENDED = object()  # the reader's last item on a connection's queue
 
 
-class EngineCoreServicer(engine_core_pb2_grpc.EngineCoreServicer):
-    def __init__(self, busy_loop: EngineBusyLoop, info: engine_core_pb2.EngineInfo,
+class EngineCoreServicer(engine_core_pb2_grpc.EngineCoreServiceServicer):
+    def __init__(self, busy_loop: EngineBusyLoop, info: engine_core_pb2.GetEngineInfoResponse,
                  max_pending_outputs: int = DEFAULT_MAX_PENDING_OUTPUTS) -> None:
         self.busy_loop = busy_loop
         self.info = info
         self.max_pending_outputs = max_pending_outputs
 
-    async def GetEngineInfo(self, request, context) -> engine_core_pb2.EngineInfo:
+    async def GetEngineInfo(self, request, context) -> engine_core_pb2.GetEngineInfoResponse:
         if self.busy_loop.error is not None:  # a dead engine is not worth connecting to
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.busy_loop.error)
         return self.info
@@ -105,7 +105,7 @@ def drain(busy_loop: EngineBusyLoop) -> asyncio.Future:
 
 
 class EngineServer:
-    """An EngineCore behind `tandem.v1.EngineCore`, health and reflection on one address.
+    """An EngineCore behind `tandem.v1.EngineCoreService`, health and reflection on one address.
 
     The engine loads in the constructor (so a bad config fails before anything listens);
     `start()` binds (port 0 picks a free port) and returns the port. `transport` sets TLS / mutual
@@ -146,7 +146,7 @@ class EngineServer:
         self.server = self.transport.server()
         info = convert.engine_info_to_proto(self.engine.info, self.config)
         servicer = EngineCoreServicer(self.busy_loop, info, self.max_pending_outputs)
-        engine_core_pb2_grpc.add_EngineCoreServicer_to_server(servicer, self.server)
+        engine_core_pb2_grpc.add_EngineCoreServiceServicer_to_server(servicer, self.server)
         self.health.add_to_server(self.server)
         services = (ENGINE_CORE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(services, self.server)

@@ -38,9 +38,12 @@ def prompt_from_chat(request: generation_pb2.ChatRequest) -> ChatPrompt:
 
 
 # ---- frontend -> public API ------------------------------------------------------
-def response_from_output(output: RequestOutput) -> generation_pb2.GenerateResponse:
-    response = generation_pb2.GenerateResponse(request_id=output.request_id,
-                                               num_prompt_tokens=output.num_prompt_tokens)
+StreamResponse = generation_pb2.GenerateResponse | generation_pb2.ChatResponse
+
+
+def response_from_output(output: RequestOutput, response_type: type[StreamResponse]) -> StreamResponse:
+    """One stream message: a GenerateResponse or a ChatResponse (the same fields, one type per RPC)."""
+    response = response_type(request_id=output.request_id, num_prompt_tokens=output.num_prompt_tokens)
     for c in output.completions:
         chunk = response.completions.add(index=c.index, text=c.text, token_ids=c.token_ids,
                                          finish_reason=int(c.finish_reason or 0))
@@ -88,7 +91,7 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
 
 
 # ---- engine -> frontend ----------------------------------------------------------
-def engine_info_from_proto(info: engine_core_pb2.EngineInfo) -> EngineInfo:
+def engine_info_from_proto(info: engine_core_pb2.GetEngineInfoResponse) -> EngineInfo:
     return EngineInfo(model_name=info.model_name, model_path=info.model_path, max_model_len=info.max_model_len,
                       vocab_size=info.vocab_size, eos_token_ids=tuple(info.eos_token_ids))
 

@@ -117,7 +117,7 @@ class _Engine:
     def __init__(self, address: str, transport: ChannelTransport) -> None:
         self.address = address
         self.channel = transport.aio_channel(address)
-        self.stub = engine_core_pb2_grpc.EngineCoreStub(self.channel)
+        self.stub = engine_core_pb2_grpc.EngineCoreServiceStub(self.channel)
         self.info: EngineInfo | None = None
         self.queue: asyncio.Queue | None = None  # inputs for the current stream; None: not connected
         self.in_flight: set[str] = set()

@@ -46,23 +46,23 @@ async def _abort(context, error: Exception):
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {error!r}")
 
 
-class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(self, llm: AsyncLLM) -> None:
         self.llm = llm
 
     async def Generate(self, request, context):
         prompt = convert.prompt_from_generate(request)
         async for response in self._stream(context, request.request_id, prompt, request.sampling_params,
-                                           request.priority):
+                                           request.priority, generation_pb2.GenerateResponse):
             yield response
 
     async def Chat(self, request, context):
         prompt = convert.prompt_from_chat(request)
         async for response in self._stream(context, request.request_id, prompt, request.sampling_params,
-                                           request.priority):
+                                           request.priority, generation_pb2.ChatResponse):
             yield response
 
-    async def _stream(self, context, request_id, prompt, sampling_params, priority):
+    async def _stream(self, context, request_id, prompt, sampling_params, priority, response_type):
         # Tracing on: the OpenTelemetry interceptor already made the client's context current.
         trace_headers = None if self.llm.telemetry.tracing else {
             k: v for k, v in (context.invocation_metadata() or ()) if k in _TRACE_KEYS}
@@ -70,7 +70,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             async with aclosing(self.llm.generate(prompt, sampling_params, request_id, priority=priority,
                                                   trace_headers=trace_headers)) as outputs:
                 async for output in outputs:
-                    yield convert.response_from_output(output)
+                    yield convert.response_from_output(output, response_type)
         except Exception as e:  # noqa: BLE001 - mapped to a status code
             self.llm.telemetry.count_error(status_for(e) if isinstance(e, FrontendError) else grpc.StatusCode.INTERNAL)
             await _abort(context, e)
@@ -105,7 +105,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         info = self.llm.model_info
         if info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no engine has connected yet, so the model is unknown")
-        return generation_pb2.ModelInfo(
+        return generation_pb2.GetModelInfoResponse(
             model_name=info.model_name, model_path=info.model_path, max_model_len=info.max_model_len,
             vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
             has_chat_template=bool(self.llm.tokenizer.chat_template),
@@ -113,7 +113,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def GetServerInfo(self, request, context):
         client = self.llm.engine_client
-        return generation_pb2.ServerInfo(
+        return generation_pb2.GetServerInfoResponse(
             version=VERSION, num_in_flight=self.llm.output_processor.num_requests,
             max_waiting_requests=self.llm.max_waiting_requests,
             engines=[generation_pb2.EngineStatus(address=e.address, connected=e.connected,
@@ -121,7 +121,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
 
 
-class AdminServicer(admin_pb2_grpc.AdminServicer):
+class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     """Operator calls, forwarded to every connected engine as utility calls."""
 
     _PAUSE_MODES = {0: "abort", 1: "abort", 2: "wait", 3: "keep"}
@@ -133,44 +133,46 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         if request.mode not in self._PAUSE_MODES:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"mode {request.mode} is not a PauseMode "
                                 "(PAUSE_MODE_ABORT, PAUSE_MODE_WAIT or PAUSE_MODE_KEEP)")
-        return await self._forward(context, self.llm.pause_generation(self._PAUSE_MODES[request.mode]))
+        return await self._forward(context, self.llm.pause_generation(self._PAUSE_MODES[request.mode]),
+                                   admin_pb2.PauseResponse)
 
     async def Resume(self, request, context):
-        return await self._forward(context, self.llm.resume_generation())
+        return await self._forward(context, self.llm.resume_generation(), admin_pb2.ResumeResponse)
 
     async def Sleep(self, request, context):
-        return await self._forward(context, self.llm.sleep())
+        return await self._forward(context, self.llm.sleep(), admin_pb2.SleepResponse)
 
     async def WakeUp(self, request, context):
-        return await self._forward(context, self.llm.wake_up())
+        return await self._forward(context, self.llm.wake_up(), admin_pb2.WakeUpResponse)
 
     async def ResetPrefixCache(self, request, context):
-        return await self._forward(context, self.llm.reset_prefix_cache())
+        return await self._forward(context, self.llm.reset_prefix_cache(), admin_pb2.ResetPrefixCacheResponse)
 
     async def StartProfile(self, request, context):
-        return await self._forward(context, self.llm.start_profile(request.output_dir))
+        return await self._forward(context, self.llm.start_profile(request.output_dir), admin_pb2.StartProfileResponse)
 
     async def StopProfile(self, request, context):
-        return await self._forward(context, self.llm.stop_profile())
+        return await self._forward(context, self.llm.stop_profile(), admin_pb2.StopProfileResponse)
 
     async def Drain(self, request, context):
         left = await self.llm.drain(request.timeout_s)
         detail = "drained" if not left else f"{left} requests still in flight after {request.timeout_s:g}s"
-        return admin_pb2.AdminResponse(ok=not left, detail=detail)
+        return admin_pb2.DrainResponse(ok=not left, detail=detail)
 
-    async def _forward(self, context, call) -> admin_pb2.AdminResponse:
+    async def _forward(self, context, call, response_type):
+        """Await the engines' utility results and answer with one `response_type` (ok, detail)."""
         try:
             results: list[UtilityResult] = await call
         except Exception as e:  # noqa: BLE001
             await _abort(context, e)
         failed = [f"engine at {r.address}: {r.error}" for r in results if not r.ok]
         detail = "; ".join(failed) if failed else f"done on {len(results)} engine(s)"
-        return admin_pb2.AdminResponse(ok=not failed, detail=detail)
+        return response_type(ok=not failed, detail=detail)
 
 
 # ---- the server -------------------------------------------------------------------
 class FrontendServer:
-    """The grpc.aio server: Generation, Admin, health (SERVING while an engine is connected), reflection.
+    """The grpc.aio server: GenerationService, AdminService, health (SERVING while an engine is connected), reflection.
 
     `transport` sets TLS, the bearer-token interceptor and the message size limit (default: plaintext).
     """
@@ -179,12 +181,12 @@ class FrontendServer:
         self.llm = llm
         self.server = transport.server(*llm.telemetry.server_interceptors())
         self.health = health_aio.HealthServicer()
-        generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(llm), self.server)
-        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(llm), self.server)
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(llm), self.server)
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(llm), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         services = (
-            generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
-            admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
+            generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name,
+            admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
             reflection.SERVICE_NAME,
         )

@@ -18,7 +18,7 @@ import grpc
 
 OPEN_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
                  "grpc.reflection.v1.ServerReflection")
-ADMIN_SERVICES = ("tandem.v1.Admin",)
+ADMIN_SERVICES = ("tandem.v1.AdminService",)
 
 
 class TokenError(ValueError):

@@ -38,7 +38,7 @@ def add_server_flags(parser: argparse.ArgumentParser, *, max_message_bytes: int,
                            help=f"require 'authorization: Bearer <token>' on the public API, the token read from "
                                 f"this file (default: ${API_TOKEN_ENV} when set; else no token)")
         group.add_argument("--admin-token-file", metavar="PATH",
-                           help=f"a separate token for tandem.v1.Admin (default: ${ADMIN_TOKEN_ENV} when set; "
+                           help=f"a separate token for tandem.v1.AdminService (default: ${ADMIN_TOKEN_ENV} when set; "
                                 f"else admin calls need the API token)")
 
 

@@ -1,4 +1,4 @@
-"""A scripted tandem.v1.Generation server on 127.0.0.1:0 for client-side behaviour (retries, TLS, metadata).
+"""A scripted tandem.v1.GenerationService server on 127.0.0.1:0 for client-side behaviour (retries, TLS, metadata).
 
 It counts the attempts of each call and records the metadata it saw; `fail_before` makes the
 first N attempts end with UNAVAILABLE before any response, `fail_after_first` makes every
@@ -13,7 +13,7 @@ import grpc
 from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 
-class ScriptedGeneration(generation_pb2_grpc.GenerationServicer):
+class ScriptedGeneration(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(self, fail_before: int = 0, fail_after_first: bool = False) -> None:
         self.fail_before = fail_before
         self.fail_after_first = fail_after_first
@@ -51,7 +51,7 @@ class ScriptedServer:
     def __init__(self, servicer: ScriptedGeneration, credentials: grpc.ServerCredentials | None = None) -> None:
         self.servicer = servicer
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        generation_pb2_grpc.add_GenerationServicer_to_server(servicer, self.server)
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, self.server)
         if credentials is None:
             self.port = self.server.add_insecure_port("127.0.0.1:0")
         else:

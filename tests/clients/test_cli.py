@@ -123,6 +123,8 @@ def test_info_and_health(address, live_stack):
     assert f"max_model_len  {MAX_MODEL_LEN}" in text and "connected" in text
     health = run_cli("health", "--address", address)
     assert (health.returncode, health.stdout) == (0, "SERVING\n")
+    service = run_cli("health", "--service", "tandem.v1.GenerationService", "--address", address)  # as in --help
+    assert (service.returncode, service.stdout) == (0, "SERVING\n"), service.stderr
 
 
 def test_a_bad_request_prints_the_status_and_message_not_a_traceback(address):

@@ -8,15 +8,15 @@ import grpc
 from tandem.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 
 
-def _admin(address: str, method: str, request) -> admin_pb2.AdminResponse:
+def _admin(address: str, method: str, request):
     with grpc.insecure_channel(address) as channel:
-        reply = getattr(admin_pb2_grpc.AdminStub(channel), method)(request, timeout=30)
+        reply = getattr(admin_pb2_grpc.AdminServiceStub(channel), method)(request, timeout=30)
     assert reply.ok, f"{method}: {reply.detail}"
     return reply
 
 
 def resume(address: str) -> None:
-    _admin(address, "Resume", admin_pb2.AdminRequest())
+    _admin(address, "Resume", admin_pb2.ResumeRequest())
 
 
 @contextlib.contextmanager

@@ -31,7 +31,7 @@ def random_prompts(count: int, seed: int, shared_prefix: list[int] | None = None
     return [prefix + [rng.randrange(10, VOCAB) for _ in range(rng.randrange(3, 40))] for _ in range(count)]
 
 
-async def stream_tokens(stub: generation_pb2_grpc.GenerationStub, request, timeout: float = CALL_TIMEOUT_S):
+async def stream_tokens(stub: generation_pb2_grpc.GenerationServiceStub, request, timeout: float = CALL_TIMEOUT_S):
     """All token ids of one DELTA stream."""
     tokens = []
     async for response in stub.Generate(request, timeout=timeout):
@@ -51,7 +51,7 @@ async def read_rest(call) -> list[int]:
 async def quiet_run(address: str, requests: list) -> list[list[int]]:
     """The reference outputs: each request alone on an otherwise idle stack."""
     async with grpc.aio.insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
         return [await stream_tokens(stub, request) for request in requests]
 
 
@@ -84,5 +84,5 @@ def wait_for(predicate, timeout: float = 30.0, what: str = "a condition"):
 
 def server_in_flight(address: str) -> int:
     with grpc.insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
         return stub.GetServerInfo(generation_pb2.GetServerInfoRequest(), timeout=10).num_in_flight

@@ -26,7 +26,7 @@ REQUEST_IDS = st.one_of(st.just(""), st.sampled_from(["dup-1", "dup-2"]), TEXT)
 
 @dataclass(frozen=True)
 class Call:
-    service: str  # "Generation" | "Admin"
+    service: str  # "GenerationService" | "AdminService"
     method: str
     request: object
 
@@ -91,7 +91,7 @@ def generate(draw) -> Call:
     elif prompt == "huge_ids":
         request.token_ids.ids.extend([draw(st.integers(0, VOCAB - 1))] * draw(st.integers(257, 50_000)))
     _set(request, add_special_tokens=draw(maybe(st.booleans())))
-    return Call("Generation", "Generate", _with_params(draw, request))
+    return Call("GenerationService", "Generate", _with_params(draw, request))
 
 
 ROLES = st.one_of(st.sampled_from(["system", "user", "assistant", "tool"]), TEXT)
@@ -116,7 +116,7 @@ def tokenize(draw) -> Call:
     elif kind == "chat":
         request.chat.CopyFrom(draw(chat_request()))
     _set(request, add_special_tokens=draw(maybe(st.booleans())))
-    return Call("Generation", "Tokenize", request)
+    return Call("GenerationService", "Tokenize", request)
 
 
 @st.composite
@@ -124,32 +124,32 @@ def detokenize(draw) -> Call:
     request = generation_pb2.DetokenizeRequest()
     request.token_ids.extend(draw(st.lists(TOKEN_IDS, max_size=300)))
     _set(request, skip_special_tokens=draw(maybe(st.booleans())))
-    return Call("Generation", "Detokenize", request)
+    return Call("GenerationService", "Detokenize", request)
 
 
 PUBLIC_CALLS = st.one_of(
     generate(),
-    chat_request().map(lambda r: Call("Generation", "Chat", r)),
+    chat_request().map(lambda r: Call("GenerationService", "Chat", r)),
     tokenize(),
     detokenize(),
     st.lists(REQUEST_IDS, max_size=5).map(
-        lambda ids: Call("Generation", "Abort", generation_pb2.AbortRequest(request_ids=ids))),
-    st.just(Call("Generation", "GetModelInfo", generation_pb2.GetModelInfoRequest())),
-    st.just(Call("Generation", "GetServerInfo", generation_pb2.GetServerInfoRequest())),
+        lambda ids: Call("GenerationService", "Abort", generation_pb2.AbortRequest(request_ids=ids))),
+    st.just(Call("GenerationService", "GetModelInfo", generation_pb2.GetModelInfoRequest())),
+    st.just(Call("GenerationService", "GetServerInfo", generation_pb2.GetServerInfoRequest())),
 )
 
 
 def admin_calls(profile_root: str):
     """Admin calls; profiles only ever go under `profile_root` (any name, however odd)."""
     plain = st.sampled_from(["Resume", "Sleep", "WakeUp", "ResetPrefixCache", "StopProfile"]).map(
-        lambda method: Call("Admin", method, admin_pb2.AdminRequest()))
+        lambda method: Call("AdminService", method, getattr(admin_pb2, f"{method}Request")()))
     name = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="/."), max_size=300)
     profile_dir = st.one_of(st.just(""), name.map(lambda n: f"{profile_root}/{n}"))
     drain_timeout = st.one_of(st.floats(0, 1.0), st.sampled_from([float("nan"), float("-inf"), -1.0, -1e300]))
     return st.one_of(
         plain,
         st.one_of(st.integers(-1, 5), INT32).map(
-            lambda mode: Call("Admin", "Pause", admin_pb2.PauseRequest(mode=mode))),
-        profile_dir.map(lambda d: Call("Admin", "StartProfile", admin_pb2.StartProfileRequest(output_dir=d))),
-        drain_timeout.map(lambda t: Call("Admin", "Drain", admin_pb2.DrainRequest(timeout_s=t))),
+            lambda mode: Call("AdminService", "Pause", admin_pb2.PauseRequest(mode=mode))),
+        profile_dir.map(lambda d: Call("AdminService", "StartProfile", admin_pb2.StartProfileRequest(output_dir=d))),
+        drain_timeout.map(lambda t: Call("AdminService", "Drain", admin_pb2.DrainRequest(timeout_s=t))),
     )

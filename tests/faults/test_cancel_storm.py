@@ -50,7 +50,7 @@ async def storm(address: str, survivors: list, expected: list, count: int, concu
     outcomes: Counter = Counter()
     survivor_rounds = 0
     async with grpc.aio.insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
         slots = asyncio.Semaphore(concurrency)
         done = asyncio.Event()
 

@@ -29,7 +29,7 @@ def test_sigterm_refuses_new_calls_and_finishes_streams_in_flight(stack, idle_af
 
     async def drain():
         async with grpc.aio.insecure_channel(frontend.address) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
             calls = [stub.Generate(r, timeout=CALL_TIMEOUT_S) for r in requests]
             firsts = [await call.read() for call in calls]  # every stream is running
             frontend.signal(15)  # SIGTERM

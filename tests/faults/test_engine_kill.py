@@ -59,7 +59,7 @@ def test_engine_sigkill_mid_batch_then_restart(engine_stack, report):
 
     async def kill_mid_batch():
         async with grpc.aio.insecure_channel(frontend.address) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
             calls = [stub.Generate(r, timeout=CALL_TIMEOUT_S) for r in in_flight]
             for call in calls:
                 await call.read()  # every stream is in the running batch
@@ -118,7 +118,7 @@ def test_engine_sigterm_finishes_streams_in_flight_then_exits_0(engine_stack, re
 
     async def drain():
         async with grpc.aio.insecure_channel(frontend.address) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
             calls = [stub.Generate(r, timeout=CALL_TIMEOUT_S) for r in requests]
             firsts = [await call.read() for call in calls]  # every stream is running
             stack.engine.signal(signal.SIGTERM)

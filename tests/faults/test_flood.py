@@ -38,7 +38,7 @@ def test_flood_is_refused_at_once_and_admitted_streams_all_finish(stack, idle_af
 
     async def flood() -> list[tuple[grpc.StatusCode, str, int]]:
         async with grpc.aio.insecure_channel(frontend.address) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
             with frozen(frontend.address):
                 calls = [asyncio.create_task(one_stream(stub, r)) for r in requests]
 

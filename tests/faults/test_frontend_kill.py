@@ -35,9 +35,9 @@ def test_killed_frontend_frees_its_requests_and_the_other_frontend_streams_on(st
     async def run():
         async with grpc.aio.insecure_channel(victim.address) as victim_channel, \
                 grpc.aio.insecure_channel(survivor_frontend.address) as channel:
-            doomed = [generation_pb2_grpc.GenerationStub(victim_channel).Generate(r, timeout=CALL_TIMEOUT_S)
+            doomed = [generation_pb2_grpc.GenerationServiceStub(victim_channel).Generate(r, timeout=CALL_TIMEOUT_S)
                       for r in victim_requests]
-            calls = [generation_pb2_grpc.GenerationStub(channel).Generate(r, timeout=CALL_TIMEOUT_S)
+            calls = [generation_pb2_grpc.GenerationServiceStub(channel).Generate(r, timeout=CALL_TIMEOUT_S)
                      for r in survivors]
             for call in doomed:
                 await call.read()  # running in the engine

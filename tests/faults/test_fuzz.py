@@ -39,7 +39,8 @@ def fuzz_settings(scale):
 
 async def invoke(channel, call: Call) -> tuple[grpc.StatusCode, str]:
     """Run one call to its end; its status code and details."""
-    stubs = {"Generation": generation_pb2_grpc.GenerationStub, "Admin": admin_pb2_grpc.AdminStub}
+    stubs = {"GenerationService": generation_pb2_grpc.GenerationServiceStub,
+             "AdminService": admin_pb2_grpc.AdminServiceStub}
     method = getattr(stubs[call.service](channel), call.method)
     try:
         if call.method in ("Generate", "Chat"):
@@ -87,14 +88,14 @@ def test_fuzz_admin_rpcs_with_a_stream_in_flight(stack, idle_after, scale, repor
     def run(calls: list[Call]) -> None:
         async def sequence():
             async with grpc.aio.insecure_channel(frontend.address) as channel:
-                stub = generation_pb2_grpc.GenerationStub(channel)
-                admin = admin_pb2_grpc.AdminStub(channel)
+                stub = generation_pb2_grpc.GenerationServiceStub(channel)
+                admin = admin_pb2_grpc.AdminServiceStub(channel)
                 in_flight = stub.Generate(stream_request, timeout=CALL_TIMEOUT_S)
                 await in_flight.read()  # admitted and running before the admin calls start
                 outcomes = [await invoke(channel, call) for call in calls]
                 # leave the server serving: resumed (also ends a drain), awake, not profiling
                 for restore in ("Resume", "WakeUp", "StopProfile"):
-                    await getattr(admin, restore)(admin_pb2.AdminRequest(), timeout=CALL_TIMEOUT_S)
+                    await getattr(admin, restore)(getattr(admin_pb2, f"{restore}Request")(), timeout=CALL_TIMEOUT_S)
                 try:
                     await read_rest(in_flight)
                     stream = OK, ""
@@ -107,7 +108,7 @@ def test_fuzz_admin_rpcs_with_a_stream_in_flight(stack, idle_after, scale, repor
         outcomes, stream, tokens = asyncio.run(sequence())
         for call, (code, details) in zip(calls, outcomes):
             check(call, code, details, ADMIN_ALLOWED, report)
-        check(Call("Generation", "Generate", stream_request), *stream, {OK}, report)
+        check(Call("GenerationService", "Generate", stream_request), *stream, {OK}, report)
         assert len(tokens) == 4, "the server did not serve again after the admin calls"
         report.fault("fuzzed admin call", len(calls))
 

@@ -53,7 +53,7 @@ def test_a_stalled_client_is_cut_off_by_the_frontend(stack, idle_after, report):
     expected = asyncio.run(quiet_run(frontend.address, survivors))
     stalled_channel = grpc.insecure_channel(frontend.address, options=STALLED_CHANNEL_OPTIONS)
     try:
-        stub = generation_pb2_grpc.GenerationStub(stalled_channel)
+        stub = generation_pb2_grpc.GenerationServiceStub(stalled_channel)
         stalled = [stub.Generate(token_request(p, MAX_MODEL_LEN - 60), timeout=120)
                    for p in random_prompts(4, seed=22)]
         report.fault("stalled client stream", len(stalled))
@@ -79,7 +79,7 @@ def test_a_stalled_engine_connection_is_closed_by_the_engine(stack, idle_after, 
     inputs: queue.Queue = queue.Queue()
     channel = grpc.insecure_channel(stack.engine.address, options=STALLED_CHANNEL_OPTIONS)
     try:
-        stalled = engine_core_pb2_grpc.EngineCoreStub(channel).Connect(iter(inputs.get, None), timeout=120)
+        stalled = engine_core_pb2_grpc.EngineCoreServiceStub(channel).Connect(iter(inputs.get, None), timeout=120)
         for i, prompt in enumerate(random_prompts(4, seed=24)):
             inputs.put(engine_core_pb2.EngineCoreInput(add=engine_core_pb2.EngineCoreRequest(
                 request_id=f"stalled-{i}", prompt_token_ids=prompt,

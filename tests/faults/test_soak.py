@@ -73,7 +73,7 @@ def test_soak_memory_flat_and_blocks_free(stack, idle_after, scale, report):
         start = time.monotonic()
         stop_at = start + scale.soak_seconds
         async with grpc.aio.insecure_channel(frontend.address) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
             workers = [asyncio.create_task(worker(stub, random.Random(i), prefixes, stop_at, report))
                        for i in range(WORKERS)]
             while not all(w.done() for w in workers):

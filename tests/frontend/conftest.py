@@ -75,8 +75,8 @@ class Stack:
         self.frontend = FrontendServer(self.llm, "127.0.0.1:0")
         await self.frontend.start()
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.frontend.port}")
-        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
-        self.admin = admin_pb2_grpc.AdminStub(self.channel)
+        self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
+        self.admin = admin_pb2_grpc.AdminServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
     async def start_engine(self, address: str) -> None:

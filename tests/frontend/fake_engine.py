@@ -1,4 +1,4 @@
-"""A fake EngineCore gRPC servicer: deterministic tokens, as fast as it can, honouring aborts.
+"""A fake tandem.v1.EngineCoreService servicer: deterministic tokens, as fast as it can, honouring aborts.
 
 Used by the frontend tests and by the frontend-capacity benchmark (no torch, no model):
 
@@ -34,7 +34,7 @@ class _Running:
         self.request, self.tokens, self.num_generated = request, tokens, 0
 
 
-class FakeEngine(engine_core_pb2_grpc.EngineCoreServicer):
+class FakeEngine(engine_core_pb2_grpc.EngineCoreServiceServicer):
     def __init__(self, *, vocab_size: int = 49152, max_model_len: int = 2048, model_path: str = "",
                  eos_token_id: int = 0, script: Callable[[engine_core_pb2.EngineCoreRequest], list[int]] = echo_prompt,
                  tokens_per_step: int | Callable[[str], int] = 1, step_delay_s: float = 0.0,
@@ -52,7 +52,7 @@ class FakeEngine(engine_core_pb2_grpc.EngineCoreServicer):
         self.num_connections = 0
 
     async def GetEngineInfo(self, request, context):
-        return engine_core_pb2.EngineInfo(
+        return engine_core_pb2.GetEngineInfoResponse(
             model_name="fake", model_path=self.model_path, max_model_len=self.max_model_len, block_size=16,
             num_blocks=1024, vocab_size=self.vocab_size, eos_token_ids=[self.eos_token_id], dtype="none",
             device="none", attention_backend="none", max_num_seqs=256, max_num_batched_tokens=8192,
@@ -140,7 +140,7 @@ async def start_fake_engine(address: str = "127.0.0.1:0", engine: FakeEngine | N
     """Start a fake engine server; returns (server, port, servicer). Stop it with `await server.stop(0)`."""
     engine = engine or FakeEngine(**kwargs)
     server = grpc.aio.server()
-    engine_core_pb2_grpc.add_EngineCoreServicer_to_server(engine, server)
+    engine_core_pb2_grpc.add_EngineCoreServiceServicer_to_server(engine, server)
     port = server.add_insecure_port(address)
     await server.start()
     return server, port, engine

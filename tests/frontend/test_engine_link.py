@@ -98,12 +98,12 @@ def test_admin_calls_are_forwarded_as_utility_calls(stack):
         before = len(stack.engine.utility_calls)
         responses = [
             await stack.admin.Pause(admin_pb2.PauseRequest(mode=common_pb2.PAUSE_MODE_WAIT)),
-            await stack.admin.Resume(admin_pb2.AdminRequest()),
-            await stack.admin.Sleep(admin_pb2.AdminRequest()),
-            await stack.admin.WakeUp(admin_pb2.AdminRequest()),
-            await stack.admin.ResetPrefixCache(admin_pb2.AdminRequest()),
+            await stack.admin.Resume(admin_pb2.ResumeRequest()),
+            await stack.admin.Sleep(admin_pb2.SleepRequest()),
+            await stack.admin.WakeUp(admin_pb2.WakeUpRequest()),
+            await stack.admin.ResetPrefixCache(admin_pb2.ResetPrefixCacheRequest()),
             await stack.admin.StartProfile(admin_pb2.StartProfileRequest(output_dir="/tmp/prof")),
-            await stack.admin.StopProfile(admin_pb2.AdminRequest()),
+            await stack.admin.StopProfile(admin_pb2.StopProfileRequest()),
         ]
         return responses, stack.engine.utility_calls[before:]
 
@@ -122,7 +122,7 @@ def test_drain_stops_admission_until_resume(make_stack):
         drained = await s.admin.Drain(admin_pb2.DrainRequest(timeout_s=1))
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             [r async for r in s.stub.Generate(req(max_tokens=2))]
-        await s.admin.Resume(admin_pb2.AdminRequest())
+        await s.admin.Resume(admin_pb2.ResumeRequest())
         return drained, refused.value, [r async for r in s.stub.Generate(req(max_tokens=2))]
 
     drained, refused, served = s.run(run())
@@ -152,4 +152,4 @@ def test_info_tokenize_detokenize_and_reflection(stack):
     assert text.text == "Hello there"
     assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids[0]" in bad.details()
     services = {s.name for s in listed[0].list_services_response.service}
-    assert {"tandem.v1.Generation", "tandem.v1.Admin", "grpc.health.v1.Health"} <= services
+    assert {"tandem.v1.GenerationService", "tandem.v1.AdminService", "grpc.health.v1.Health"} <= services

@@ -93,7 +93,7 @@ class _SyncShell:
 @pytest.fixture
 def generation_server(tokenizer):
     servicer = _SyncShell(GenerationServicer(AsyncLLM(_NoEngine(), tokenizer)))
-    descriptor = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
+    descriptor = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"]
     return grpc_testing.server_from_dictionary({descriptor: servicer}, grpc_testing.strict_real_time()), descriptor
 
 

@@ -101,8 +101,8 @@ class ObservedStack:
             self.metrics_server = MetricsServer(frontend_metrics.registry, "127.0.0.1", 0)
             self.metrics_server.start()
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.frontend.port}")
-        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
-        self.admin = admin_pb2_grpc.AdminStub(self.channel)
+        self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
+        self.admin = admin_pb2_grpc.AdminServiceStub(self.channel)
 
     # ---- calls ----------------------------------------------------------------------------
     def generate_request(self, prompt: list[int], max_tokens: int, request_id: str = "",

@@ -28,7 +28,7 @@ async def load_with_a_pause(stack):
     tokens = [len((await call.read()).completions[0].token_ids) for call in calls]
     assert (await stack.admin.Pause(admin_pb2.PauseRequest(mode=common_pb2.PAUSE_MODE_KEEP))).ok
     during = stack.scrape("engine"), stack.scrape("frontend")
-    assert (await stack.admin.Resume(admin_pb2.AdminRequest())).ok
+    assert (await stack.admin.Resume(admin_pb2.ResumeRequest())).ok
     for i, call in enumerate(calls):
         while (response := await call.read()) != grpc.aio.EOF:
             tokens[i] += len(response.completions[0].token_ids)

@@ -34,7 +34,7 @@ def test_client_trace_continues_through_frontend_and_engine(make_stack):
     assert responses[-1].usage.completion_tokens == MAX_TOKENS
     spans = stack.exporter.get_finished_spans()
 
-    rpc = by_name(spans, "/tandem.v1.Generation/Generate")
+    rpc = by_name(spans, "/tandem.v1.GenerationService/Generate")
     request = by_name(spans, "llm_request")
     engine = by_name(spans, "engine_core.request")
     # one trace id, and each hop is the child of the one before
@@ -109,7 +109,7 @@ def test_a_refused_request_is_traced_with_its_status_code(make_stack):
     stack = make_stack(tracing=True)
     stack.run(_expect_invalid(stack))
     spans = stack.exporter.get_finished_spans()
-    rpc = by_name(spans, "/tandem.v1.Generation/Generate")
+    rpc = by_name(spans, "/tandem.v1.GenerationService/Generate")
     assert rpc.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert format(rpc.context.trace_id, "032x") == CLIENT_TRACE_ID
     assert not [s for s in spans if s.name != rpc.name]  # refused before it reached the engine

@@ -76,13 +76,13 @@ class Frontend:
         await self.server.start()
 
     def stubs(self, transport: ChannelTransport = ChannelTransport()):
-        """(Generation, Admin) stubs on a new channel (made on this loop, closed by close())."""
+        """(GenerationService, AdminService) stubs on a new channel (made on this loop, closed by close())."""
         async def make():
             return transport.aio_channel(self.target)
 
         channel = self.run(make())
         self.channels.append(channel)
-        return generation_pb2_grpc.GenerationStub(channel), admin_pb2_grpc.AdminStub(channel)
+        return generation_pb2_grpc.GenerationServiceStub(channel), admin_pb2_grpc.AdminServiceStub(channel)
 
     def close(self) -> None:
         async def stop():
@@ -133,10 +133,10 @@ class EngineThread:
     def call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(WAIT_S)
 
-    def info(self, transport: ChannelTransport, timeout: float = 10.0) -> engine_core_pb2.EngineInfo:
+    def info(self, transport: ChannelTransport, timeout: float = 10.0) -> engine_core_pb2.GetEngineInfoResponse:
         """GetEngineInfo over a fresh blocking channel."""
         with transport.channel(self.target) as channel:
-            stub = engine_core_pb2_grpc.EngineCoreStub(channel)
+            stub = engine_core_pb2_grpc.EngineCoreServiceStub(channel)
             return stub.GetEngineInfo(engine_core_pb2.GetEngineInfoRequest(), timeout=timeout)
 
     def shutdown(self) -> None:

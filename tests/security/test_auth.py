@@ -67,15 +67,15 @@ def test_token_flags_add_the_interceptor_only_when_a_token_is_set(tmp_path, monk
 
 def test_policy_rules():
     policy = TokenPolicy(api_token=API)
-    assert policy.check("/tandem.v1.Generation/Tokenize", bearer(API)) is None
-    assert policy.check("/tandem.v1.Admin/Pause", bearer(API)) is None  # no admin token: the API token
+    assert policy.check("/tandem.v1.GenerationService/Tokenize", bearer(API)) is None
+    assert policy.check("/tandem.v1.AdminService/Pause", bearer(API)) is None  # no admin token: the API token
     assert policy.check("/grpc.health.v1.Health/Check", ()) is None
     assert policy.check("/tandem.v1.Unknown/Call", ()).code == grpc.StatusCode.UNAUTHENTICATED  # default deny
-    assert "must be 'Bearer <token>'" in policy.check("/tandem.v1.Generation/Tokenize",
+    assert "must be 'Bearer <token>'" in policy.check("/tandem.v1.GenerationService/Tokenize",
                                                       (("authorization", f"Basic {API}"),)).message
     admin_only = TokenPolicy(admin_token=ADMIN)
-    assert admin_only.check("/tandem.v1.Generation/Generate", ()) is None
-    assert admin_only.check("/tandem.v1.Admin/Drain", bearer(API)).code == grpc.StatusCode.UNAUTHENTICATED
+    assert admin_only.check("/tandem.v1.GenerationService/Generate", ()) is None
+    assert admin_only.check("/tandem.v1.AdminService/Drain", bearer(API)).code == grpc.StatusCode.UNAUTHENTICATED
 
 
 # ---- on a real frontend -------------------------------------------------------------------------
@@ -83,7 +83,7 @@ def test_public_api_needs_the_api_token(locked):
     stub, _ = locked.stubs()
     tokenize = generation_pb2.TokenizeRequest(text="Hello there")
     missing = refused(locked, lambda: stub.Tokenize(tokenize))
-    assert "tandem.v1.Generation needs the API token" in missing.details()
+    assert "tandem.v1.GenerationService needs the API token" in missing.details()
     assert "authorization: Bearer <token>" in missing.details()
     wrong = refused(locked, lambda: stub.Tokenize(tokenize, metadata=bearer("guess")))
     assert "not the API token" in wrong.details() and "guess" not in wrong.details()
@@ -106,10 +106,10 @@ def test_streaming_generate_needs_the_api_token(locked):
 
 def test_admin_calls_need_the_separate_admin_token(locked):
     _, admin = locked.stubs()
-    error = refused(locked, lambda: admin.Resume(admin_pb2.AdminRequest(), metadata=bearer(API)))
-    assert "not the admin token of tandem.v1.Admin" in error.details()
-    refused(locked, lambda: admin.Resume(admin_pb2.AdminRequest()))
-    assert locked.call(lambda: admin.Resume(admin_pb2.AdminRequest(), metadata=bearer(ADMIN))).ok
+    error = refused(locked, lambda: admin.Resume(admin_pb2.ResumeRequest(), metadata=bearer(API)))
+    assert "not the admin token of tandem.v1.AdminService" in error.details()
+    refused(locked, lambda: admin.Resume(admin_pb2.ResumeRequest()))
+    assert locked.call(lambda: admin.Resume(admin_pb2.ResumeRequest(), metadata=bearer(ADMIN))).ok
 
 
 def test_health_and_reflection_stay_open(locked):
@@ -126,7 +126,7 @@ def test_health_and_reflection_stay_open(locked):
 
     status, services = locked.run(probe())
     assert status == health_pb2.HealthCheckResponse.SERVING
-    assert {"tandem.v1.Generation", "tandem.v1.Admin"} <= services
+    assert {"tandem.v1.GenerationService", "tandem.v1.AdminService"} <= services
 
 
 def test_tandem_serve_passes_the_token_flags_to_its_frontend(monkeypatch):

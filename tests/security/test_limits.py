@@ -56,7 +56,7 @@ def servicer(tokenizer):
     def generate(request, context):  # grpc_testing calls servicers synchronously
         return iter(asyncio.run(drain(servicer.Generate(request, context))))
 
-    descriptor = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
+    descriptor = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"]
     server = grpc_testing.server_from_dictionary({descriptor: type("Shell", (), {"Generate": staticmethod(generate)})},
                                                  grpc_testing.strict_real_time())
 
@@ -142,7 +142,7 @@ def test_oversize_engine_input_is_resource_exhausted_and_the_engine_stays_up(mak
     huge = engine_core_pb2.EngineCoreInput(add=engine_core_pb2.EngineCoreRequest(
         request_id="huge", prompt_token_ids=[200] * 10_000))
     with link.channel(engine.target) as channel:
-        stream = engine_core_pb2_grpc.EngineCoreStub(channel).Connect(iter([huge]), timeout=10)
+        stream = engine_core_pb2_grpc.EngineCoreServiceStub(channel).Connect(iter([huge]), timeout=10)
         with pytest.raises(grpc.RpcError) as error:
             list(stream)
     assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -84,7 +84,7 @@ def test_generate_over_tls_token_and_mutual_tls_to_the_engine(processes, pki, ti
                                              sampling_params=common_pb2.SamplingParams(
                                                  temperature=0.0, max_tokens=4, ignore_eos=True))
     with client.channel(f"127.0.0.1:{frontend_port}") as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
         with pytest.raises(grpc.RpcError) as error:
             list(stub.Generate(request, timeout=30))
         assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED

@@ -67,7 +67,7 @@ class Stream:
 
     def __init__(self, channel: grpc.Channel) -> None:
         self._inputs: queue.Queue = queue.Queue()
-        self._responses = engine_core_pb2_grpc.EngineCoreStub(channel).Connect(iter(self._inputs.get, None))
+        self._responses = engine_core_pb2_grpc.EngineCoreServiceStub(channel).Connect(iter(self._inputs.get, None))
         self._cond = threading.Condition()
         self._call_ids = iter(range(1, 1 << 30))
         self.messages: list[engine_core_pb2.EngineCoreOutputs] = []

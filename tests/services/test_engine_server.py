@@ -287,7 +287,7 @@ def test_get_stats_and_engine_info(engine_server, connect, tiny_model_dir):
     stats = connect(engine_server.target).stats()
     assert stats.num_total_blocks == 511 and stats.kv_cache_usage == 0.0
     with grpc.insecure_channel(engine_server.target) as channel:
-        info = engine_core_pb2_grpc.EngineCoreStub(channel).GetEngineInfo(engine_core_pb2.GetEngineInfoRequest())
+        info = engine_core_pb2_grpc.EngineCoreServiceStub(channel).GetEngineInfo(engine_core_pb2.GetEngineInfoRequest())
     assert (info.model_path, info.max_model_len, info.block_size, info.num_blocks) == (
         str(tiny_model_dir), MAX_MODEL_LEN, 4, 512)
     assert (info.vocab_size, list(info.eos_token_ids), info.bos_token_id) == (256, [2, 3], 1)
@@ -299,18 +299,18 @@ def test_get_stats_and_engine_info(engine_server, connect, tiny_model_dir):
 def test_reflection_lists_the_services(engine_server):
     with grpc.insecure_channel(engine_server.target) as channel:
         services = ProtoReflectionDescriptorDatabase(channel).get_services()
-    assert {"tandem.v1.EngineCore", "grpc.health.v1.Health"} <= set(services)
+    assert {"tandem.v1.EngineCoreService", "grpc.health.v1.Health"} <= set(services)
 
 
 def test_health_goes_not_serving_while_the_loop_stalls(make_server):
     server = make_server(stall_timeout=0.3)
     assert health_status(server.target) == SERVING
-    assert health_status(server.target, "tandem.v1.EngineCore") == SERVING
+    assert health_status(server.target, "tandem.v1.EngineCoreService") == SERVING
     unblock = threading.Event()
     try:
         server.server.busy_loop.run_in_loop(lambda: unblock.wait(20))
         wait_health(server.target, NOT_SERVING)
-        assert health_status(server.target, "tandem.v1.EngineCore") == NOT_SERVING
+        assert health_status(server.target, "tandem.v1.EngineCoreService") == NOT_SERVING
     finally:
         unblock.set()
     wait_health(server.target, SERVING)
