@@ -30,7 +30,8 @@ def test_two_connections_may_use_the_same_request_id():
     router.route(step([EngineCoreOutput(a, [7]), EngineCoreOutput(b, [8], finish_reason=FinishReason.LENGTH)], [b]))
     [to_1], [to_2] = received[1], received[2]
     assert [(o.request_id, o.new_token_ids) for o in to_1.outputs] == [("x", [7])] and not to_1.finished_request_ids
-    assert [(o.request_id, o.new_token_ids) for o in to_2.outputs] == [("x", [8])] and to_2.finished_request_ids == ["x"]
+    assert [(o.request_id, o.new_token_ids) for o in to_2.outputs] == [("x", [8])]
+    assert to_2.finished_request_ids == ["x"]
     assert router.assign(2, "x") != b  # finished: the id may be used again
     with pytest.raises(ValueError, match="request id 'x' is already in flight"):
         router.assign(1, "x")
