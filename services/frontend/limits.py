@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from engine_core.sampling_params import SamplingLimits
+
 DEFAULT_MAX_N = 16
 DEFAULT_MAX_STOP_STRINGS = 16
 DEFAULT_MAX_STOP_STRING_CHARS = 256
@@ -23,6 +25,14 @@ class RequestLimits:
     max_prompt_tokens: int | None = None  # prompt tokens; None: up to max_model_len - 1
     max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
     max_stop_string_chars: int = DEFAULT_MAX_STOP_STRING_CHARS
+
+    def sampling_limits(self) -> SamplingLimits:
+        """The caps validate_sampling_params applies, each named by its flag."""
+        return SamplingLimits(
+            max_n=self.max_n, max_n_flag="--max-n", max_tokens=self.max_tokens, max_tokens_flag="--max-tokens",
+            max_stop_strings=self.max_stop_strings, max_stop_strings_flag="--max-stop-strings",
+            max_stop_string_chars=self.max_stop_string_chars, max_stop_string_chars_flag="--max-stop-string-length",
+        )
 
     @staticmethod
     def add_flags(parser: argparse.ArgumentParser) -> None:
