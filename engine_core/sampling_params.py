@@ -117,8 +117,8 @@ def validate_sampling_params(params: SamplingParams, limits: SamplingLimits = Sa
                              vocab_size: int | None = None) -> SamplingParams:
     """Check every field's range; ValueError naming the field, its value and what is allowed.
 
-    Returns `params` (so a caller can write `params = validate_sampling_params(...)`). Token ids (stop_token_ids, logit_bias
-    keys) are checked against `vocab_size` when given, else only to be >= 0.
+    Returns `params`. Token ids (stop_token_ids, logit_bias keys) are checked against
+    `vocab_size` when given, else only to be >= 0.
     """
     _int("n", params.n, 1, limits.max_n, _cap("must be", 1, limits.max_n, limits.max_n_flag, ">= 1"))
     _float("temperature", params.temperature, low=0.0, allowed="must be >= 0 (0 = greedy)")

@@ -133,8 +133,8 @@ def drain_response(left: int, timeout_s: float) -> admin_pb2.DrainResponse:
 def request_to_proto(request: EngineRequest) -> engine_core_pb2.EngineCoreInput:
     return engine_core_pb2.EngineCoreInput(add=engine_core_pb2.EngineCoreRequest(
         request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-        sampling_params=sampling_convert.sampling_params_to_proto(request.sampling_params), arrival_time=request.arrival_time,
-        priority=request.priority, trace_headers=request.trace_headers,
+        sampling_params=sampling_convert.sampling_params_to_proto(request.sampling_params),
+        arrival_time=request.arrival_time, priority=request.priority, trace_headers=request.trace_headers,
     ))
 
 

@@ -17,9 +17,9 @@ from tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_
 
 from services.frontend import convert
 from services.frontend.async_llm import AsyncLLM
-from services.frontend.messages import UtilityResult
 from services.frontend.errors import DuplicateRequest, EngineUnavailable, FrontendError, InvalidRequest, TooManyRequests
 from services.frontend.input_processor import TextPrompt
+from services.frontend.messages import UtilityResult
 from services.security.transport import ServerTransport
 
 log = logging.getLogger(__name__)
