@@ -78,6 +78,14 @@ def test_engine_core_knows_nothing_of_grpc_or_services():
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
+def test_clients_import_no_engine_core():
+    """The client library, CLI and benchmark reach the engine only through the frontend (even lazily;
+    the transformers peer imports torch for transformers' own sake)."""
+    for path in python_files("clients"):
+        bad = sorted(m for m in imported_modules(path) if m.split(".")[0] in ("engine_core", "kernels"))
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
 @pytest.mark.parametrize("concept", ["SamplingParams", "FinishReason", "OutputKind", "TokenLogprobs"])
 def test_one_class_per_shared_concept(concept):
     pattern = re.compile(rf"^class {concept}\b", re.MULTILINE)

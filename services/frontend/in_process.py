@@ -149,6 +149,23 @@ class InProcessEngineClient(EngineClient):
         self._notify()
 
 
+def start_engine(model: str, *, dtype: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 256):
+    """Load an EngineCore and start its busy loop on a thread of its own (imports torch here, not before).
+
+    Returns (busy_loop, EngineInfo); `busy_loop.stop()` ends it. For tools and benchmarks that have
+    no engine process: the engine steps off the main thread (see the module docstring).
+    """
+    from engine_core.config import EngineConfig, ModelConfig, SchedulerConfig
+    from engine_core.engine_core import EngineCore
+    from services.engine.busy_loop import EngineBusyLoop
+
+    core = EngineCore(EngineConfig(model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len),
+                                   scheduler=SchedulerConfig(max_num_seqs=max(max_num_seqs, 1))), log_stats=True)
+    busy_loop = EngineBusyLoop(core)
+    busy_loop.start()
+    return busy_loop, engine_info_from_core(core.info)
+
+
 # ---- the frontend's dataclasses <-> the engine's ------------------------------------
 def engine_info_from_core(info) -> EngineInfo:
     """An engine_core.engine_core.EngineInfo as the frontend's EngineInfo."""
