@@ -1,8 +1,8 @@
 """The frontend's link to engine cores: one long-lived Connect stream per engine address.
 
 `EngineClient` is the interface AsyncLLM uses; `GrpcEngineClient` implements it over
-gRPC for one or many engines. An in-process client (an EngineCore busy loop, torch
-imported lazily) is planned behind the same interface.
+gRPC for one or many engines, `in_process.InProcessEngineClient` over an engine busy
+loop of this process.
 
 The engine client only routes: requests and aborts to engines, utility answers to their
 callers, and every engine step (or lost request) onto one queue that AsyncLLM's output
