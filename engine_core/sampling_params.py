@@ -99,28 +99,15 @@ class SamplingParams:
         return replace(self, n=1, seed=seed)
 
 
-@dataclass(frozen=True)
-class SamplingLimits:
-    """Caps a server puts on top of the ranges (the frontend's --max-* flags name them in errors)."""
-
-    max_n: int | None = None
-    max_n_flag: str = ""
-    max_tokens: int | None = None
-    max_tokens_flag: str = ""
-    max_stop_strings: int | None = None
-    max_stop_strings_flag: str = ""
-    max_stop_string_chars: int | None = None
-    max_stop_string_chars_flag: str = ""
-
-
-def validate_sampling_params(params: SamplingParams, limits: SamplingLimits = SamplingLimits(), *,
-                             vocab_size: int | None = None) -> SamplingParams:
+def validate_sampling_params(params: SamplingParams, *, vocab_size: int | None = None) -> SamplingParams:
     """Check every field's range; ValueError naming the field, its value and what is allowed.
+
+    A server's own caps (the frontend's --max-* flags) are the frontend's to check, before this.
 
     Returns `params`. Token ids (stop_token_ids, logit_bias keys) are checked against
     `vocab_size` when given, else only to be >= 0.
     """
-    _int("n", params.n, 1, limits.max_n, _cap("must be", 1, limits.max_n, limits.max_n_flag, ">= 1"))
+    _int("n", params.n, 1, None, "must be >= 1")
     _float("temperature", params.temperature, low=0.0, allowed="must be >= 0 (0 = greedy)")
     _float("top_p", params.top_p, low=0.0, high=1.0, low_open=True, allowed="must be in (0, 1]")
     _int("top_k", params.top_k, 0, None, "must be -1 or 0 (off) or a positive integer")
@@ -128,8 +115,7 @@ def validate_sampling_params(params: SamplingParams, limits: SamplingLimits = Sa
     if params.seed is not None:
         _int("seed", params.seed, -(2**63), 2**64 - 1, "must fit in 64 bits")
     if params.max_tokens is not None:
-        _int("max_tokens", params.max_tokens, 1, limits.max_tokens,
-             _cap("must be", 1, limits.max_tokens, limits.max_tokens_flag, ">= 1 (or unset: up to max_model_len)"))
+        _int("max_tokens", params.max_tokens, 1, None, "must be >= 1 (or unset: up to max_model_len)")
     _int("min_tokens", params.min_tokens, 0, None, "must be >= 0")
     if params.max_tokens is not None and params.min_tokens > params.max_tokens:
         raise ValueError(f"min_tokens must be <= max_tokens, got min_tokens={params.min_tokens}, "
@@ -146,35 +132,16 @@ def validate_sampling_params(params: SamplingParams, limits: SamplingLimits = Sa
     for name in ("logprobs", "prompt_logprobs"):
         if getattr(params, name) is not None:
             _int(name, getattr(params, name), 0, MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}] (or unset)")
-    _check_stop(params.stop, limits)
+    for i, stop in enumerate(params.stop):
+        if not isinstance(stop, str) or not stop:
+            raise ValueError(f"stop[{i}] is empty; stop strings must be non-empty, got {stop!r}")
     if not isinstance(params.output_kind, OutputKind):  # __post_init__ converts every known value
         raise ValueError(f"output_kind must be one of {', '.join(k.name for k in OutputKind)}, "
                          f"got {params.output_kind!r}")
     return params
 
 
-def _check_stop(stop: tuple[str, ...], limits: SamplingLimits) -> None:
-    if limits.max_stop_strings is not None and len(stop) > limits.max_stop_strings:
-        raise ValueError(f"stop has {len(stop)} strings; at most {limits.max_stop_strings} are allowed"
-                         + _flag(limits.max_stop_strings_flag))
-    for i, s in enumerate(stop):
-        if not isinstance(s, str) or not s:
-            raise ValueError(f"stop[{i}] is empty; stop strings must be non-empty, got {s!r}")
-        cap = limits.max_stop_string_chars
-        if cap is not None and len(s) > cap:
-            raise ValueError(f"stop[{i}] is {len(s)} characters long; at most {cap} are allowed"
-                             + _flag(limits.max_stop_string_chars_flag))
-
-
 # ---- checks -----------------------------------------------------------------------
-def _cap(verb: str, low: int, high: int | None, flag: str, unbounded: str) -> str:
-    return f"{verb} in [{low}, {high}]{_flag(flag)}" if high is not None else f"{verb} {unbounded}"
-
-
-def _flag(flag: str) -> str:
-    return f" (the server's {flag})" if flag else ""
-
-
 def _token_id(name: str, token_id, vocab_size: int | None) -> None:
     if vocab_size is None:
         _int(name, token_id, 0, None, "must be a token id >= 0")

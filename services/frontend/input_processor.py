@@ -71,9 +71,10 @@ class InputProcessor:
         )
 
     def validate_sampling(self, params: SamplingParams) -> SamplingParams:
-        """The one range check of a request's sampling parameters (token ids against the vocabulary)."""
+        """The server's caps, then the one range check (token ids against the vocabulary)."""
         try:
-            return validate_sampling_params(params, self.limits.sampling_limits(), vocab_size=self.vocab_size)
+            self.limits.check_sampling(params)
+            return validate_sampling_params(params, vocab_size=self.vocab_size)
         except ValueError as e:
             raise InvalidRequest(f"sampling_params.{e}") from None
 
