@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterable, Sequence
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tandem.v1 import generation_pb2, generation_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
+from tandem.v1 import generation_pb2_grpc
 
 from clients import messages as wire
 from clients.client import Metadata
@@ -69,30 +69,28 @@ class AsyncTandemClient:
     async def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool | None = None,
                          timeout: float | None = None, metadata: Metadata = None,
                          traceparent: str | None = None) -> str:
-        request = generation_pb2.DetokenizeRequest(token_ids=list(token_ids))
-        if skip_special_tokens is not None:
-            request.skip_special_tokens = skip_special_tokens
+        request = wire.detokenize_request(token_ids, skip_special_tokens)
         return (await self._unary(self._stub.Detokenize, request, timeout, metadata, traceparent)).text
 
     async def abort(self, request_ids: Sequence[str], *, timeout: float | None = None,
                     metadata: Metadata = None) -> list[str]:
-        request = generation_pb2.AbortRequest(request_ids=list(request_ids))
+        request = wire.abort_request(request_ids)
         return list((await self._unary(self._stub.Abort, request, timeout, metadata, None)).aborted_request_ids)
 
     async def model_info(self, *, timeout: float | None = None,
-                         metadata: Metadata = None) -> generation_pb2.GetModelInfoResponse:
-        return await self._unary(self._stub.GetModelInfo, generation_pb2.GetModelInfoRequest(), timeout, metadata,
+                         metadata: Metadata = None) -> wire.ModelInfo:
+        return await self._unary(self._stub.GetModelInfo, wire.model_info_request(), timeout, metadata,
                                  None)
 
     async def server_info(self, *, timeout: float | None = None,
-                          metadata: Metadata = None) -> generation_pb2.GetServerInfoResponse:
-        return await self._unary(self._stub.GetServerInfo, generation_pb2.GetServerInfoRequest(), timeout, metadata,
+                          metadata: Metadata = None) -> wire.ServerInfo:
+        return await self._unary(self._stub.GetServerInfo, wire.server_info_request(), timeout, metadata,
                                  None)
 
     async def health(self, service: str = "", *, timeout: float | None = None, metadata: Metadata = None) -> str:
-        reply = await self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout,
+        reply = await self._unary(self._health.Check, wire.health_request(service), timeout,
                                   metadata, None)
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        return wire.health_status(reply)
 
     async def _unary(self, method, request, timeout, metadata, traceparent):
         try:

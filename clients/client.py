@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tandem.v1 import generation_pb2, generation_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
+from tandem.v1 import generation_pb2_grpc
 
 from clients import messages as wire
 from clients.connection import DEFAULT_ADDRESS, RetryPolicy, TlsConfig, call_metadata, open_channel
@@ -80,30 +80,28 @@ class TandemClient:
 
     def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool | None = None,
                    timeout: float | None = None, metadata: Metadata = None, traceparent: str | None = None) -> str:
-        request = generation_pb2.DetokenizeRequest(token_ids=list(token_ids))
-        if skip_special_tokens is not None:
-            request.skip_special_tokens = skip_special_tokens
+        request = wire.detokenize_request(token_ids, skip_special_tokens)
         return self._unary(self._stub.Detokenize, request, timeout, metadata, traceparent).text
 
     def abort(self, request_ids: Sequence[str], *, timeout: float | None = None,
               metadata: Metadata = None) -> list[str]:
         """Abort in-flight requests by id; returns those that were in flight."""
-        request = generation_pb2.AbortRequest(request_ids=list(request_ids))
+        request = wire.abort_request(request_ids)
         return list(self._unary(self._stub.Abort, request, timeout, metadata, None).aborted_request_ids)
 
     def model_info(self, *, timeout: float | None = None,
-                   metadata: Metadata = None) -> generation_pb2.GetModelInfoResponse:
-        return self._unary(self._stub.GetModelInfo, generation_pb2.GetModelInfoRequest(), timeout, metadata, None)
+                   metadata: Metadata = None) -> wire.ModelInfo:
+        return self._unary(self._stub.GetModelInfo, wire.model_info_request(), timeout, metadata, None)
 
     def server_info(self, *, timeout: float | None = None,
-                    metadata: Metadata = None) -> generation_pb2.GetServerInfoResponse:
-        return self._unary(self._stub.GetServerInfo, generation_pb2.GetServerInfoRequest(), timeout, metadata, None)
+                    metadata: Metadata = None) -> wire.ServerInfo:
+        return self._unary(self._stub.GetServerInfo, wire.server_info_request(), timeout, metadata, None)
 
     def health(self, service: str = "", *, timeout: float | None = None, metadata: Metadata = None) -> str:
         """The grpc.health.v1 status name: SERVING, NOT_SERVING, SERVICE_UNKNOWN or UNKNOWN."""
-        reply = self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout, metadata,
+        reply = self._unary(self._health.Check, wire.health_request(service), timeout, metadata,
                             None)
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        return wire.health_status(reply)
 
     def _unary(self, method, request, timeout, metadata, traceparent):
         try:

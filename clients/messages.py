@@ -11,6 +11,7 @@ import difflib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from grpc_health.v1 import health_pb2
 from tandem.v1 import common_pb2, generation_pb2
 
 SAMPLING_FIELDS = tuple(f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields)
@@ -18,6 +19,9 @@ _OUTPUT_KINDS = {"delta": common_pb2.OUTPUT_KIND_DELTA, "cumulative": common_pb2
                  "final_only": common_pb2.OUTPUT_KIND_FINAL_ONLY}
 _FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
                    common_pb2.FINISH_REASON_ABORT: "abort"}
+# What model_info() and server_info() return: the response messages as they come (read-only).
+ModelInfo = generation_pb2.GetModelInfoResponse
+ServerInfo = generation_pb2.GetServerInfoResponse
 _GENERATE_OPTIONS = ("request_id", "priority", "add_special_tokens")
 _CHAT_OPTIONS = ("request_id", "priority", "add_generation_prompt", "continue_final_message")
 
@@ -171,6 +175,34 @@ def tokenize_request(text: str | None = None, *, messages: Iterable | None = Non
         request.chat.CopyFrom(generation_pb2.ChatRequest(
             messages=chat_messages(messages), **{k: v for k, v in chat_options.items() if v is not None}))
     return request
+
+
+def detokenize_request(token_ids: Sequence[int], skip_special_tokens: bool | None) -> generation_pb2.DetokenizeRequest:
+    request = generation_pb2.DetokenizeRequest(token_ids=list(token_ids))
+    if skip_special_tokens is not None:
+        request.skip_special_tokens = skip_special_tokens
+    return request
+
+
+def abort_request(request_ids: Sequence[str]) -> generation_pb2.AbortRequest:
+    return generation_pb2.AbortRequest(request_ids=list(request_ids))
+
+
+def model_info_request() -> generation_pb2.GetModelInfoRequest:
+    return generation_pb2.GetModelInfoRequest()
+
+
+def server_info_request() -> generation_pb2.GetServerInfoRequest:
+    return generation_pb2.GetServerInfoRequest()
+
+
+def health_request(service: str) -> health_pb2.HealthCheckRequest:
+    return health_pb2.HealthCheckRequest(service=service)
+
+
+def health_status(reply: health_pb2.HealthCheckResponse) -> str:
+    """The grpc.health.v1 status name: SERVING, NOT_SERVING, SERVICE_UNKNOWN or UNKNOWN."""
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
 # ---- helpers ---------------------------------------------------------------------------------------

@@ -7,14 +7,13 @@ the parent's id with `index` telling them apart.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import time
 from dataclasses import dataclass, field
 
 from engine_core.config import EngineConfig
 from engine_core.engine_core import EngineCore
-from engine_core.sampling_params import SamplingParams
+from engine_core.sampling_params import SamplingParams, validate_sampling_params
 from engine_core.types import EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs
 
 
@@ -68,17 +67,12 @@ class LLMEngine:
     ) -> None:
         if request_id in self._outputs:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        params = sampling_params or SamplingParams()
+        params = validate_sampling_params(sampling_params or SamplingParams())
         arrival = time.time()
         children = []
         for index in range(params.n):
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
-            child_params = params
-            if params.n > 1:
-                child_params = copy.copy(params)
-                child_params.n = 1
-                if params.seed is not None:
-                    child_params.seed = params.seed + index
+            child_params = params if params.n == 1 else params.for_child(index)
             children.append(EngineCoreRequest(child_id, list(prompt_token_ids), child_params, arrival, priority))
         for child in children:  # validate all before queueing any
             self.engine_core.validate_request(child)

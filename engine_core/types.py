@@ -12,21 +12,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine_core.sampling_params import SamplingParams
+# FinishReason and TokenLogprobs are shared with the frontend, so they live in sampling_params.
+from engine_core.sampling_params import FinishReason, SamplingParams, TokenLogprobs  # noqa: F401
 
 if TYPE_CHECKING:
     from engine_core.request import Request
-
-
-class FinishReason(enum.IntEnum):
-    """Why a request stopped. Small ints so they travel cheaply."""
-
-    STOP = 0  # EOS, a stop token id, or (frontend) a stop string
-    LENGTH = 1  # max_tokens or max_model_len reached
-    ABORT = 2  # aborted by the client, the frontend or a shutdown
-
-    def __str__(self) -> str:
-        return self.name.lower()
 
 
 @dataclass(frozen=True)
@@ -37,15 +27,6 @@ class EngineCoreRequest:
     arrival_time: float = 0.0
     priority: int = 0  # lower runs first under the priority policy
     trace_headers: dict[str, str] | None = None
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """Logprobs at one position: index 0 is the chosen token, then the top-N."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    rank: int  # rank of the chosen token in the full distribution (1 = most likely)
 
 
 # ---- scheduler -> model runner ----------------------------------------------------

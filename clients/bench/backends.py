@@ -2,7 +2,7 @@
 (new output tokens, prompt tokens or None) per message, raising on failure.
 
 TandemBackend      a Tandem frontend over gRPC (AsyncTandemClient)
-InProcessBackend   engine_core.llm_engine.LLMEngine stepped in a thread of this process (imports torch)
+InProcessBackend   the same frontend core over an in-process engine (no gRPC; imports torch lazily)
 LlamaServerBackend a llama.cpp server's OpenAI-compatible /v1/completions endpoint (streamed SSE)
 """
 
@@ -11,12 +11,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import queue
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
 
+from clients import messages as wire
 from clients.async_client import AsyncTandemClient
 from clients.bench.prompts import BenchPrompt
 
@@ -43,83 +42,52 @@ class TandemBackend:
 
 
 class InProcessBackend:
-    """An LLMEngine owned by one driver thread: requests go in through a queue, per-step token
-    counts come back to each request's asyncio queue. Prompts must carry token ids."""
+    """Tandem's frontend core (AsyncLLM) over InProcessEngineClient: the tandem-grpc path without its gRPC
+    hops. Each request is built and converted as the servicer does, so only the transport differs.
+    Imports the frontend and, through it, torch lazily; the engine steps on a thread of this process."""
 
     name = "in-process"
 
-    def __init__(self, engine) -> None:
-        self.engine = engine
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+    def __init__(self, model_path: str, tokenizer_path: str, *, dtype: str, max_model_len: int,
+                 max_num_seqs: int) -> None:
+        from services.frontend.in_process import start_engine
+        from services.frontend.tokenizer import load_tokenizer
+
+        self._tokenizer = load_tokenizer(tokenizer_path)
+        self._busy_loop, self._info = start_engine(model_path, dtype=dtype, max_model_len=max_model_len,
+                                                   max_num_seqs=max_num_seqs)
+        self._llm = None  # AsyncLLM, made on the event loop by the first request
         self._ids = itertools.count()
-        self._thread = threading.Thread(target=self._drive, name="bench-llm-engine", daemon=True)
-        self._thread.start()
 
     async def stream(self, prompt: BenchPrompt) -> AsyncIterator[Progress]:
-        from engine_core.sampling_params import SamplingParams
+        from services.frontend import convert
 
         if prompt.token_ids is None:
-            raise ValueError("the in-process engine needs token-id prompts")
-        loop, outbox = asyncio.get_running_loop(), asyncio.Queue()
-        request_id = f"bench-{next(self._ids)}"
-        params = SamplingParams(temperature=0.0, max_tokens=prompt.max_tokens, ignore_eos=True)
-        self._inbox.put(("add", request_id, list(prompt.token_ids), params, loop, outbox))
-        finished = False
-        try:
-            while not finished:
-                item = await outbox.get()
-                if isinstance(item, BaseException):
-                    raise item
-                count, finished = item
-                yield count, len(prompt.token_ids)
-        finally:
-            if not finished:
-                self._inbox.put(("abort", request_id))
+            raise ValueError("the in-process backend needs token-id prompts")
+        llm = await self._started()
+        request = wire.generate_request(list(prompt.token_ids), request_id=f"bench-{next(self._ids)}",
+                                        max_tokens=prompt.max_tokens, temperature=0.0, ignore_eos=True,
+                                        output_kind="delta")
+        async for output in llm.generate(convert.prompt_from_generate(request),
+                                         convert.sampling_params_from_proto(request.sampling_params),
+                                         request.request_id):
+            yield sum(len(c.token_ids) for c in output.completions), output.num_prompt_tokens or None
 
-    def _drive(self) -> None:
-        streams: dict[str, tuple] = {}
-        while True:
-            try:
-                message = self._inbox.get(block=not self.engine.has_unfinished_requests())
-            except queue.Empty:
-                message = None
-            while message is not None:
-                if message[0] == "stop":
-                    return
-                self._apply(message, streams)
-                try:
-                    message = self._inbox.get_nowait()
-                except queue.Empty:
-                    message = None
-            if self.engine.has_unfinished_requests():
-                try:
-                    outputs = self.engine.step()
-                except Exception as e:  # noqa: BLE001 - every waiting request gets the error
-                    for loop, outbox in streams.values():
-                        loop.call_soon_threadsafe(outbox.put_nowait, e)
-                    return
-                for output in outputs:
-                    loop, outbox = streams[output.request_id]
-                    count = sum(len(c.new_token_ids) for c in output.outputs)
-                    loop.call_soon_threadsafe(outbox.put_nowait, (count, output.finished))
-                    if output.finished:
-                        del streams[output.request_id]
+    async def _started(self):
+        if self._llm is None:
+            from services.frontend.async_llm import AsyncLLM
+            from services.frontend.in_process import InProcessEngineClient
 
-    def _apply(self, message: tuple, streams: dict) -> None:
-        if message[0] == "abort":
-            self.engine.abort_request(message[1])
-            streams.pop(message[1], None)
-            return
-        _, request_id, token_ids, params, loop, outbox = message
-        try:
-            self.engine.add_request(request_id, token_ids, params)
-            streams[request_id] = (loop, outbox)
-        except ValueError as e:  # e.g. too long for max_model_len
-            loop.call_soon_threadsafe(outbox.put_nowait, e)
+            client = InProcessEngineClient(self._busy_loop, self._info)
+            await client.start()
+            self._llm = AsyncLLM(client, self._tokenizer)
+        return self._llm
 
     async def close(self) -> None:
-        self._inbox.put(("stop",))
-        await asyncio.to_thread(self._thread.join, 30)
+        if self._llm is not None:
+            await self._llm.shutdown()
+            await self._llm.engine_client.close()
+        await asyncio.to_thread(self._busy_loop.stop)
 
 
 class LlamaServerBackend:

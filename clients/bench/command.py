@@ -59,9 +59,13 @@ def add_parser(subcommands, connection: argparse.ArgumentParser) -> argparse.Arg
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
     peers = parser.add_argument_group("side by side")
     peers.add_argument("--side-by-side", action="store_true",
-                       help="also run the in-process engine, transformers and a llama.cpp server; print ratios")
+                       help="also run the frontend over an in-process engine, transformers and a llama.cpp server; "
+                            "print ratios")
     peers.add_argument("--llama-server", metavar="URL", help="a llama.cpp server (OpenAI-compatible endpoint)")
     peers.add_argument("--no-in-process", action="store_true", help="side by side without the in-process engine")
+    peers.add_argument("--tokenizer", metavar="PATH",
+                       help="tokenizer of the in-process frontend: a .gguf or a folder with tokenizer.json "
+                            "(default: the model's own)")
     peers.add_argument("--no-transformers", action="store_true", help="side by side without transformers")
     peers.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                        help="dtype of the in-process engine and transformers")
@@ -145,11 +149,12 @@ def run_points(args, make_backend, x_key: str, values: list, point_prompts: list
 
 def run_peers(args, model, x_key, values, point_prompts, series: dict, result: dict) -> None:
     notes = side_by_side.peers_available(model.model_path, args.llama_server, not args.no_in_process,
-                                         not args.no_transformers)
+                                         not args.no_transformers, args.tokenizer)
     longest = max(p.num_tokens + p.max_tokens for prompts in point_prompts for p in prompts)
     if "in-process" not in notes:
         series["in-process"] = run_points(args, lambda: side_by_side.make_in_process_backend(
-            model.model_path, args.dtype, longest + 16, max(values) if x_key == "concurrency" else 256),
+            model.model_path, args.tokenizer or model.model_path, args.dtype, longest + 16,
+            max(values) if x_key == "concurrency" else 256),
             x_key, values, point_prompts)
     if "transformers" not in notes and x_key == "rate":
         notes["transformers"] = "skipped: static batches have no open-loop mode"

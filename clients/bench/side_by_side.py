@@ -1,5 +1,5 @@
 """Tandem next to its peers in one run, on the same prompts: Tandem over gRPC, the in-process
-LLMEngine (same weights, no transport), HF transformers static batches (where installed) and a
+frontend core over the engine (same weights, no gRPC), HF transformers static batches (where installed) and a
 llama.cpp server (where one is given). Ratios are Tandem's figure over the peer's.
 """
 
@@ -26,13 +26,10 @@ def with_token_ids(client, prompts: list[BenchPrompt]) -> list[BenchPrompt]:
     return result
 
 
-def make_in_process_backend(model_path: str, dtype: str, max_model_len: int, max_num_seqs: int) -> InProcessBackend:
-    from engine_core.config import EngineConfig, ModelConfig, SchedulerConfig
-    from engine_core.llm_engine import LLMEngine
-
-    engine = LLMEngine(EngineConfig(model=ModelConfig(model=model_path, dtype=dtype, max_model_len=max_model_len),
-                                    scheduler=SchedulerConfig(max_num_seqs=max(max_num_seqs, 1))))
-    return InProcessBackend(engine)
+def make_in_process_backend(model_path: str, tokenizer_path: str, dtype: str, max_model_len: int,
+                            max_num_seqs: int) -> InProcessBackend:
+    return InProcessBackend(model_path, tokenizer_path, dtype=dtype, max_model_len=max_model_len,
+                            max_num_seqs=max_num_seqs)
 
 
 def transformers_closed_loop(model, prompts: list[BenchPrompt], concurrency: int, progress) -> tuple[list, float]:
@@ -66,17 +63,21 @@ def ratios(tandem: dict, peer: dict) -> dict:
 
 
 def peers_available(model_path: str, llama_url: str | None, want_in_process: bool,
-                    want_transformers: bool) -> dict[str, str]:
-    """Which peers run, and for those that do not, why (shown in the report)."""
+                    want_transformers: bool, tokenizer_path: str | None = None) -> dict[str, str]:
+    """Which peers run, and for those that do not, why (shown in the report).
+    The in-process frontend reads its tokenizer from `tokenizer_path` (default: the model's own)."""
     notes = {}
     local = Path(model_path).exists()
     has_torch = importlib.util.find_spec("torch") is not None
+    tokenizer = Path(tokenizer_path or model_path)
     if not want_in_process:
         notes["in-process"] = "skipped (--no-in-process)"
     elif not has_torch:
         notes["in-process"] = "skipped: needs the engine here (pip install 'tandem[engine]')"
     elif not local:
         notes["in-process"] = f"skipped: needs the model at {model_path} on this machine"
+    elif not (tokenizer.suffix == ".gguf" and tokenizer.is_file() or (tokenizer / "tokenizer.json").is_file()):
+        notes["in-process"] = f"skipped: no tokenizer at {tokenizer}; pass --tokenizer"
     if not want_transformers:
         notes["transformers"] = "skipped (--no-transformers)"
     elif not (local and importlib.util.find_spec("transformers") is not None and has_torch):

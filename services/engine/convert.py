@@ -12,15 +12,9 @@ from tandem.v1 import common_pb2, engine_core_pb2
 
 from engine_core.config import EngineConfig
 from engine_core.engine_core import EngineInfo
-from engine_core.sampling_params import RequestOutputKind, SamplingParams
-from engine_core.types import (
-    EngineCoreEventType,
-    EngineCoreOutput,
-    EngineCoreRequest,
-    FinishReason,
-    SchedulerStats,
-    TokenLogprobs,
-)
+from engine_core.sampling_params import SamplingParams, validate_sampling_params
+from engine_core.types import EngineCoreEventType, EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from services import sampling_convert
 from services.engine.messages import (
     Abort,
     Add,
@@ -33,20 +27,10 @@ from services.engine.messages import (
 )
 
 # ---- enum maps ------------------------------------------------------------------------
-_FINISH_REASONS = {
-    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
-}
 _EVENT_TYPES = {
     EngineCoreEventType.QUEUED: engine_core_pb2.ENGINE_CORE_EVENT_TYPE_QUEUED,
     EngineCoreEventType.SCHEDULED: engine_core_pb2.ENGINE_CORE_EVENT_TYPE_SCHEDULED,
     EngineCoreEventType.PREEMPTED: engine_core_pb2.ENGINE_CORE_EVENT_TYPE_PREEMPTED,
-}
-_OUTPUT_KINDS = {
-    common_pb2.OUTPUT_KIND_DELTA: RequestOutputKind.DELTA,
-    common_pb2.OUTPUT_KIND_CUMULATIVE: RequestOutputKind.CUMULATIVE,
-    common_pb2.OUTPUT_KIND_FINAL_ONLY: RequestOutputKind.FINAL_ONLY,
 }
 _PAUSE_MODES = {
     common_pb2.PAUSE_MODE_UNSPECIFIED: PauseMode.ABORT,
@@ -64,12 +48,6 @@ _METHODS = {
     engine_core_pb2.UTILITY_METHOD_STOP_PROFILE: UtilityMethod.STOP_PROFILE,
     engine_core_pb2.UTILITY_METHOD_GET_STATS: UtilityMethod.GET_STATS,
 }
-# Optional scalars copied only when set: unset ones take the dataclass defaults.
-_OPTIONAL_SCALARS = (
-    "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "ignore_eos",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs",
-    "include_stop_str_in_output", "skip_special_tokens",
-)
 
 
 # ---- inputs ---------------------------------------------------------------------------
@@ -106,20 +84,10 @@ def request_from_proto(request: engine_core_pb2.EngineCoreRequest) -> EngineCore
 
 
 def sampling_params_from_proto(params: common_pb2.SamplingParams) -> SamplingParams:
-    """Set fields only; max_tokens unset means "up to max_model_len" (None), not the dataclass's 16."""
-    kwargs: dict = {name: getattr(params, name) for name in _OPTIONAL_SCALARS if params.HasField(name)}
-    kwargs.setdefault("max_tokens", None)
-    if kwargs.get("n", 1) != 1:
-        raise ValueError(f"n must be 1 at the engine core (the frontend fans out n > 1), got {kwargs['n']}")
-    if params.stop_token_ids:
-        kwargs["stop_token_ids"] = list(params.stop_token_ids)
-    if params.logit_bias:
-        kwargs["logit_bias"] = dict(params.logit_bias)
-    if params.stop:
-        kwargs["stop"] = list(params.stop)
-    if params.output_kind in _OUTPUT_KINDS:
-        kwargs["output_kind"] = _OUTPUT_KINDS[params.output_kind]
-    return SamplingParams(**kwargs)
+    """Unset fields take the dataclass defaults; ValueError if a range is wrong (any peer may connect)."""
+    if params.HasField("n") and params.n != 1:
+        raise ValueError(f"n must be 1 at the engine core (the frontend fans out n > 1), got {params.n}")
+    return validate_sampling_params(sampling_convert.sampling_params_from_proto(params))
 
 
 def utility_from_proto(call: engine_core_pb2.UtilityCall) -> Utility:
@@ -150,22 +118,18 @@ def output_to_proto(output: EngineCoreOutput) -> engine_core_pb2.EngineCoreOutpu
     proto = engine_core_pb2.EngineCoreOutput(
         request_id=output.request_id,
         new_token_ids=output.new_token_ids,
-        new_logprobs=[logprobs_to_proto(lp) for lp in output.new_logprobs or ()],
-        new_prompt_logprobs=[logprobs_to_proto(lp) for lp in output.new_prompt_logprobs or ()],
+        new_logprobs=[sampling_convert.logprobs_to_proto(lp) for lp in output.new_logprobs or ()],
+        new_prompt_logprobs=[sampling_convert.logprobs_to_proto(lp) for lp in output.new_prompt_logprobs or ()],
         num_cached_tokens=output.num_cached_tokens,
     )
     if output.finish_reason is not None:
-        proto.finish_reason = _FINISH_REASONS[output.finish_reason]
+        proto.finish_reason = sampling_convert.finish_reason_to_proto(output.finish_reason)
     if isinstance(output.stop_reason, int):
         proto.stop_token_id = output.stop_reason
     if output.events:
         proto.events.extend(engine_core_pb2.EngineCoreEvent(type=_EVENT_TYPES[e.type], timestamp=e.timestamp)
                             for e in output.events)
     return proto
-
-
-def logprobs_to_proto(logprobs: TokenLogprobs) -> common_pb2.TokenLogprobs:
-    return common_pb2.TokenLogprobs(token_ids=logprobs.token_ids, logprobs=logprobs.logprobs, rank=logprobs.rank)
 
 
 def stats_to_proto(stats: SchedulerStats) -> engine_core_pb2.SchedulerStats:

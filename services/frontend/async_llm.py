@@ -1,7 +1,9 @@
 """AsyncLLM: the frontend's core, with no gRPC in it (vLLM v1's AsyncLLM over an EngineClient).
 
-InputProcessor -> EngineClient -> OutputProcessor, with `generate()` as an async
-generator. The gRPC servicers in server.py are thin shells around this class.
+InputProcessor -> EngineClient -> OutputProcessor, with `generate()` as an async generator
+that takes and yields dataclasses. One output-handler task pulls engine outputs from the
+engine client, runs the OutputProcessor and sends the aborts it asks for. The gRPC
+servicers in server.py are thin shells around this class.
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from services.frontend.engine_client import EngineClient, UtilityResult
+from engine_core.sampling_params import SamplingParams
+from services.frontend.engine_client import EngineClient
 from services.frontend.errors import DuplicateRequest, EngineUnavailable, TooManyRequests
 from services.frontend.input_processor import InputProcessor, Prompt
 from services.frontend.limits import RequestLimits
-from services.frontend.messages import EngineInfo, EngineRequest, RequestOutput
+from services.frontend.messages import EngineInfo, EngineOutputs, EngineRequest, RequestOutput, UtilityResult
 from services.frontend.output_processor import DEFAULT_MAX_UNSENT_TOKENS, OutputProcessor, RequestOutputCollector
 from services.frontend.telemetry import FrontendTelemetry
 from services.frontend.tokenizer import TokenizerBundle
@@ -42,8 +45,8 @@ class AsyncLLM:
             self.telemetry.metrics.track_streams(lambda: len(self.output_processor.parents))
         self.max_waiting_requests = max_waiting_requests
         self.model_info: EngineInfo | None = None  # the last model an engine reported
-        self.draining = False
-        engine_client.sink = self.output_processor
+        self.draining = False  # set by drain(): no new requests are admitted
+        self._output_handler: asyncio.Task | None = None
         engine_client.add_listener(self._on_engines_changed)
         self._on_engines_changed()
 
@@ -55,10 +58,15 @@ class AsyncLLM:
                 self.telemetry.metrics.set_model(info.model_name)
             self.input_processor.set_model_limits(info.max_model_len, info.vocab_size)
 
+    @property
+    def num_in_flight(self) -> int:
+        """Engine requests in flight (an n > 1 request counts n); the OutputProcessor is the one record."""
+        return self.output_processor.num_requests
+
     # ---- generation -----------------------------------------------------------------
-    async def generate(self, prompt: Prompt, sampling_params=None, request_id: str = "", *, priority: int = 0,
-                       trace_headers: dict[str, str] | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs. `sampling_params` is a tandem.v1.SamplingParams (or None: defaults).
+    async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str = "", *,
+                       priority: int = 0, trace_headers: dict[str, str] | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (sampling_params None: every default). Validation errors raise InvalidRequest.
 
         Closing the generator early (client cancel, deadline) aborts the request in the engine.
         """
@@ -74,8 +82,9 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
-    def add_request(self, prompt: Prompt, sampling_params=None, request_id: str = "", *, priority: int = 0,
-                    trace_headers: dict[str, str] | None = None) -> tuple[str, RequestOutputCollector]:
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str = "", *,
+                    priority: int = 0, trace_headers: dict[str, str] | None = None,
+                    ) -> tuple[str, RequestOutputCollector]:
         """Validate, admit and send a request (fanned out when n > 1); its id and collector."""
         if self.draining:
             raise EngineUnavailable("the server is draining and admits no new requests; use another replica")
@@ -86,7 +95,7 @@ class AsyncLLM:
         request = self.input_processor.process(request_id, prompt, sampling_params, priority=priority,
                                                trace_headers=trace_headers)
         n = request.sampling_params.n
-        in_flight = self.output_processor.num_requests
+        in_flight = self.num_in_flight
         if in_flight + n > self.max_waiting_requests:
             raise TooManyRequests(f"the server is full: {in_flight} requests in flight, the limit is "
                                   f"{self.max_waiting_requests} (--max-waiting-requests); retry later")
@@ -100,7 +109,39 @@ class AsyncLLM:
         except EngineUnavailable:
             self.abort(request.request_id)
             raise
+        self._start_output_handler()
         return request.request_id, collector
+
+    # ---- the output handler ---------------------------------------------------------
+    def _start_output_handler(self) -> None:
+        """Started with the first request sent (on the running loop), restarted if it ever ended."""
+        if self._output_handler is None or self._output_handler.done():
+            self._output_handler = asyncio.create_task(self._handle_outputs(), name="output handler")
+
+    async def _handle_outputs(self) -> None:
+        """The one loop over engine outputs: process each step, then abort what the processor asks."""
+        while True:
+            outputs = await self.engine_client.get_output()
+            try:
+                self.engine_client.abort(self._process(outputs))
+            except Exception:  # a bug on one step must not stop every stream
+                log.exception("error while processing engine outputs")
+
+    def _process(self, outputs: EngineOutputs) -> list[str]:
+        """Engine request ids to abort: stop strings hit, slow readers cut off, siblings of failed requests."""
+        aborts = []
+        if outputs.failed:
+            aborts += self.output_processor.fail_requests(outputs.failed, outputs.error)
+        if outputs.outputs:
+            aborts += self.output_processor.process_outputs(outputs.outputs)
+        return aborts
+
+    async def shutdown(self) -> None:
+        """Stop the output handler (the engine client is closed by whoever started it)."""
+        if self._output_handler is not None:
+            self._output_handler.cancel()
+            await asyncio.gather(self._output_handler, return_exceptions=True)
+            self._output_handler = None
 
     def abort(self, request_ids: str | list[str]) -> list[str]:
         """Abort client requests here and in the engines; returns those that were in flight."""

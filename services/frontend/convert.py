@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
-from tandem.v1 import common_pb2, engine_core_pb2, generation_pb2
+from tandem.v1 import admin_pb2, common_pb2, engine_core_pb2, generation_pb2
 
+from engine_core.sampling_params import SamplingParams
+from services import sampling_convert
+from services.frontend.errors import InvalidRequest
 from services.frontend.input_processor import ChatPrompt, Prompt, TextPrompt, TokensPrompt
 from services.frontend.messages import (
     EngineEvent,
     EngineEventType,
     EngineInfo,
+    EngineMessage,
     EngineOutput,
     EngineRequest,
+    EngineStatus,
     FinishReason,
+    RequestError,
     RequestOutput,
-    TokenLogprobs,
+    UtilityResult,
 )
-from services.frontend.sampling import SamplingParams
 
 
 # ---- public API -> frontend ------------------------------------------------------
@@ -27,6 +32,11 @@ def prompt_from_generate(request: generation_pb2.GenerateRequest) -> Prompt | No
     if kind == "token_ids":
         return TokensPrompt(list(request.token_ids.ids))
     return None
+
+
+def sampling_params_from_proto(proto: common_pb2.SamplingParams | None) -> SamplingParams:
+    """Unset fields take the defaults; the input processor validates."""
+    return sampling_convert.sampling_params_from_proto(proto)
 
 
 def prompt_from_chat(request: generation_pb2.ChatRequest) -> ChatPrompt:
@@ -46,13 +56,13 @@ def response_from_output(output: RequestOutput, response_type: type[StreamRespon
     response = response_type(request_id=output.request_id, num_prompt_tokens=output.num_prompt_tokens)
     for c in output.completions:
         chunk = response.completions.add(index=c.index, text=c.text, token_ids=c.token_ids,
-                                         finish_reason=int(c.finish_reason or 0))
-        chunk.logprobs.extend(logprobs_to_proto(entry) for entry in c.logprobs)
+                                         finish_reason=sampling_convert.finish_reason_to_proto(c.finish_reason))
+        chunk.logprobs.extend(sampling_convert.logprobs_to_proto(entry) for entry in c.logprobs)
         if c.stop_string is not None:
             chunk.stop_string = c.stop_string
         elif c.stop_token_id is not None:
             chunk.stop_token_id = c.stop_token_id
-    response.prompt_logprobs.extend(logprobs_to_proto(entry) for entry in output.prompt_logprobs)
+    response.prompt_logprobs.extend(sampling_convert.logprobs_to_proto(entry) for entry in output.prompt_logprobs)
     if output.usage is not None:
         response.usage.prompt_tokens = output.usage.prompt_tokens
         response.usage.completion_tokens = output.usage.completion_tokens
@@ -60,34 +70,72 @@ def response_from_output(output: RequestOutput, response_type: type[StreamRespon
     return response
 
 
-def logprobs_to_proto(entry: TokenLogprobs) -> common_pb2.TokenLogprobs:
-    return common_pb2.TokenLogprobs(token_ids=entry.token_ids, logprobs=entry.logprobs,
-                                    rank=entry.rank, decoded=entry.decoded)
+def tokenize_response(token_ids: list[int], tokens: list[str], max_model_len: int) -> generation_pb2.TokenizeResponse:
+    return generation_pb2.TokenizeResponse(token_ids=token_ids, tokens=tokens, max_model_len=max_model_len)
+
+
+def detokenize_response(text: str) -> generation_pb2.DetokenizeResponse:
+    return generation_pb2.DetokenizeResponse(text=text)
+
+
+def abort_response(aborted_request_ids: list[str]) -> generation_pb2.AbortResponse:
+    return generation_pb2.AbortResponse(aborted_request_ids=aborted_request_ids)
+
+
+def model_info_to_proto(info: EngineInfo, *, has_chat_template: bool) -> generation_pb2.GetModelInfoResponse:
+    return generation_pb2.GetModelInfoResponse(
+        model_name=info.model_name, model_path=info.model_path, max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids, has_chat_template=has_chat_template,
+    )
+
+
+def server_info_to_proto(version: str, num_in_flight: int, max_waiting_requests: int,
+                         engines: list[EngineStatus]) -> generation_pb2.GetServerInfoResponse:
+    return generation_pb2.GetServerInfoResponse(
+        version=version, num_in_flight=num_in_flight, max_waiting_requests=max_waiting_requests,
+        engines=[generation_pb2.EngineStatus(address=e.address, connected=e.connected, num_in_flight=e.num_in_flight)
+                 for e in engines],
+    )
+
+
+# ---- admin API <-> frontend ------------------------------------------------------
+_PAUSE_MODES = {
+    common_pb2.PAUSE_MODE_UNSPECIFIED: "abort",
+    common_pb2.PAUSE_MODE_ABORT: "abort",
+    common_pb2.PAUSE_MODE_WAIT: "wait",
+    common_pb2.PAUSE_MODE_KEEP: "keep",
+}
+AdminResponse = (admin_pb2.PauseResponse | admin_pb2.ResumeResponse | admin_pb2.SleepResponse
+                 | admin_pb2.WakeUpResponse | admin_pb2.ResetPrefixCacheResponse | admin_pb2.StartProfileResponse
+                 | admin_pb2.StopProfileResponse)
+
+
+def pause_mode_from_proto(mode: int) -> str:
+    """A tandem.v1.PauseMode as AsyncLLM.pause_generation's mode; InvalidRequest if unknown."""
+    if mode not in _PAUSE_MODES:
+        raise InvalidRequest(f"mode {mode} is not a PauseMode (PAUSE_MODE_ABORT, PAUSE_MODE_WAIT or PAUSE_MODE_KEEP)")
+    return _PAUSE_MODES[mode]
+
+
+def admin_response(results: list[UtilityResult], response_type: type[AdminResponse]) -> AdminResponse:
+    """The engines' utility results as one (ok, detail) answer."""
+    failed = [f"engine at {r.address}: {r.error}" for r in results if not r.ok]
+    detail = "; ".join(failed) if failed else f"done on {len(results)} engine(s)"
+    return response_type(ok=not failed, detail=detail)
+
+
+def drain_response(left: int, timeout_s: float) -> admin_pb2.DrainResponse:
+    detail = "drained" if not left else f"{left} requests still in flight after {timeout_s:g}s"
+    return admin_pb2.DrainResponse(ok=not left, detail=detail)
 
 
 # ---- frontend -> engine ----------------------------------------------------------
 def request_to_proto(request: EngineRequest) -> engine_core_pb2.EngineCoreInput:
     return engine_core_pb2.EngineCoreInput(add=engine_core_pb2.EngineCoreRequest(
         request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-        sampling_params=sampling_to_proto(request.sampling_params), arrival_time=request.arrival_time,
-        priority=request.priority, trace_headers=request.trace_headers,
+        sampling_params=sampling_convert.sampling_params_to_proto(request.sampling_params),
+        arrival_time=request.arrival_time, priority=request.priority, trace_headers=request.trace_headers,
     ))
-
-
-def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
-    """Every default is already applied: all scalars are sent set (max_tokens always has a value here)."""
-    proto = common_pb2.SamplingParams(
-        n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
-        min_tokens=p.min_tokens, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
-        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias, stop=p.stop,
-        include_stop_str_in_output=p.include_stop_str_in_output, skip_special_tokens=p.skip_special_tokens,
-        output_kind=int(p.output_kind),
-    )
-    for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
-        if getattr(p, name) is not None:
-            setattr(proto, name, getattr(p, name))
-    return proto
 
 
 # ---- engine -> frontend ----------------------------------------------------------
@@ -96,14 +144,24 @@ def engine_info_from_proto(info: engine_core_pb2.GetEngineInfoResponse) -> Engin
                       vocab_size=info.vocab_size, eos_token_ids=tuple(info.eos_token_ids))
 
 
+def message_from_proto(batch: engine_core_pb2.EngineCoreOutputs) -> EngineMessage:
+    """One message of the Connect stream: outputs, refused requests, a utility call's answer."""
+    message = EngineMessage(outputs=outputs_from_proto(batch),
+                            errors=[RequestError(e.request_id, e.message) for e in batch.errors])
+    if batch.HasField("utility_result"):
+        result = batch.utility_result
+        message.utility_call_id, message.utility_ok, message.utility_error = result.call_id, result.ok, result.error
+    return message
+
+
 def outputs_from_proto(batch: engine_core_pb2.EngineCoreOutputs) -> list[EngineOutput]:
     """One engine step's outputs; ids only listed as finished end as ABORT (unknown ids are ignored later)."""
     outputs = [
         EngineOutput(
             request_id=o.request_id, new_token_ids=list(o.new_token_ids),
-            new_logprobs=[logprobs_from_proto(e) for e in o.new_logprobs],
-            new_prompt_logprobs=[logprobs_from_proto(e) for e in o.new_prompt_logprobs],
-            finish_reason=FinishReason(o.finish_reason) if o.finish_reason else None,
+            new_logprobs=[sampling_convert.logprobs_from_proto(e) for e in o.new_logprobs],
+            new_prompt_logprobs=[sampling_convert.logprobs_from_proto(e) for e in o.new_prompt_logprobs],
+            finish_reason=sampling_convert.finish_reason_from_proto(o.finish_reason),
             stop_token_id=o.stop_token_id if o.HasField("stop_token_id") else None,
             num_cached_tokens=o.num_cached_tokens,
             events=[EngineEvent(EngineEventType(e.type), e.timestamp) for e in o.events],
@@ -117,8 +175,12 @@ def outputs_from_proto(batch: engine_core_pb2.EngineCoreOutputs) -> list[EngineO
     return outputs
 
 
-def logprobs_from_proto(entry: common_pb2.TokenLogprobs) -> TokenLogprobs:
-    return TokenLogprobs(list(entry.token_ids), list(entry.logprobs), entry.rank)
+def abort_to_proto(request_ids: list[str]) -> engine_core_pb2.EngineCoreInput:
+    return engine_core_pb2.EngineCoreInput(abort=engine_core_pb2.AbortRequests(request_ids=request_ids))
+
+
+def engine_info_request() -> engine_core_pb2.GetEngineInfoRequest:
+    return engine_core_pb2.GetEngineInfoRequest()
 
 
 def utility_to_proto(call_id: int, method: str, pause_mode: str = "",

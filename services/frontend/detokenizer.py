@@ -11,8 +11,8 @@ from __future__ import annotations
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from engine_core.sampling_params import SamplingParams
 from services.frontend.messages import TokenLogprobs
-from services.frontend.sampling import SamplingParams
 
 
 class Detokenizer:

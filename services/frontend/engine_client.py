@@ -1,11 +1,12 @@
 """The frontend's link to engine cores: one long-lived Connect stream per engine address.
 
 `EngineClient` is the interface AsyncLLM uses; `GrpcEngineClient` implements it over
-gRPC for one or many engines. An in-process client (an EngineCore busy loop in a
-thread, torch imported lazily) is planned behind the same interface.
+gRPC for one or many engines, `in_process.InProcessEngineClient` over an engine busy
+loop of this process.
 
-Outputs are not queued here: each engine step is handed straight to the sink (the
-OutputProcessor), which routes it to the per-request collectors.
+The engine client only routes: requests and aborts to engines, utility answers to their
+callers, and every engine step (or lost request) onto one queue that AsyncLLM's output
+handler reads with `get_output()` (vLLM v1's shape).
 """
 
 from __future__ import annotations
@@ -15,15 +16,20 @@ import itertools
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
 
 import grpc
-from tandem.v1 import engine_core_pb2, engine_core_pb2_grpc
+from tandem.v1 import engine_core_pb2_grpc
 
 from services.frontend import convert
 from services.frontend.errors import EngineUnavailable, InvalidRequest
-from services.frontend.messages import EngineInfo, EngineOutput, EngineRequest
+from services.frontend.messages import (
+    EngineInfo,
+    EngineMessage,
+    EngineOutputs,
+    EngineRequest,
+    EngineStatus,
+    UtilityResult,
+)
 from services.security.transport import ENGINE_LINK_MAX_MESSAGE_BYTES, ChannelTransport
 
 log = logging.getLogger(__name__)
@@ -31,35 +37,11 @@ log = logging.getLogger(__name__)
 PLAINTEXT_LINK = ChannelTransport(max_message_bytes=ENGINE_LINK_MAX_MESSAGE_BYTES)
 
 
-class OutputSink(Protocol):
-    """Where engine outputs go (the OutputProcessor)."""
-
-    def process_outputs(self, outputs: list[EngineOutput]) -> list[str]:
-        """Returns engine request ids to abort (stop strings hit)."""
-
-    def fail_requests(self, request_ids: list[str], error: Exception) -> list[str]:
-        """Returns sibling engine request ids (n > 1) to abort."""
-
-
-@dataclass
-class UtilityResult:
-    address: str
-    ok: bool
-    error: str = ""
-
-
-@dataclass
-class EngineStatus:
-    address: str
-    connected: bool
-    num_in_flight: int
-
-
 class EngineClient(ABC):
-    """Adds and aborts engine requests, makes utility calls, and feeds engine outputs to a sink."""
+    """Adds and aborts engine requests, makes utility calls, and queues engine outputs for `get_output()`."""
 
     def __init__(self) -> None:
-        self.sink: OutputSink | None = None
+        self._outputs: asyncio.Queue[EngineOutputs] = asyncio.Queue()
         self._listeners: list[Callable[[], None]] = []
 
     @abstractmethod
@@ -90,7 +72,8 @@ class EngineClient(ABC):
 
     @property
     @abstractmethod
-    def num_in_flight(self) -> int: ...
+    def num_in_flight(self) -> int:
+        """Engine requests sent and not yet finished, aborted or lost."""
 
     @property
     @abstractmethod
@@ -98,6 +81,13 @@ class EngineClient(ABC):
 
     @abstractmethod
     def engines(self) -> list[EngineStatus]: ...
+
+    async def get_output(self) -> EngineOutputs:
+        """The next engine step's outputs, or requests that failed (AsyncLLM's output handler is the reader)."""
+        return await self._outputs.get()
+
+    def _put_output(self, outputs: EngineOutputs) -> None:
+        self._outputs.put_nowait(outputs)
 
     def add_listener(self, callback: Callable[[], None]) -> None:
         """`callback()` runs whenever an engine connects or disconnects."""
@@ -112,7 +102,7 @@ class EngineClient(ABC):
 
 
 class _Engine:
-    """One engine address: its channel, its current stream and what is in flight on it."""
+    """One engine address: its channel, its current stream and the engine request ids in flight on it."""
 
     def __init__(self, address: str, transport: ChannelTransport) -> None:
         self.address = address
@@ -120,7 +110,7 @@ class _Engine:
         self.stub = engine_core_pb2_grpc.EngineCoreServiceStub(self.channel)
         self.info: EngineInfo | None = None
         self.queue: asyncio.Queue | None = None  # inputs for the current stream; None: not connected
-        self.in_flight: set[str] = set()
+        self.in_flight: set[str] = set()  # the client's only record of what is in flight
         self.pending: dict[int, asyncio.Future] = {}  # utility call id -> result
         self.task: asyncio.Task | None = None
 
@@ -128,7 +118,7 @@ class _Engine:
     def connected(self) -> bool:
         return self.queue is not None
 
-    def send(self, message: engine_core_pb2.EngineCoreInput) -> None:
+    def send(self, message) -> None:
         self.queue.put_nowait(message)
 
 
@@ -143,7 +133,6 @@ class GrpcEngineClient(EngineClient):
                  info_timeout_s: float = 5.0, transport: ChannelTransport = PLAINTEXT_LINK) -> None:
         super().__init__()
         self._engines = [_Engine(address, transport) for address in addresses]
-        self._owner: dict[str, _Engine] = {}  # engine request id -> its engine
         self._call_ids = itertools.count(1)
         self._backoff = (backoff_initial_s, backoff_max_s)
         self._info_timeout_s = info_timeout_s
@@ -175,7 +164,7 @@ class GrpcEngineClient(EngineClient):
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._owner)
+        return sum(len(e.in_flight) for e in self._engines)
 
     @property
     def engine_info(self) -> EngineInfo | None:
@@ -193,20 +182,15 @@ class GrpcEngineClient(EngineClient):
             raise EngineUnavailable(f"no engine is connected (engines: {addresses}); they may be starting or down, "
                                     "retry shortly")
         engine = min(connected, key=lambda e: len(e.in_flight))
-        self._owner[request.request_id] = engine
         engine.in_flight.add(request.request_id)
         engine.send(convert.request_to_proto(request))
 
     def abort(self, request_ids: list[str]) -> None:
-        by_engine: dict[_Engine, list[str]] = {}
-        for request_id in request_ids:
-            engine = self._owner.pop(request_id, None)
-            if engine is not None:
-                engine.in_flight.discard(request_id)
-                by_engine.setdefault(engine, []).append(request_id)
-        for engine, ids in by_engine.items():
-            if engine.connected:
-                engine.send(engine_core_pb2.EngineCoreInput(abort=engine_core_pb2.AbortRequests(request_ids=ids)))
+        for engine in self._engines:
+            ids = [request_id for request_id in request_ids if request_id in engine.in_flight]
+            engine.in_flight.difference_update(ids)
+            if ids and engine.connected:
+                engine.send(convert.abort_to_proto(ids))
 
     async def call_utility(self, method: str, *, pause_mode: str = "", profile_dir: str = "") -> list[UtilityResult]:
         engines = [e for e in self._engines if e.connected]
@@ -225,8 +209,7 @@ class GrpcEngineClient(EngineClient):
         delay = self._backoff[0]
         while not self._closed:
             try:
-                info = await engine.stub.GetEngineInfo(engine_core_pb2.GetEngineInfoRequest(),
-                                                       timeout=self._info_timeout_s)
+                info = await engine.stub.GetEngineInfo(convert.engine_info_request(), timeout=self._info_timeout_s)
             except grpc.aio.AioRpcError as e:
                 log.debug("engine at %s not reachable (%s); retrying in %.1fs", engine.address, e.code().name, delay)
                 await asyncio.sleep(delay)
@@ -242,19 +225,19 @@ class GrpcEngineClient(EngineClient):
     async def _serve(self, engine: _Engine, info: EngineInfo) -> str:
         """Hold one Connect stream open until it breaks; returns why it ended."""
         queue: asyncio.Queue = asyncio.Queue()
-        call = engine.stub.Connect(_drain(queue))
+        call = engine.stub.Connect(_stream_inputs(queue))
         engine.info, engine.queue = info, queue
         log.info("connected to engine at %s (model %s, max_model_len %d)", engine.address, info.model_name,
                  info.max_model_len)
         self._on_change()
         try:
             async for batch in call:
-                self._on_batch(engine, batch)
+                self._route(engine, convert.message_from_proto(batch))
             reason = "the engine closed the stream"
         except grpc.aio.AioRpcError as e:
             reason = f"{e.code().name}: {e.details()}"
-        except Exception as e:  # a bug while handling outputs: drop this stream, keep reconnecting
-            log.exception("error while handling outputs from engine at %s", engine.address)
+        except Exception as e:  # a bug while converting outputs: drop this stream, keep reconnecting
+            log.exception("error while reading outputs from engine at %s", engine.address)
             reason = f"frontend error {e!r}"
         finally:
             queue.put_nowait(None)
@@ -263,37 +246,27 @@ class GrpcEngineClient(EngineClient):
             self._on_lost(engine, reason)
         return reason
 
-    def _on_batch(self, engine: _Engine, batch: engine_core_pb2.EngineCoreOutputs) -> None:
-        if batch.HasField("utility_result"):
-            result = batch.utility_result
-            future = engine.pending.pop(result.call_id, None)
+    def _route(self, engine: _Engine, message: EngineMessage) -> None:
+        """Utility answers to their callers; refusals and outputs to the output handler."""
+        if message.utility_call_id is not None:
+            future = engine.pending.pop(message.utility_call_id, None)
             if future is not None and not future.done():
-                future.set_result(UtilityResult(engine.address, result.ok, result.error))
-        for error in batch.errors:
-            self._finish(engine, error.request_id)
-            self.abort(self.sink.fail_requests([error.request_id],
-                                               InvalidRequest(f"the engine refused the request: {error.message}")))
-        outputs = convert.outputs_from_proto(batch)
-        if not outputs:
-            return
-        for output in outputs:
-            if output.finish_reason is not None:
-                self._finish(engine, output.request_id)
-        self.abort(self.sink.process_outputs(outputs))
-
-    def _finish(self, engine: _Engine, request_id: str) -> None:
-        engine.in_flight.discard(request_id)
-        if self._owner.get(request_id) is engine:
-            del self._owner[request_id]
+                future.set_result(UtilityResult(engine.address, message.utility_ok, message.utility_error))
+        for error in message.errors:
+            engine.in_flight.discard(error.request_id)
+            self._put_output(EngineOutputs(
+                failed=[error.request_id], error=InvalidRequest(f"the engine refused the request: {error.message}")))
+        if message.outputs:
+            engine.in_flight.difference_update(o.request_id for o in message.outputs if o.finish_reason is not None)
+            self._put_output(EngineOutputs(outputs=message.outputs))
 
     def _on_lost(self, engine: _Engine, reason: str) -> None:
         """Every request in flight on this engine ends with UNAVAILABLE; pending utility calls fail."""
         lost = list(engine.in_flight)
-        for request_id in lost:
-            self._finish(engine, request_id)
-        if lost and self.sink is not None:
+        engine.in_flight.clear()
+        if lost:
             error = EngineUnavailable(f"engine at {engine.address} disconnected ({reason}); retry the request")
-            self.abort(self.sink.fail_requests(lost, error))
+            self._put_output(EngineOutputs(failed=lost, error=error))
         for future in engine.pending.values():
             if not future.done():
                 future.set_result(UtilityResult(engine.address, False, f"engine at {engine.address} disconnected"))
@@ -308,7 +281,7 @@ class GrpcEngineClient(EngineClient):
         self._notify()
 
 
-async def _drain(queue: asyncio.Queue):
+async def _stream_inputs(queue: asyncio.Queue):
     """The Connect request stream: whatever is put on the queue, until None."""
     while (message := await queue.get()) is not None:
         yield message

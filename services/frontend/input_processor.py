@@ -6,11 +6,11 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 
+from engine_core.sampling_params import SamplingParams, validate_sampling_params
 from services.frontend.chat_template import ChatTemplateError, render_chat
 from services.frontend.errors import InvalidRequest
 from services.frontend.limits import RequestLimits
 from services.frontend.messages import EngineRequest
-from services.frontend.sampling import validate_sampling
 from services.frontend.tokenizer import TokenizerBundle
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -54,11 +54,11 @@ class InputProcessor:
         self.vocab_size = vocab_size or self.tokenizer.vocab_size
 
     # ---- the whole request ---------------------------------------------------------
-    def process(self, request_id: str, prompt: Prompt, sampling_proto, *, priority: int = 0,
+    def process(self, request_id: str, prompt: Prompt, params: SamplingParams | None, *, priority: int = 0,
                 trace_headers: dict[str, str] | None = None) -> EngineRequest:
         """Validate and tokenize; fill in max_tokens when unset (the room left in the context, at most
         the server's --max-tokens)."""
-        params = validate_sampling(sampling_proto, vocab_size=self.vocab_size, limits=self.limits)
+        params = self.validate_sampling(params or SamplingParams())
         token_ids = self.tokenize(prompt)
         room = self._check_length(len(token_ids))
         if params.max_tokens is None and self.limits.max_tokens is not None:
@@ -69,6 +69,14 @@ class InputProcessor:
             request_id=request_id or new_request_id(), prompt_token_ids=token_ids, sampling_params=params,
             arrival_time=time.time(), priority=priority, trace_headers=dict(trace_headers or {}),
         )
+
+    def validate_sampling(self, params: SamplingParams) -> SamplingParams:
+        """The server's caps, then the one range check (token ids against the vocabulary)."""
+        try:
+            self.limits.check_sampling(params)
+            return validate_sampling_params(params, vocab_size=self.vocab_size)
+        except ValueError as e:
+            raise InvalidRequest(f"sampling_params.{e}") from None
 
     # ---- prompts -> token ids ------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:

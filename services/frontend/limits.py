@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from engine_core.sampling_params import SamplingParams
+
 DEFAULT_MAX_N = 16
 DEFAULT_MAX_STOP_STRINGS = 16
 DEFAULT_MAX_STOP_STRING_CHARS = 256
@@ -23,6 +25,22 @@ class RequestLimits:
     max_prompt_tokens: int | None = None  # prompt tokens; None: up to max_model_len - 1
     max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
     max_stop_string_chars: int = DEFAULT_MAX_STOP_STRING_CHARS
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        """The caps on n, max_tokens and stop strings; ValueError naming the field, its value, the cap and
+        the flag. Runs before validate_sampling_params (which checks the ranges and types)."""
+        if isinstance(params.n, int) and not 1 <= params.n <= self.max_n:
+            raise ValueError(f"n must be in [1, {self.max_n}] (the server's --max-n), got {params.n}")
+        cap = self.max_tokens
+        if cap is not None and isinstance(params.max_tokens, int) and not 1 <= params.max_tokens <= cap:
+            raise ValueError(f"max_tokens must be in [1, {cap}] (the server's --max-tokens), got {params.max_tokens}")
+        if len(params.stop) > self.max_stop_strings:
+            raise ValueError(f"stop has {len(params.stop)} strings; at most {self.max_stop_strings} are allowed "
+                             "(the server's --max-stop-strings)")
+        for i, stop in enumerate(params.stop):
+            if isinstance(stop, str) and len(stop) > self.max_stop_string_chars:
+                raise ValueError(f"stop[{i}] is {len(stop)} characters long; at most {self.max_stop_string_chars} "
+                                 "are allowed (the server's --max-stop-string-length)")
 
     @staticmethod
     def add_flags(parser: argparse.ArgumentParser) -> None:

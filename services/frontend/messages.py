@@ -9,15 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from services.frontend.sampling import SamplingParams
-
-
-class FinishReason(enum.IntEnum):
-    """Why a completion stopped (same numbers as tandem.v1.FinishReason)."""
-
-    STOP = 1  # EOS, a stop token id or a stop string
-    LENGTH = 2  # max_tokens or the context length
-    ABORT = 3  # cancelled by the client, the server or a shutdown
+# Shared with the engine core (one definition each, numbered like tandem.v1).
+from engine_core.sampling_params import FinishReason, SamplingParams, TokenLogprobs  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -31,14 +24,22 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...] = ()
 
 
-@dataclass
-class TokenLogprobs:
-    """Logprobs at one position: index 0 is the chosen token, then the top-N."""
+@dataclass(frozen=True)
+class EngineStatus:
+    """One engine address as the engine client sees it."""
 
-    token_ids: list[int]
-    logprobs: list[float]
-    rank: int
-    decoded: list[str] = field(default_factory=list)
+    address: str
+    connected: bool
+    num_in_flight: int
+
+
+@dataclass(frozen=True)
+class UtilityResult:
+    """One engine's answer to a utility call (pause, sleep, ...)."""
+
+    address: str
+    ok: bool
+    error: str = ""
 
 
 # ---- frontend -> engine -----------------------------------------------------------
@@ -80,6 +81,34 @@ class EngineOutput:
     num_cached_tokens: int = 0
     events: list[EngineEvent] = field(default_factory=list)  # since the request's last output
     timestamp: float = 0.0  # the engine step's time (engine clock)
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """An engine refused a request (its message says why)."""
+
+    request_id: str
+    message: str
+
+
+@dataclass
+class EngineMessage:
+    """One message of an engine's stream: a step's outputs, refusals and maybe a utility call's answer."""
+
+    outputs: list[EngineOutput] = field(default_factory=list)
+    errors: list[RequestError] = field(default_factory=list)
+    utility_call_id: int | None = None
+    utility_ok: bool = False
+    utility_error: str = ""
+
+
+@dataclass
+class EngineOutputs:
+    """What an engine client hands AsyncLLM's output handler: one engine step, or requests that failed."""
+
+    outputs: list[EngineOutput] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)  # engine request ids ended by `error`
+    error: Exception | None = None
 
 
 # ---- frontend -> caller -----------------------------------------------------------

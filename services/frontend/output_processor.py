@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
+from engine_core.sampling_params import OutputKind
 from services.frontend.detokenizer import Detokenizer, decode_logprobs
 from services.frontend.errors import SlowReader
 from services.frontend.messages import (
@@ -27,7 +28,6 @@ from services.frontend.messages import (
     TokenLogprobs,
     Usage,
 )
-from services.frontend.sampling import OutputKind
 from services.frontend.telemetry import FrontendTelemetry, RequestStats
 
 DEFAULT_MAX_UNSENT_TOKENS = 8192

@@ -17,9 +17,9 @@ from tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_
 
 from services.frontend import convert
 from services.frontend.async_llm import AsyncLLM
-from services.frontend.engine_client import UtilityResult
 from services.frontend.errors import DuplicateRequest, EngineUnavailable, FrontendError, InvalidRequest, TooManyRequests
 from services.frontend.input_processor import TextPrompt
+from services.frontend.messages import UtilityResult
 from services.security.transport import ServerTransport
 
 log = logging.getLogger(__name__)
@@ -62,10 +62,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                                            request.priority, generation_pb2.ChatResponse):
             yield response
 
-    async def _stream(self, context, request_id, prompt, sampling_params, priority, response_type):
+    async def _stream(self, context, request_id, prompt, sampling_proto, priority, response_type):
         # Tracing on: the OpenTelemetry interceptor already made the client's context current.
         trace_headers = None if self.llm.telemetry.tracing else {
             k: v for k, v in (context.invocation_metadata() or ()) if k in _TRACE_KEYS}
+        sampling_params = convert.sampling_params_from_proto(sampling_proto)
         try:
             async with aclosing(self.llm.generate(prompt, sampling_params, request_id, priority=priority,
                                                   trace_headers=trace_headers)) as outputs:
@@ -86,8 +87,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         except Exception as e:  # noqa: BLE001
             await _abort(context, e)
         tokenizer = self.llm.tokenizer.tokenizer
-        return generation_pb2.TokenizeResponse(token_ids=ids, tokens=[tokenizer.id_to_token(i) or "" for i in ids],
-                                               max_model_len=processor.max_model_len)
+        return convert.tokenize_response(ids, [tokenizer.id_to_token(i) or "" for i in ids], processor.max_model_len)
 
     async def Detokenize(self, request, context):
         vocab_size = self.llm.tokenizer.vocab_size
@@ -96,45 +96,34 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token_ids[{i}] = {token_id} is out of "
                                     f"range: the tokenizer has ids 0..{vocab_size - 1}")
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        return generation_pb2.DetokenizeResponse(text=self.llm.tokenizer.decode(list(request.token_ids), skip))
+        return convert.detokenize_response(self.llm.tokenizer.decode(list(request.token_ids), skip))
 
     async def Abort(self, request, context):
-        return generation_pb2.AbortResponse(aborted_request_ids=self.llm.abort(list(request.request_ids)))
+        return convert.abort_response(self.llm.abort(list(request.request_ids)))
 
     async def GetModelInfo(self, request, context):
         info = self.llm.model_info
         if info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no engine has connected yet, so the model is unknown")
-        return generation_pb2.GetModelInfoResponse(
-            model_name=info.model_name, model_path=info.model_path, max_model_len=info.max_model_len,
-            vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
-            has_chat_template=bool(self.llm.tokenizer.chat_template),
-        )
+        return convert.model_info_to_proto(info, has_chat_template=bool(self.llm.tokenizer.chat_template))
 
     async def GetServerInfo(self, request, context):
-        client = self.llm.engine_client
-        return generation_pb2.GetServerInfoResponse(
-            version=VERSION, num_in_flight=self.llm.output_processor.num_requests,
-            max_waiting_requests=self.llm.max_waiting_requests,
-            engines=[generation_pb2.EngineStatus(address=e.address, connected=e.connected,
-                                                 num_in_flight=e.num_in_flight) for e in client.engines()],
-        )
+        return convert.server_info_to_proto(VERSION, self.llm.num_in_flight, self.llm.max_waiting_requests,
+                                            self.llm.engine_client.engines())
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     """Operator calls, forwarded to every connected engine as utility calls."""
 
-    _PAUSE_MODES = {0: "abort", 1: "abort", 2: "wait", 3: "keep"}
-
     def __init__(self, llm: AsyncLLM) -> None:
         self.llm = llm
 
     async def Pause(self, request, context):
-        if request.mode not in self._PAUSE_MODES:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"mode {request.mode} is not a PauseMode "
-                                "(PAUSE_MODE_ABORT, PAUSE_MODE_WAIT or PAUSE_MODE_KEEP)")
-        return await self._forward(context, self.llm.pause_generation(self._PAUSE_MODES[request.mode]),
-                                   admin_pb2.PauseResponse)
+        try:
+            mode = convert.pause_mode_from_proto(request.mode)
+        except InvalidRequest as e:
+            await _abort(context, e)
+        return await self._forward(context, self.llm.pause_generation(mode), admin_pb2.PauseResponse)
 
     async def Resume(self, request, context):
         return await self._forward(context, self.llm.resume_generation(), admin_pb2.ResumeResponse)
@@ -156,8 +145,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
 
     async def Drain(self, request, context):
         left = await self.llm.drain(request.timeout_s)
-        detail = "drained" if not left else f"{left} requests still in flight after {request.timeout_s:g}s"
-        return admin_pb2.DrainResponse(ok=not left, detail=detail)
+        return convert.drain_response(left, request.timeout_s)
 
     async def _forward(self, context, call, response_type):
         """Await the engines' utility results and answer with one `response_type` (ok, detail)."""
@@ -165,9 +153,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             results: list[UtilityResult] = await call
         except Exception as e:  # noqa: BLE001
             await _abort(context, e)
-        failed = [f"engine at {r.address}: {r.error}" for r in results if not r.ok]
-        detail = "; ".join(failed) if failed else f"done on {len(results)} engine(s)"
-        return response_type(ok=not failed, detail=detail)
+        return convert.admin_response(results, response_type)
 
 
 # ---- the server -------------------------------------------------------------------
@@ -219,3 +205,4 @@ class FrontendServer:
         await self.update_health(serving=False)
         await self.llm.drain(grace_s)  # sets draining: admits nothing new
         await self.server.stop(max(deadline - asyncio.get_running_loop().time(), 0.0))
+        await self.llm.shutdown()

@@ -15,6 +15,7 @@ from clients.bench.metrics import RequestRecord, percentile, summarize
 from clients.bench.prompts import BenchPrompt, jsonl_prompts, synthetic_prompts
 from clients.bench.side_by_side import transformers_closed_loop
 from clients.client import TandemClient
+from engine_core.loader import default_model_path
 from tests.clients.conftest import run_async, run_cli
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -165,7 +166,8 @@ def llama_server():
 def test_side_by_side_runs_the_peers_on_the_same_prompts(live_stack, tmp_path, llama_server):
     result = bench(live_stack.frontend_address, tmp_path, "--side-by-side", "--concurrency", "2",
                    "--num-requests", "2", "--input-len", "8", "--output-len", "3", "--dtype", "float32",
-                   "--llama-server", llama_server, "--no-transformers")  # transformers: the test below
+                   "--llama-server", llama_server, "--no-transformers",  # transformers: the test below
+                   "--tokenizer", str(default_model_path()))  # the tiny model has none of its own
     assert set(result["series"]) == {"tandem-grpc", "in-process", "llama.cpp-server"}
     for name, points in result["series"].items():
         assert (points[0]["completed"], points[0]["output_tokens"]) == (2, 6), name

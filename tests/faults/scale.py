@@ -1,4 +1,5 @@
-"""How hard the fault suite pushes: a quick version for `make test-faults` (and CI), a long one for `make test-faults-long`.
+"""How hard the fault suite pushes: a quick version for `make test-faults` (and CI), a long one
+for `make test-faults-long`.
 
 TANDEM_FAULTS=long (set by `make test-faults-long`) selects the long version; anything else the quick one.
 """

@@ -64,6 +64,7 @@ def test_engine_loss_fails_streams_flips_health_and_reconnects(make_stack):
 def test_requests_spread_over_engines_least_loaded_first(tokenizer):
     """Two engines: requests alternate by load; losing one leaves the other serving."""
 
+    from engine_core.sampling_params import SamplingParams
     from services.frontend.async_llm import AsyncLLM
     from services.frontend.engine_client import GrpcEngineClient
     from services.frontend.input_processor import TextPrompt
@@ -77,7 +78,7 @@ def test_requests_spread_over_engines_least_loaded_first(tokenizer):
             await wait_until(lambda: all(e.connected for e in client.engines()))
             llm = AsyncLLM(client, tokenizer)
             for i in range(4):
-                llm.add_request(TextPrompt("hi"), common_pb2.SamplingParams(max_tokens=1000), f"r{i}")
+                llm.add_request(TextPrompt("hi"), SamplingParams(max_tokens=1000), f"r{i}")
             loads = [e.num_in_flight for e in client.engines()]
             await engines[0][0].stop(0)
             await wait_until(lambda: not client.engines()[0].connected)

@@ -11,11 +11,12 @@ import grpc_testing
 import pytest
 from tandem.v1 import common_pb2, generation_pb2
 
+from engine_core.sampling_params import OutputKind, SamplingParams, validate_sampling_params
+from services.frontend import convert
 from services.frontend.async_llm import AsyncLLM
 from services.frontend.engine_client import EngineClient
 from services.frontend.messages import CompletionOutput, FinishReason, RequestOutput, Usage
 from services.frontend.output_processor import RequestOutputCollector
-from services.frontend.sampling import OutputKind, SamplingParams, validate_sampling
 from services.frontend.server import GenerationServicer
 
 
@@ -56,6 +57,10 @@ def test_collector_error_replaces_pending_output():
 
 
 # ---- sampling defaults --------------------------------------------------------------
+def validate_sampling(proto, vocab_size):
+    return validate_sampling_params(convert.sampling_params_from_proto(proto), vocab_size=vocab_size)
+
+
 def test_unset_sampling_fields_get_the_documented_defaults():
     assert validate_sampling(common_pb2.SamplingParams(), vocab_size=100) == SamplingParams()
     params = validate_sampling(common_pb2.SamplingParams(temperature=0, top_k=-1, output_kind=2), vocab_size=100)
@@ -127,10 +132,11 @@ def test_detokenize_servicer(generation_server, tokenizer):
 
 # ---- import hygiene -----------------------------------------------------------------
 # engine_core's torch-free protocol modules, the only part of engine_core the frontend may import (DESIGN)
-TORCH_FREE_ENGINE_CORE = ("engine_core", "engine_core.gguf_metadata")
+TORCH_FREE_ENGINE_CORE = ("engine_core", "engine_core.gguf_metadata", "engine_core.sampling_params")
 
 
 def test_frontend_never_imports_torch():
+    """The frontend loads no torch and no engine_core module but the torch-free shared protocol (DESIGN)."""
     code = ("import services.frontend.server, services.frontend.__main__, sys; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'kernels') "
             f"or (m.split('.')[0] == 'engine_core' and m not in {TORCH_FREE_ENGINE_CORE!r})]; "

@@ -1,0 +1,64 @@
+"""Protos <-> the shared request protocol (engine_core.sampling_params), for both services.
+
+tandem.v1's enums carry the same numbers as OutputKind and FinishReason, so enums cross as ints;
+every sampling scalar is `optional` on the wire and an unset one takes the dataclass default.
+Conversion never validates: `validate_sampling_params` does, once, where a request enters.
+"""
+
+from __future__ import annotations
+
+from tandem.v1 import common_pb2
+
+from engine_core.sampling_params import FinishReason, SamplingParams, TokenLogprobs
+
+# Optional scalars copied only when set: unset ones take the dataclass defaults.
+_OPTIONAL_SCALARS = (
+    "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "ignore_eos",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs",
+    "include_stop_str_in_output", "skip_special_tokens",
+)
+
+
+def sampling_params_from_proto(proto: common_pb2.SamplingParams | None) -> SamplingParams:
+    """Set fields only; output_kind stays the wire's int (validate_sampling_params checks it)."""
+    if proto is None:
+        return SamplingParams()
+    kwargs: dict = {name: getattr(proto, name) for name in _OPTIONAL_SCALARS if proto.HasField(name)}
+    if proto.output_kind:
+        kwargs["output_kind"] = proto.output_kind
+    return SamplingParams(stop_token_ids=tuple(proto.stop_token_ids), logit_bias=dict(proto.logit_bias),
+                          stop=tuple(proto.stop), **kwargs)
+
+
+def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    """Every scalar sent set, except the optional ones that are None."""
+    proto = common_pb2.SamplingParams(
+        n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
+        min_tokens=params.min_tokens, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty, logit_bias=params.logit_bias, stop=params.stop,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        skip_special_tokens=params.skip_special_tokens, output_kind=int(params.output_kind),
+    )
+    for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
+        if getattr(params, name) is not None:
+            setattr(proto, name, getattr(params, name))
+    return proto
+
+
+def finish_reason_from_proto(value: int) -> FinishReason | None:
+    """FINISH_REASON_UNSPECIFIED (0) -> None: not finished."""
+    return FinishReason(value) if value else None
+
+
+def finish_reason_to_proto(reason: FinishReason | None) -> int:
+    return int(reason) if reason is not None else common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+def logprobs_from_proto(entry: common_pb2.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(list(entry.token_ids), list(entry.logprobs), entry.rank, list(entry.decoded))
+
+
+def logprobs_to_proto(entry: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(token_ids=entry.token_ids, logprobs=entry.logprobs, rank=entry.rank,
+                                    decoded=entry.decoded)

@@ -1,0 +1,143 @@
+"""AsyncLLM over InProcessEngineClient: a real EngineCore busy loop in this process, no gRPC.
+
+A tiny random Llama with SmolLM2's vocabulary (so the real tokenizer works) gives the same greedy
+tokens through the frontend as the offline LLMEngine; fan-out, stop strings, cancels and the
+utility calls go through the same AsyncLLM code as over gRPC, and every request leaves the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine_core.engine_core import EngineCore
+from engine_core.llm_engine import LLMEngine
+from engine_core.sampling_params import FinishReason, OutputKind, SamplingParams
+from services.engine.busy_loop import EngineBusyLoop
+from services.frontend.async_llm import AsyncLLM
+from services.frontend.errors import EngineUnavailable
+from services.frontend.in_process import InProcessEngineClient, engine_info_from_core
+from services.frontend.input_processor import TextPrompt, TokensPrompt
+from tests.engine_core.tiny_models import write_tiny_model
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+PROMPTS = [[11, 12, 13, 14], [500, 600, 700], [42] * 9]
+
+
+@pytest.fixture(scope="module")
+def engine_config(tmp_path_factory, tokenizer) -> EngineConfig:
+    folder = write_tiny_model(tmp_path_factory.mktemp("tiny-in-process"), vocab_size=tokenizer.vocab_size)
+    return EngineConfig(
+        model=ModelConfig(model=str(folder), dtype="float32", max_model_len=128),
+        cache=CacheConfig(block_size=4, num_blocks=256),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=16),
+        device=DeviceConfig(device="cpu", attention_backend="torch"),
+    )
+
+
+@pytest.fixture(scope="module")
+def engine(engine_config):
+    """One EngineCore stepped by a busy loop on its own thread, shared by the module's tests."""
+    core = EngineCore(engine_config)
+    busy_loop = EngineBusyLoop(core)
+    busy_loop.start()
+    yield core, busy_loop
+    busy_loop.stop()
+
+
+def run_with_llm(engine, tokenizer, body):
+    """Run `body(llm)` on a fresh event loop with AsyncLLM over a new in-process connection."""
+    core, busy_loop = engine
+
+    async def main():
+        client = InProcessEngineClient(busy_loop, engine_info_from_core(core.info))
+        await client.start()
+        llm = AsyncLLM(client, tokenizer)
+        try:
+            return await body(llm)
+        finally:
+            await llm.shutdown()
+            await client.close()
+
+    result = asyncio.run(main())
+    wait_idle(core)
+    return result
+
+
+def wait_idle(core: EngineCore, timeout_s: float = 30.0) -> None:
+    """Until the engine holds no request (aborts and finishes are applied on the loop thread)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while core.get_num_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert core.get_num_unfinished_requests() == 0
+
+
+async def token_ids(llm: AsyncLLM, prompt, params: SamplingParams) -> dict[int, list[int]]:
+    """Every completion's token ids by index (DELTA outputs concatenated)."""
+    tokens: dict[int, list[int]] = {}
+    async for output in llm.generate(prompt, params):
+        for completion in output.completions:
+            tokens.setdefault(completion.index, []).extend(completion.token_ids)
+    return tokens
+
+
+def test_greedy_tokens_match_the_offline_engine(engine, engine_config, tokenizer):
+    offline = LLMEngine(engine_config)
+    expected = [out.outputs[0].token_ids for out in offline.generate(PROMPTS, SamplingParams(max_tokens=8, **GREEDY))]
+
+    async def body(llm):
+        results = await asyncio.gather(*(token_ids(llm, TokensPrompt(p), SamplingParams(max_tokens=8, **GREEDY))
+                                         for p in PROMPTS))
+        return [r[0] for r in results]
+
+    assert run_with_llm(engine, tokenizer, body) == expected
+
+
+def test_fan_out_finish_reasons_and_usage(engine, tokenizer):
+    async def body(llm):
+        outputs = [o async for o in llm.generate(TextPrompt("Hello there"),
+                                                 SamplingParams(n=2, max_tokens=5, seed=7, temperature=1.0,
+                                                                ignore_eos=True, output_kind=OutputKind.FINAL_ONLY))]
+        return outputs
+
+    outputs = run_with_llm(engine, tokenizer, body)
+    last = outputs[-1]
+    assert last.finished and last.usage.completion_tokens == 10
+    finished = [c for o in outputs for c in o.completions]
+    assert sorted(c.index for c in finished) == [0, 1]
+    assert all(c.finish_reason == FinishReason.LENGTH and len(c.token_ids) == 5 for c in finished)
+
+
+def test_cancel_and_stop_strings_abort_in_the_engine(engine, tokenizer):
+    async def body(llm):
+        long = llm.generate(TokensPrompt(PROMPTS[0]), SamplingParams(max_tokens=100, **GREEDY))
+        await anext(long)
+        await long.aclose()  # a client that goes away: AsyncLLM aborts the request in the engine
+        # A stop string that is the completion's own text after two tokens ends it early.
+        first = await token_ids(llm, TokensPrompt(PROMPTS[1]), SamplingParams(max_tokens=4, **GREEDY))
+        stop = tokenizer.decode(first[0][:2], True)
+        stopped = [o async for o in llm.generate(TokensPrompt(PROMPTS[1]),
+                                                 SamplingParams(max_tokens=100, stop=[stop], **GREEDY))]
+        return llm.engine_client.num_in_flight, stop, stopped
+
+    in_flight, stop, stopped = run_with_llm(engine, tokenizer, body)
+    assert in_flight == 0
+    assert stop, "the first two greedy tokens decode to no text; pick another prompt"
+    assert stopped[-1].completions[-1].finish_reason == FinishReason.STOP
+    assert stopped[-1].completions[-1].stop_string == stop
+
+
+def test_utility_calls_and_a_closed_client(engine, tokenizer):
+    async def body(llm):
+        results = [await llm.pause_generation("keep"), await llm.resume_generation(), await llm.reset_prefix_cache()]
+        await llm.engine_client.close()
+        with pytest.raises(EngineUnavailable):
+            llm.add_request(TokensPrompt(PROMPTS[0]), SamplingParams(max_tokens=2))
+        return results
+
+    results = run_with_llm(engine, tokenizer, body)
+    assert [r.ok for batch in results for r in batch] == [True, True, True]
