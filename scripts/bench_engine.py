@@ -5,6 +5,8 @@ generated, greedy, EOS ignored), at 1 and 32 concurrent streams:
 
   floor        ../shared/tools/cpu_floor.py --json: the model's linear layers alone, plain torch
   in-process   LLMEngine stepped on this process's main thread (no transport, no frontend)
+  transport    the frontend core (AsyncLLM) over InProcessEngineClient, the engine stepping on the main
+               thread (run_beside_engine): the gRPC path less its two gRPC hops and one process
   grpc         `tandem serve`'s two processes (engine + frontend) over loopback, the public API
   llama.cpp    llama.cpp's llama-server (../shared/tools/llama_server.sh) on the same GGUF, -np N
 
@@ -100,6 +102,43 @@ def run_in_process(engine, prompts: list[BenchPrompt]) -> dict:
     return summary
 
 
+# ---- the in-process transport: the same frontend core, no gRPC ---------------------------------
+def run_transport(config, tokenizer_path: str, workloads: dict[int, list[BenchPrompt]]) -> dict[int, dict]:
+    from clients.bench.backends import InProcessBackend
+    from engine_core.engine_core import EngineCore
+    from services.engine.busy_loop import EngineBusyLoop
+    from services.engine.process import run_beside_engine
+    from services.frontend.in_process import engine_info_from_core
+
+    core = EngineCore(config, log_stats=True)
+    busy_loop = EngineBusyLoop(core)
+    steps: list[float] = []
+    step = core.step
+
+    def timed_step():
+        t = time.perf_counter()
+        out = step()
+        steps.append(time.perf_counter() - t)
+        return out
+    core.step = timed_step
+
+    async def main() -> dict[int, dict]:
+        backend = InProcessBackend(config.model.model, tokenizer_path,
+                                   engine=(busy_loop, engine_info_from_core(core.info)))
+        try:
+            await run_closed_loop(backend, [BenchPrompt(None, (1, 2, 3, 4), 8)])  # warm up
+            results = {}
+            for streams, prompts in workloads.items():
+                first = len(steps)
+                results[streams] = await run_closed_loop(backend, prompts)
+                results[streams]["step_mean_ms"] = 1000 * statistics.fmean(steps[first:])
+            return results
+        finally:
+            await backend.close()
+
+    return run_beside_engine(busy_loop, main)
+
+
 # ---- over gRPC: the two-service stack ----------------------------------------------------------------
 def scrape_step_metric(url: str) -> tuple[float, float]:
     """(sum of seconds, count) of the engine's step histogram."""
@@ -181,21 +220,27 @@ def fmt(value, digits=1) -> str:
 
 def print_report(result: dict) -> None:
     print(f"\nCPU: {result['cpu']}, torch threads {result['threads']}, engine dtype {result['engine_dtype']}")
-    print(f"{'streams':>7} | {'llama.cpp tok/s':>15} {'TTFT p50':>9} | {'gRPC tok/s':>10} {'TTFT p50':>9} | "
-          f"{'in-proc tok/s':>13} {'TTFT p50':>9} | {'gRPC/llama':>10} {'gRPC/in-proc':>12}")
+    sides = (("llama.cpp", "llama.cpp"), ("grpc", "gRPC"), ("transport", "in-proc transport"),
+             ("in_process", "LLMEngine"))
+    print("generated tok/s end to end (TTFT p50 s):")
+    print(f"{'streams':>7} | " + " | ".join(f"{label:>22}" for _, label in sides)
+          + f" | {'gRPC/llama':>10} {'gRPC/transport':>14} {'gRPC/LLMEngine':>14}")
     for streams, row in result["streams"].items():
         cells = []
-        for side in ("llama.cpp", "grpc", "in_process"):
+        for side, _ in sides:
             s = row.get(side)
-            cells.append((s["output_token_throughput"], s["ttft"]["p50_ms"] / 1000) if s else (None, None))
-        print(f"{streams:>7} | {fmt(cells[0][0]):>15} {fmt(cells[0][1], 2):>8}s | {fmt(cells[1][0]):>10} "
-              f"{fmt(cells[1][1], 2):>8}s | {fmt(cells[2][0]):>13} {fmt(cells[2][1], 2):>8}s | "
-              f"{fmt(row['ratios']['grpc_over_llama'], 2):>10} {fmt(row['ratios']['grpc_over_in_process'], 2):>12}")
-    print(f"\n{'streams':>7} | {'server step ms':>14} {'in-proc step ms':>15} {'ratio':>6} | {'decode step ms':>14} "
-          f"{'floor ms':>8} {'ratio':>6} (floor of the dtype used, linears only)")
+            cells.append(f"{fmt(s['output_token_throughput']):>13} ({fmt(s['ttft']['p50_ms'] / 1000, 2):>5})"
+                         if s else f"{'-':>22}")
+        r = row["ratios"]
+        print(f"{streams:>7} | " + " | ".join(f"{c:>22}" for c in cells)
+              + f" | {fmt(r['grpc_over_llama'], 2):>10} {fmt(r['grpc_over_transport'], 2):>14}"
+              f" {fmt(r['grpc_over_in_process'], 2):>14}")
+    print(f"\n{'streams':>7} | {'server step ms':>14} {'transport ms':>12} {'in-proc step ms':>15} {'ratio':>6} | "
+          f"{'decode step ms':>14} {'floor ms':>8} {'ratio':>6} (ratio: server / LLMEngine; floor: dtype used)")
     for streams, row in result["streams"].items():
         step = row["step"]
-        print(f"{streams:>7} | {fmt(step['server_ms'], 2):>14} {fmt(step['in_process_ms'], 2):>15} "
+        print(f"{streams:>7} | {fmt(step['server_ms'], 2):>14} {fmt(step['transport_ms'], 2):>12} "
+              f"{fmt(step['in_process_ms'], 2):>15} "
               f"{fmt(step['server_over_in_process'], 2):>6} | {fmt(step['decode_ms'], 2):>14} "
               f"{fmt(step['floor_ms'], 2):>8} {fmt(step['decode_over_floor'], 2):>6}")
 
@@ -221,7 +266,8 @@ def main() -> int:
     from services.frontend.tokenizer import load_tokenizer
 
     config = config_from_args(build_parser().parse_args(engine_args))
-    tokenizer = load_tokenizer(config.model.model or default_model_path())
+    model_path = config.model.model or str(default_model_path())
+    tokenizer = load_tokenizer(model_path)
     prompts = synthetic_prompts(max(args.streams), args.input_len, args.output_len, seed=0,
                                 tokenize=lambda t: tokenizer.encode(t, add_special_tokens=False),
                                 detokenize=tokenizer.decode)
@@ -240,6 +286,7 @@ def main() -> int:
     run_in_process(engine, [BenchPrompt(None, (1, 2, 3, 4), 8)])  # warm up
     in_process = {n: run_in_process(engine, p) for n, p in workloads.items()}
     del engine
+    transport = run_transport(config, model_path, workloads)
     grpc = run_grpc(engine_args, workloads)
     llama = {} if args.no_llama else run_llama(workloads)
 
@@ -247,13 +294,16 @@ def main() -> int:
     result["floor"] = floor
     result["streams"] = {}
     for n in args.streams:
-        ip, g, ll = in_process[n], grpc[n], llama.get(n)
+        ip, tr, g, ll = in_process[n], transport[n], grpc[n], llama.get(n)
         f = floor_ms(floor, floor_dtype, n)
         result["streams"][n] = {
-            "in_process": ip, "grpc": g, "llama.cpp": ll,
+            "in_process": ip, "transport": tr, "grpc": g, "llama.cpp": ll,
             "ratios": {"grpc_over_llama": ratio(g["output_token_throughput"], ll and ll["output_token_throughput"]),
-                       "grpc_over_in_process": ratio(g["output_token_throughput"], ip["output_token_throughput"])},
+                       "grpc_over_in_process": ratio(g["output_token_throughput"], ip["output_token_throughput"]),
+                       "grpc_over_transport": ratio(g["output_token_throughput"], tr["output_token_throughput"]),
+                       "grpc_ttft_added_ms": g["ttft"]["p50_ms"] - tr["ttft"]["p50_ms"]},
             "step": {"server_ms": g["step_mean_ms"], "in_process_ms": ip["step_mean_ms"],
+                     "transport_ms": tr["step_mean_ms"],
                      "server_over_in_process": ratio(g["step_mean_ms"], ip["step_mean_ms"]),
                      "decode_ms": ip["decode_step_ms"], "floor_ms": f,
                      "decode_over_floor": ratio(ip["decode_step_ms"], f)},

@@ -48,14 +48,16 @@ class InProcessBackend:
 
     name = "in-process"
 
-    def __init__(self, model_path: str, tokenizer_path: str, *, dtype: str, max_model_len: int,
-                 max_num_seqs: int) -> None:
+    def __init__(self, model_path: str, tokenizer_path: str, *, dtype: str = "auto", max_model_len: int | None = None,
+                 max_num_seqs: int = 256, engine: tuple | None = None) -> None:
+        """Starts an engine on a thread of its own, unless `engine` = (busy loop, EngineInfo) is given: then
+        the caller steps it (scripts/bench_engine.py runs it on the main thread: run_beside_engine)."""
         from services.frontend.in_process import start_engine
         from services.frontend.tokenizer import load_tokenizer
 
         self._tokenizer = load_tokenizer(tokenizer_path)
-        self._busy_loop, self._info = start_engine(model_path, dtype=dtype, max_model_len=max_model_len,
-                                                   max_num_seqs=max_num_seqs)
+        self._busy_loop, self._info = engine or start_engine(model_path, dtype=dtype, max_model_len=max_model_len,
+                                                             max_num_seqs=max_num_seqs)
         self._llm = None  # AsyncLLM, made on the event loop by the first request
         self._ids = itertools.count()
 

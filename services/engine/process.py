@@ -6,7 +6,8 @@ scripts/bench_engine.py), so the busy loop must step where torch runs at full sp
 EngineCoreProc does, the busy loop owns the process's main thread and the I/O (here the
 grpc.aio server, its health watchdog and the /metrics server) runs on a background thread
 with its own asyncio event loop. Both `tandem-engine` and `tandem serve` (which starts
-`tandem-engine` processes) run through `serve_on_main_thread`.
+`tandem-engine` processes) run through `serve_on_main_thread`; the in-process transport
+(InProcessEngineClient) and `make bench` run through `run_beside_engine`, the same split.
 
 Shutdown: SIGTERM / SIGINT reach the main thread (Python runs signal handlers only there,
 between bytecodes, so at the latest after the step in progress) and set the I/O loop's stop
@@ -21,11 +22,12 @@ import asyncio
 import logging
 import signal
 import threading
-from typing import Callable
+from typing import Awaitable, Callable, TypeVar
 
 from services.engine.server import EngineServer
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -106,3 +108,31 @@ def serve_on_main_thread(server: EngineServer, grace: float, on_listening: Calla
         io.join()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def run_beside_engine(busy_loop, main: Callable[[], Awaitable[T]]) -> T:
+    """Run `main()` on an asyncio loop in a background thread while this (the main) thread steps the engine.
+
+    The in-process transport's counterpart of `serve_on_main_thread`: a frontend (AsyncLLM over
+    InProcessEngineClient) and whatever drives it run on the background loop, the busy loop runs here
+    until `main()` returns (or raises), then stops. Returns what `main()` returned; re-raises what it raised.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("run_beside_engine must run on the main thread: the engine steps there")
+    outcome: dict[str, object] = {}
+
+    def io() -> None:
+        try:
+            outcome["value"] = asyncio.run(main())
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread below
+            outcome["error"] = exc
+        finally:
+            busy_loop.stop(timeout=0)  # ends run() below; it is not ours to wait for
+
+    thread = threading.Thread(target=io, name="in-process-io", daemon=True)
+    thread.start()
+    busy_loop.run()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]

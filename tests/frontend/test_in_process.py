@@ -8,6 +8,7 @@ utility calls go through the same AsyncLLM code as over gRPC, and every request 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -16,6 +17,7 @@ from engine_core.engine_core import EngineCore
 from engine_core.llm_engine import LLMEngine
 from engine_core.sampling_params import FinishReason, OutputKind, SamplingParams
 from services.engine.busy_loop import EngineBusyLoop
+from services.engine.process import run_beside_engine
 from services.frontend.async_llm import AsyncLLM
 from services.frontend.errors import EngineUnavailable
 from services.frontend.in_process import InProcessEngineClient, engine_info_from_core
@@ -141,3 +143,34 @@ def test_utility_calls_and_a_closed_client(engine, tokenizer):
 
     results = run_with_llm(engine, tokenizer, body)
     assert [r.ok for batch in results for r in batch] == [True, True, True]
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="needs pytest's main thread")
+def test_run_beside_engine_steps_on_the_main_thread(engine_config, tokenizer):
+    """The in-process transport's full-speed layout (services/engine/process.py): the frontend on a
+    background event loop, the engine stepping on the main thread, stopped when the frontend is done."""
+    core = EngineCore(engine_config)
+    busy_loop = EngineBusyLoop(core)
+    step_threads: list[threading.Thread] = []
+    step = core.step
+
+    def recording_step():
+        step_threads.append(threading.current_thread())
+        return step()
+
+    core.step = recording_step
+
+    async def main():
+        client = InProcessEngineClient(busy_loop, engine_info_from_core(core.info))
+        await client.start()
+        llm = AsyncLLM(client, tokenizer)
+        try:
+            return (await token_ids(llm, TokensPrompt(PROMPTS[0]), SamplingParams(max_tokens=6, **GREEDY)))[0]
+        finally:
+            await llm.shutdown()
+            await client.close()
+
+    tokens = run_beside_engine(busy_loop, main)
+    assert len(tokens) == 6
+    assert step_threads and all(t is threading.main_thread() for t in step_threads)
+    assert not busy_loop.alive  # stopped once main() returned
