@@ -41,6 +41,19 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++"))
 
 
+def _put_ninja_on_path() -> bool:
+    """torch's tooling runs `ninja` from PATH; the pip `ninja` package (a dependency) installs
+    it beside the interpreter, which is not on PATH when a venv is used without activating it."""
+    if shutil.which("ninja") is not None:
+        return True
+    try:
+        import ninja
+    except ImportError:
+        return False
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    return shutil.which("ninja") is not None
+
+
 def cache_dir() -> Path:
     root = os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem"
     return Path(root) / "torch_extensions"
@@ -72,6 +85,9 @@ def load() -> bool:
     if compiler() is None:
         logger.info("no C++ compiler found ($CXX or c++): CPU kernels fall back to pure torch")
         return False
+    if not _put_ninja_on_path():
+        logger.warning("ninja not found (pip install ninja): CPU kernels fall back to pure torch")
+        return False
     from torch.utils import cpp_extension
 
     name = _build_name()
@@ -85,4 +101,5 @@ def load() -> bool:
     except Exception as error:  # a broken toolchain must never stop the engine
         logger.warning("building the C++ CPU kernels failed, falling back to pure torch: %s", error)
         return False
+    logger.info("C++ CPU kernels ready (%s)", build_dir)
     return True

@@ -20,6 +20,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 namespace tandem {
 
 constexpr int64_t kChunk = 64;  // keys per online-softmax step
@@ -44,7 +48,7 @@ struct WorkItem {
 struct Scratch {  // per thread, reused by its items
   std::vector<float> q, acc, scores, max, sum, correction;
   std::vector<int64_t> last_pos, visible;
-  std::vector<const void*> key_rows, value_rows;
+  std::vector<const void*> query_rows, key_rows, value_rows;
 };
 
 constexpr bool vectorized(int64_t kD) { return kD != 0 && kD % 32 == 0; }
@@ -123,21 +127,51 @@ inline void prefetch_chunk(const Layout& L, const T* key_cache, const T* value_c
   for_block_runs(L, w, begin, std::min(w.keys, begin + kChunk), [&](int64_t offset, int64_t run) {
     const int64_t bytes = run * L.head_dim * int64_t(sizeof(T));
     for (int64_t i = 0; i < bytes; i += 64) {
-      __builtin_prefetch(reinterpret_cast<const char*>(key_cache + offset) + i);
-      __builtin_prefetch(reinterpret_cast<const char*>(value_cache + offset) + i);
+      __builtin_prefetch(reinterpret_cast<const char*>(key_cache + offset) + i, 0, 2);  // into L2
+      __builtin_prefetch(reinterpret_cast<const char*>(value_cache + offset) + i, 0, 2);
     }
   });
 }
 
 // ---- the rows' work on one chunk of n keys ------------------------------------------------
-// scores[r][c] = q_r . k_c for c < n_r (n_r: the row's visible keys; whole groups of 16)
+#if defined(__AVX512BF16__)
+constexpr bool kBf16DotProducts = true;  // vdpbf16ps: bf16 pairs multiplied exactly, summed in fp32
+
+// out[c] = scale * (q . k_c) for c < n (whole groups of 16), straight from bf16 q and K rows
+template <int64_t kD>
+inline void score_row_bf16(const bf16* q, float scale, const bf16* const* keys, int64_t n, float* out) {
+  constexpr int64_t W = kD / 32;  // bf16 pairs: 32 elements per register
+  __m512bh qv[W];
+  for (int64_t w = 0; w < W; ++w) qv[w] = (__m512bh)_mm512_loadu_si512(q + 32 * w);
+  for (int64_t g = 0; g < n; g += 16) {
+    f32x16 partial[16];
+    for (int64_t c = 0; c < 16; ++c) {
+      const bf16* k = keys[std::min(g + c, n - 1)];  // past n: any valid row, masked later
+      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(k));
+      for (int64_t w = 1; w < W; ++w) a = _mm512_dpbf16_ps(a, qv[w], (__m512bh)_mm512_loadu_si512(k + 32 * w));
+      partial[c] = (f32x16)a;
+    }
+    store(out + g, fold16(partial) * scale);
+  }
+}
+#else
+constexpr bool kBf16DotProducts = false;
+#endif
+
+// scores[r][c] = q_r . k_c for c < n_r (n_r: the row's visible keys; whole groups of 16).
+// q: the rows scaled, fp32 (split order for bf16); q_rows: the same rows as they lie in the
+// query tensor, unscaled, for the bf16 dot-product instructions.
 template <typename T, int64_t kD>
-inline void score_chunk(const float* q, int64_t rows, const int64_t* visible, const T* const* keys, int64_t D,
-                        float* scores) {
+inline void score_chunk(const float* q, const T* const* q_rows, float scale, int64_t rows, const int64_t* visible,
+                        const T* const* keys, int64_t D, float* scores) {
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t n = visible[r];
     float* out = scores + r * kChunk;
-    if constexpr (vectorized(kD)) {
+    if constexpr (std::is_same_v<T, bf16> && vectorized(kD) && kBf16DotProducts) {
+#if defined(__AVX512BF16__)
+      score_row_bf16<kD>(q_rows[r], scale, keys, n, out);
+#endif
+    } else if constexpr (vectorized(kD)) {
       constexpr int64_t V = kD / 16;
       f32x16 qv[V];
       widen_row<V>(q + r * kD, qv);
@@ -162,11 +196,17 @@ inline void score_chunk(const float* q, int64_t rows, const int64_t* visible, co
   }
 }
 
-// one online-softmax step over scores[0, n) (n >= 1): updates max and sum, turns the scores
-// into weights (zero past n, up to the next 16) and returns the old accumulator's rescale
-inline float softmax_step(float* scores, int64_t n, float& max, float& sum) {
-  const int64_t padded = (n + 15) / 16 * 16;
-  std::fill(scores + n, scores + padded, -std::numeric_limits<float>::infinity());
+// One online-softmax step of a row whose chunk of n keys shows it `visible` of them
+// (0 <= visible <= n): updates max and sum, turns the scores into weights, zero from
+// `visible` up to n's next multiple of 16, and returns the old accumulator's rescale.
+inline float softmax_step(float* scores, int64_t visible, int64_t n, float& max, float& sum) {
+  const int64_t padded = (visible + 15) / 16 * 16, chunk = (n + 15) / 16 * 16;
+  std::fill(scores + padded, scores + chunk, 0.0f);
+  if (visible == 0) {
+    std::fill(scores, scores + padded, 0.0f);
+    return 1.0f;
+  }
+  std::fill(scores + visible, scores + padded, -std::numeric_limits<float>::infinity());
   f32x16 top = load<f32x16>(scores);
   for (int64_t c = 16; c < padded; c += 16) {
     const f32x16 s = load<f32x16>(scores + c);
@@ -185,33 +225,47 @@ inline float softmax_step(float* scores, int64_t n, float& max, float& sum) {
   return correction;
 }
 
-// acc[r] = acc[r] * correction[r] + sum_{c < visible[r]} weights[r][c] v_c, rows in register
-// groups of R
+// acc[r] = acc[r] * correction[r] + sum_c weights[r][c] v_c for R rows at once, accumulators
+// in registers: each V row is widened once for the R rows, and R x V independent chains
+template <typename T, int64_t kD, int64_t R>
+inline void accumulate_rows(float* acc, const float* weights, const float* correction, const T* const* values,
+                            int64_t keys) {
+  constexpr int64_t V = kD / 16;
+  f32x16 a[R][V];
+  for (int64_t i = 0; i < R; ++i) {
+    for (int64_t v = 0; v < V; ++v) a[i][v] = load<f32x16>(acc + i * kD + 16 * v) * correction[i];
+  }
+  for (int64_t c = 0; c < keys; ++c) {
+    f32x16 x[V];
+    widen_row<V>(values[c], x);
+    for (int64_t i = 0; i < R; ++i) {
+      const float p = weights[i * kChunk + c];
+      for (int64_t v = 0; v < V; ++v) a[i][v] += p * x[v];
+    }
+  }
+  for (int64_t i = 0; i < R; ++i) {
+    for (int64_t v = 0; v < V; ++v) store(acc + i * kD + 16 * v, a[i][v]);
+  }
+}
+
+// every row's acc += its weights (zero past its visible keys) times the chunk's n values
 template <typename T, int64_t kD>
 inline void accumulate_chunk(float* acc, int64_t rows, const int64_t* visible, const float* weights,
                              const float* correction, const T* const* values, int64_t n, int64_t D) {
   if constexpr (vectorized(kD)) {
-    constexpr int64_t V = kD / 16, R = V <= 4 ? 4 : 2;
-    for (int64_t r0 = 0; r0 < rows; r0 += R) {
-      const int64_t group = std::min(R, rows - r0);
-      int64_t keys = 0;  // weights past a row's visible keys are zero: run to the group's widest
-      for (int64_t i = 0; i < group; ++i) keys = std::max(keys, std::min(n, visible[r0 + i]));
-      f32x16 a[R][V];
-      for (int64_t i = 0; i < R; ++i) {
-        for (int64_t v = 0; v < V; ++v) {
-          a[i][v] = i < group ? load<f32x16>(acc + (r0 + i) * kD + 16 * v) * correction[r0 + i] : f32x16{};
-        }
-      }
-      for (int64_t c = 0; c < keys; ++c) {
-        f32x16 x[V];
-        widen_row<V>(values[c], x);
-        for (int64_t i = 0; i < R; ++i) {
-          const float p = i < group && c < visible[r0 + i] ? weights[(r0 + i) * kChunk + c] : 0.0f;
-          for (int64_t v = 0; v < V; ++v) a[i][v] += p * x[v];
-        }
-      }
-      for (int64_t i = 0; i < group; ++i) {
-        for (int64_t v = 0; v < V; ++v) store(acc + (r0 + i) * kD + 16 * v, a[i][v]);
+    constexpr int64_t kMaxRows = kD <= 64 ? 4 : 2;  // R x V accumulators stay within the registers
+    for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+      const int64_t group = std::min(kMaxRows, rows - r0);
+      int64_t keys = 0;  // run to the group's widest row
+      for (int64_t i = 0; i < group; ++i) keys = std::max(keys, visible[r0 + i]);
+      float* a = acc + r0 * kD;
+      const float* p = weights + r0 * kChunk;
+      const float* f = correction + r0;
+      switch (group) {
+        case 1: accumulate_rows<T, kD, 1>(a, p, f, values, keys); break;
+        case 2: accumulate_rows<T, kD, 2>(a, p, f, values, keys); break;
+        case 3: if constexpr (kMaxRows >= 3) accumulate_rows<T, kD, 3>(a, p, f, values, keys); break;
+        default: if constexpr (kMaxRows >= 4) accumulate_rows<T, kD, 4>(a, p, f, values, keys); break;
       }
     }
   } else {
@@ -245,6 +299,7 @@ void attend(const Layout& L, const WorkItem& w, const WorkItem* next, const T* q
   s.correction.resize(rows);
   s.last_pos.resize(rows);
   s.visible.resize(rows);
+  s.query_rows.resize(rows);
   s.key_rows.resize(kChunk);
   s.value_rows.resize(kChunk);
   int64_t* visible = s.visible.data();
@@ -257,6 +312,7 @@ void attend(const Layout& L, const WorkItem& w, const WorkItem* next, const T* q
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = t * G + g;
       const T* src = query + token * L.q_stride_t + (w.kv_head * G + g) * L.q_stride_h;
+      s.query_rows[r] = src;
       if constexpr (vectorized(kD)) {
         f32x16 x[V];
         widen_row<V>(src, x);
@@ -285,10 +341,10 @@ void attend(const Layout& L, const WorkItem& w, const WorkItem* next, const T* q
       }
     });
     for (int64_t r = 0; r < rows; ++r) visible[r] = std::max<int64_t>(0, std::min(n, s.last_pos[r] + 1 - begin));
-    score_chunk<T, kD>(s.q.data(), rows, visible, keys, D, s.scores.data());
+    score_chunk<T, kD>(s.q.data(), reinterpret_cast<const T* const*>(s.query_rows.data()), L.scale, rows, visible,
+                       keys, D, s.scores.data());
     for (int64_t r = 0; r < rows; ++r) {
-      correction[r] = visible[r] > 0 ? softmax_step(s.scores.data() + r * kChunk, visible[r], s.max[r], s.sum[r])
-                                     : 1.0f;
+      correction[r] = softmax_step(s.scores.data() + r * kChunk, visible[r], n, s.max[r], s.sum[r]);
     }
     accumulate_chunk<T, kD>(s.acc.data(), rows, visible, s.scores.data(), correction, values, n, D);
   }
