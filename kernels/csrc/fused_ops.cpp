@@ -13,7 +13,7 @@
 namespace tandem {
 namespace {
 
-constexpr int64_t kParallelElems = 1 << 14;  // rows per thread: at least this many elements
+constexpr int64_t kParallelElems = 1 << 15;  // elements per thread at least (ATen's grain size)
 
 int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, kParallelElems / std::max<int64_t>(1, row_elems)); }
 

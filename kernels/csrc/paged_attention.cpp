@@ -5,7 +5,7 @@
 // with an online softmax in fp32 (attention_tile.h), so each K/V block is read once per
 // item and no layer gathers a request's context. Decodes are tiles of one token; prefill
 // chunks are causal over their prefix plus themselves. Items go to torch's threads
-// dynamically, longest first.
+// dynamically, longest first; a few long decodes split their contexts across threads.
 //
 // Cache layout [num_blocks, num_kv_heads, block_size, head_dim]: one (block, kv head) is a
 // contiguous [block_size, head_dim] slab.
@@ -21,9 +21,24 @@ namespace {
 
 constexpr int64_t kTileRows = 32;        // query rows (tokens x grouped heads) per work item
 constexpr int64_t kSerialWork = 1 << 15;  // below this many (row, key) pairs, one thread
+constexpr int64_t kMinSplitChunks = 2;    // a split of a decode's context: at least this many chunks
 
-std::vector<WorkItem> plan(const Layout& L, int64_t num_reqs) {
-  std::vector<WorkItem> items;
+struct Split {  // a decode whose context runs as `count` items, merged afterwards
+  WorkItem whole;
+  int64_t first_partial, count;
+};
+
+struct Plan {
+  std::vector<WorkItem> items;  // longest first
+  std::vector<Split> splits;
+  int64_t partial_floats = 0, work = 0;
+};
+
+// Tiles of query rows per (request, kv head). When there are too few items to keep every
+// thread busy (a few long decodes), each long decode's context is split into runs of whole
+// chunks, flash-decoding style, and the runs' partial results merged.
+Plan plan(const Layout& L, int64_t num_reqs, int64_t threads) {
+  Plan p;
   const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / L.group);
   for (int64_t b = 0; b < num_reqs; ++b) {
     const int64_t begin = L.query_start_loc[b], end = L.query_start_loc[b + 1];
@@ -34,12 +49,38 @@ std::vector<WorkItem> plan(const Layout& L, int64_t num_reqs) {
       const int64_t t_end = std::min(end, t + tile_tokens);
       const int64_t keys = seq_len - (end - t_end);  // keys visible to the tile's last token
       for (int64_t h = 0; h < L.num_kv_heads; ++h) {
-        items.push_back({int32_t(b), int32_t(h), int32_t(t), int32_t(t_end), keys, (t_end - t) * L.group * keys});
+        const int64_t cost = (t_end - t) * L.group * keys;
+        p.items.push_back({int32_t(b), int32_t(h), int32_t(t), int32_t(t_end), 0, keys, cost, -1});
+        p.work += cost;
       }
     }
   }
-  std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
-  return items;
+  const int64_t wanted = 2 * threads, have = p.items.size();
+  if (threads > 1 && p.work >= kSerialWork && have < wanted) {
+    std::vector<WorkItem> items;
+    for (const WorkItem& w : p.items) {
+      const int64_t chunks = (w.keys + kChunk - 1) / kChunk;
+      const int64_t parts = std::min((wanted + have - 1) / have, chunks / kMinSplitChunks);
+      if (w.token_end - w.token_begin != 1 || parts < 2) {
+        items.push_back(w);
+        continue;
+      }
+      p.splits.push_back({w, p.partial_floats, parts});
+      for (int64_t i = 0; i < parts; ++i) {
+        WorkItem part = w;
+        part.key_begin = chunks * i / parts * kChunk;
+        part.keys = std::min(w.keys, chunks * (i + 1) / parts * kChunk);
+        part.cost = L.group * (part.keys - part.key_begin);
+        part.partial = p.partial_floats;
+        p.partial_floats += partial_floats(L);
+        items.push_back(part);
+      }
+    }
+    p.items = std::move(items);
+  }
+  std::stable_sort(p.items.begin(), p.items.end(),
+                   [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  return p;
 }
 
 void paged_attention(Tensor out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables,
@@ -81,9 +122,8 @@ void paged_attention(Tensor out, Tensor query, Tensor key_cache, Tensor value_ca
   const int64_t num_tokens = query.size(0), num_real = L.query_start_loc[num_reqs];
   TANDEM_CHECK(num_real <= num_tokens && out.size(0) == num_tokens, "query_start_loc runs past the query rows");
 
-  const std::vector<WorkItem> items = plan(L, num_reqs);
-  int64_t work = 0;
-  for (const WorkItem& w : items) work += w.cost;
+  const Plan work = plan(L, num_reqs, torch::stable::get_num_threads());
+  std::vector<float> partials(work.partial_floats);
 
   dispatch_float_bf16(query, [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -93,22 +133,26 @@ void paged_attention(Tensor out, Tensor query, Tensor key_cache, Tensor value_ca
     scalar_t* o = ptr<scalar_t>(out);
     auto kernel = L.head_dim == 64 ? &attend<scalar_t, 64> : L.head_dim == 128 ? &attend<scalar_t, 128>
                                                                                  : &attend<scalar_t, 0>;
+    auto merge = L.head_dim == 64 ? &merge_splits<scalar_t, 64> : L.head_dim == 128 ? &merge_splits<scalar_t, 128>
+                                                                                       : &merge_splits<scalar_t, 0>;
+    const std::vector<WorkItem>& items = work.items;
     const int64_t num_items = items.size();
     std::atomic<int64_t> claimed{0};
     auto run = [&](int64_t, int64_t) {  // claims one item ahead, so its first chunk is prefetched
       thread_local Scratch scratch;
       for (int64_t i = claimed.fetch_add(1); i < num_items;) {
         const int64_t next = claimed.fetch_add(1);
-        kernel(L, items[i], next < num_items ? &items[next] : nullptr, q, kc, vc, o, scratch);
+        kernel(L, items[i], next < num_items ? &items[next] : nullptr, q, kc, vc, o, partials.data(), scratch);
         i = next;
       }
     };
-    const int64_t threads = work < kSerialWork ? 1 : std::min<int64_t>(torch::stable::get_num_threads(), items.size());
+    const int64_t threads = work.work < kSerialWork ? 1 : std::min<int64_t>(torch::stable::get_num_threads(), num_items);
     if (threads <= 1) {
       run(0, 1);
     } else {
       torch::stable::parallel_for(0, threads, 1, run);
     }
+    for (const Split& split : work.splits) merge(L, split.whole, partials.data() + split.first_partial, split.count, o);
     for (int64_t t = num_real; t < num_tokens; ++t) {  // padding rows: zeros, never read
       for (int64_t h = 0; h < L.num_heads; ++h) {
         scalar_t* dst = o + t * L.o_stride_t + h * L.o_stride_h;

@@ -88,6 +88,20 @@ def test_prefill_chunks_over_a_prefix_cross_tiles(dtype):
     check(batch)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(1, 8), (3, 3)])
+def test_few_long_decodes_split_their_contexts_across_threads(dtype, heads):
+    """Fewer (request, kv head) items than twice the threads: each long context runs as
+    several splits whose partial softmax results are merged (flash-decoding)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        check(build(([1], [1000]), heads, 64, 16, dtype, seed=11), scale=0.5)
+        check(build(([1, 1], [300, 129]), heads, 128, 16, dtype, seed=12))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_threads_give_the_same_answer():
     batch = build(([1] * 12 + [33], [90] * 12 + [160]), (3, 3), 64, 16, torch.bfloat16, seed=9)
     args = (batch.query, batch.key_cache, batch.value_cache, batch.metadata, 0.125)
