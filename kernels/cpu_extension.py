@@ -26,7 +26,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("paged_attention.cpp", "fused_ops.cpp")
+SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "argmax.cpp")
 CFLAGS = (
     "-O3", "-march=native",  # this CPU's vector units (hence the CPU in the cache key)
     "-ffp-contract=fast",  # fused multiply-adds (C++ standard modes turn them off)

@@ -1,5 +1,5 @@
 """The C++ fused layer ops (kernels/fused_ops.py) against the torch layers they replace
-(engine_core/models/layers.py, the reference).
+(engine_core/models/layers.py, the reference), and the C++ argmax against torch.argmax.
 
 Skipped only where no C++ compiler exists. Tolerances: fp32 atol = rtol = 1e-5 (fused
 multiply-adds and another summation order); bf16 rtol = 2^-7 (one bf16 ulp: the torch layers
@@ -14,7 +14,7 @@ import torch
 
 from engine_core.models.layers import RMSNorm, SiluAndMul, apply_rotary
 from kernels import cpu_extension
-from kernels.fused_ops import FusedOps, select_fused_ops
+from kernels.fused_ops import FusedOps, argmax, select_fused_ops
 
 pytestmark = pytest.mark.skipif(cpu_extension.compiler() is None, reason="needs a C++ compiler for the CPU kernels")
 
@@ -90,3 +90,17 @@ def test_selection():
     assert isinstance(select_fused_ops("cpu", torch.bfloat16), FusedOps)
     assert select_fused_ops("cpu", torch.float16) is None  # no fp16 kernels: the torch layers
     assert select_fused_ops("cuda", torch.bfloat16) is None
+
+
+@pytest.mark.parametrize("shape", [(1, 49152), (33, 1000), (2, 17), (3, 8)])
+def test_argmax_is_torch_argmax(fused, shape):
+    logits = randn(*shape, dtype=torch.float32, seed=7)
+    assert torch.equal(argmax(logits), logits.argmax(dim=-1))
+
+
+def test_argmax_ties_and_nans_follow_torch(fused):
+    logits = torch.zeros(4, 64)
+    logits[1, [5, 40]] = float("nan")  # the first NaN wins
+    logits[2, [3, 19, 63]] = 7.0  # ties: the first index
+    logits[3, [50, 20]] = float("inf")
+    assert argmax(logits).tolist() == logits.argmax(dim=-1).tolist() == [0, 5, 3, 20]
