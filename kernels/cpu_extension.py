@@ -4,8 +4,8 @@
 `~/.cache/tandem/torch_extensions/` (`TANDEM_CACHE_DIR` moves it) and registers their ops
 under `torch.ops.tandem`; later loads reuse the built library in well under a second. The
 sources use only torch's stable C ABI (no pybind11, no ATen headers), so a cold build takes
-a few seconds. The library is built for the CPU it runs on (`-march=native`), which is why
-the CPU's feature flags are part of the cache key.
+a few seconds. The library is built for the CPU it runs on (`-march=native`, or
+`TANDEM_CPU_ARCH`), which is why the CPU's feature flags are part of the cache key.
 
 Nothing requires it: `load()` returns False and logs why when there is no C++ compiler or the
 build fails, and callers keep the pure-torch path (kernels/reference.py, the torch layers).
@@ -28,12 +28,18 @@ logger = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "argmax.cpp")
 CFLAGS = (
-    "-O3", "-march=native",  # this CPU's vector units (hence the CPU in the cache key)
+    "-O3",
     "-ffp-contract=fast",  # fused multiply-adds (C++ standard modes turn them off)
     "-fopenmp-simd", "-fno-math-errno",  # `#pragma omp simd` loops, no errno from sqrt
     "-fno-finite-loops",  # else GCC deletes the prefetch-only loops as side-effect free
     "-DTORCH_TARGET_VERSION=0x020a000000000000",  # the stable ABI of torch >= 2.10
 )
+
+
+def cflags() -> list[str]:
+    """CFLAGS plus the target: this CPU's vector units (`-march=native`, hence the CPU in the
+    cache key), or the `TANDEM_CPU_ARCH` one (e.g. x86-64-v3 for an image built elsewhere)."""
+    return [*CFLAGS, f"-march={os.environ.get('TANDEM_CPU_ARCH') or 'native'}"]
 
 
 def compiler() -> str | None:
@@ -73,7 +79,7 @@ def _build_name() -> str:
     digest = hashlib.sha256()
     for path in sorted(SOURCE_DIR.iterdir()):  # sources and headers
         digest.update(path.name.encode() + path.read_bytes())
-    digest.update(" ".join(CFLAGS).encode())
+    digest.update(" ".join(cflags()).encode())
     digest.update(torch.__version__.encode())
     digest.update(_cpu_signature().encode())
     return f"tandem_cpu_kernels_{digest.hexdigest()[:16]}"
@@ -95,7 +101,7 @@ def load() -> bool:
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
-            name=name, sources=[str(SOURCE_DIR / s) for s in SOURCES], extra_cflags=list(CFLAGS),
+            name=name, sources=[str(SOURCE_DIR / s) for s in SOURCES], extra_cflags=cflags(),
             build_directory=str(build_dir), is_python_module=False, verbose=False,
         )
     except Exception as error:  # a broken toolchain must never stop the engine
