@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
-_ATTENTION_BACKENDS = ("auto", "torch", "triton")
+_ATTENTION_BACKENDS = ("auto", "torch", "cpp", "triton")
 _POLICIES = ("fcfs", "priority")
 
 
@@ -75,9 +75,10 @@ class SchedulerConfig:
 @dataclass
 class DeviceConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
-    attention_backend: str = "auto"  # auto: triton on cuda, torch elsewhere
+    attention_backend: str = "auto"  # auto: triton on cuda, cpp on cpu (torch when no C++ compiler)
     num_threads: int | None = None  # torch CPU threads; None: leave torch's default
-    enforce_eager: bool = False  # True: no CUDA graphs, every step runs eagerly (as vLLM's flag)
+    # True: no CUDA graphs and no fused C++ layer ops, every layer runs plain torch ops (vLLM's flag)
+    enforce_eager: bool = False
     cuda_graph_max_batch_size: int = 256  # largest decode batch captured (also capped by max_num_seqs)
 
     def __post_init__(self) -> None:

@@ -24,6 +24,7 @@ from engine_core.request import Request, RequestStatus
 from engine_core.scheduler import Scheduler
 from engine_core.types import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kernels import select_backend
+from kernels.fused_ops import select_fused_ops
 
 logger = logging.getLogger(__name__)
 
@@ -79,9 +80,11 @@ class EngineCore:
         device = resolve_device(config.device.device)
         dtype = resolve_dtype(config.model.dtype, device)
         self.attention = select_backend(device.type, config.device.attention_backend)
+        fused = None if config.device.enforce_eager else select_fused_ops(device.type, dtype)
+        logger.info("attention backend %s, fused C++ layer ops %s", self.attention.name, "on" if fused else "off")
 
         started = time.perf_counter()
-        self.model, self.arch = load_model(config.model.model, dtype, device, self.attention)
+        self.model, self.arch = load_model(config.model.model, dtype, device, self.attention, fused)
         self.model_path = str(Path(config.model.model) if config.model.model else default_model_path())
         logger.info("loaded %s in %.1f s", self.model_path, time.perf_counter() - started)
 

@@ -26,6 +26,7 @@ from engine_core.sampling_metadata import (
     make_generator,
 )
 from engine_core.types import TokenLogprobs
+from kernels.fused_ops import argmax
 
 __all__ = [
     "Sampler",
@@ -58,7 +59,7 @@ class Sampler:
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         if metadata.all_greedy and metadata.no_logit_changes:
-            sampled = logits.argmax(dim=-1)  # the common case: one argmax
+            sampled = argmax(logits)  # the common case: one argmax
         else:
             sampled = sample(apply_logit_changes(logits, metadata), metadata)
         logprobs = None
@@ -115,7 +116,7 @@ def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
 # ---- sampling ------------------------------------------------------------------------
 def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """[N, V] processed logits -> [N] token ids (greedy rows: argmax)."""
-    greedy = None if metadata.all_random else logits.argmax(dim=-1)
+    greedy = None if metadata.all_random else argmax(logits)
     if metadata.all_greedy:
         return greedy
     random = exponential_race(logits_to_probs(logits, metadata), metadata.generators)
@@ -171,7 +172,7 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
         q[row].exponential_(generator=generator)
     # q == 0 is possible in float; the floor keeps zero-probability tokens at exactly 0.
     q.clamp_(min=torch.finfo(q.dtype).tiny)
-    return (probs / q).argmax(dim=-1)
+    return argmax(probs / q)
 
 
 # ---- logprobs ------------------------------------------------------------------------

@@ -12,8 +12,9 @@ have the same signature on every backend:
 
     paged_attention(query, key_cache, value_cache, metadata, scale) -> [T, num_heads, head_dim]
 
-"torch" is the pure-torch reference (any device); "triton" runs the Triton kernels
-(CUDA, or the CPU interpreter under TRITON_INTERPRET=1).
+"torch" is the pure-torch reference (any device); "cpp" is the C++ CPU kernel that reads
+K/V blocks in place (kernels/cpu_attention.py, built on first use by kernels/cpu_extension.py);
+"triton" runs the Triton kernels (CUDA, or the CPU interpreter under TRITON_INTERPRET=1).
 
 `supports_cuda_graphs` says a backend may be captured in a CUDA graph: it reads every
 per-step value from the metadata's device tensors (never the host lists, beyond their
@@ -40,9 +41,21 @@ class AttentionBackend:
 
 
 def select_backend(device: str, name: str = "auto") -> AttentionBackend:
-    """Triton on CUDA, the torch reference elsewhere; `name` overrides (tests, debugging)."""
+    """Triton on CUDA; on the CPU the C++ kernel, or the torch reference when it cannot be
+    built (no compiler); `name` overrides (tests, debugging)."""
     if name == "auto":
-        name = "triton" if device.startswith("cuda") else "torch"
+        if device.startswith("cuda"):
+            name = "triton"
+        else:
+            from kernels import cpu_extension
+
+            name = "cpp" if cpu_extension.load() else "torch"
+    if name == "cpp":
+        from kernels import cpu_attention, cpu_extension
+
+        if not cpu_extension.load():
+            raise ValueError("attention backend 'cpp' needs a C++ compiler (see the log); use 'torch' or 'auto'")
+        return AttentionBackend("cpp", cpu_attention.write_kv_cache, cpu_attention.paged_attention)
     if name == "torch":
         from kernels import reference
 
@@ -54,4 +67,4 @@ def select_backend(device: str, name: str = "auto") -> AttentionBackend:
             "triton", triton_kv_write.write_kv_cache, triton_paged_attention.paged_attention,
             supports_cuda_graphs=True,
         )
-    raise ValueError(f"attention backend must be 'auto', 'torch' or 'triton', got {name!r}")
+    raise ValueError(f"attention backend must be 'auto', 'torch', 'cpp' or 'triton', got {name!r}")

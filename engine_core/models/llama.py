@@ -19,6 +19,7 @@ from torch import nn
 from engine_core.config import ModelArchConfig
 from engine_core.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
 from kernels import AttentionBackend, AttentionMetadata
+from kernels.fused_ops import FusedOps
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # key, value: [num_blocks, Hkv, block_size, D]
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, D/2], looked up once per step
@@ -35,7 +36,7 @@ _PACKED_SIZES = {"qkv_proj": 3, "gate_up_proj": 2}
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelArchConfig, attention: AttentionBackend):
+    def __init__(self, config: ModelArchConfig, attention: AttentionBackend, fused: FusedOps | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -47,11 +48,12 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
         self.attention = attention
+        self.rotate = apply_rotary if fused is None else fused.apply_rotary
 
     def forward(self, rope: Rope, x, kv_cache: KVCache, md: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.qk_size, self.v_size], dim=-1)
-        qk = apply_rotary(qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        qk = self.rotate(qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         key_cache, value_cache = kv_cache
@@ -61,10 +63,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelArchConfig):
+    def __init__(self, config: ModelArchConfig, fused: FusedOps | None = None):
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.act = SiluAndMul()
+        self.act = SiluAndMul(fused)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,20 +74,28 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelArchConfig, attention: AttentionBackend):
+    def __init__(self, config: ModelArchConfig, attention: AttentionBackend, fused: FusedOps | None = None):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, attention)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        self.self_attn = LlamaAttention(config, attention, fused)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        self.mlp = LlamaMLP(config, fused)
 
-    def forward(self, rope: Rope, x, kv_cache: KVCache, md: AttentionMetadata) -> torch.Tensor:
-        h = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, md)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, rope: Rope, x, residual, kv_cache: KVCache, md: AttentionMetadata):
+        """(x, residual) -> (x, residual): the residual stream is added inside the next norm
+        (vLLM's layout), so the fused path adds and normalizes in one pass. residual is None
+        for the first layer."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(rope, x, kv_cache, md)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelArchConfig, attention: AttentionBackend):
+    def __init__(self, config: ModelArchConfig, attention: AttentionBackend, fused: FusedOps | None = None):
         super().__init__()
         # an explicit weight skips the random init, which on the meta device imports torch._dynamo
         weight = torch.empty(config.vocab_size, config.hidden_size)
@@ -94,25 +104,28 @@ class LlamaModel(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attention) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, attention, fused) for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], md: AttentionMetadata):
         h = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary_emb(positions, h.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(rope, h, kv_cache, md)
-        return self.norm(h)
+            h, residual = layer(rope, h, residual, kv_cache, md)
+        return self.norm(h, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
-    """A Llama-family causal LM over one flattened ragged batch with a paged KV cache."""
+    """A Llama-family causal LM over one flattened ragged batch with a paged KV cache.
 
-    def __init__(self, config: ModelArchConfig, attention: AttentionBackend):
+    `fused`: the C++ elementwise ops (kernels.fused_ops) for the layers, or None for torch."""
+
+    def __init__(self, config: ModelArchConfig, attention: AttentionBackend, fused: FusedOps | None = None):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, attention)
+        self.model = LlamaModel(config, attention, fused)
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -85,12 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
     d = p.add_argument_group("device")
     d.add_argument("--device", default=device.device, choices=["auto", "cpu", "cuda"],
                    help="auto: cuda when available, else cpu")
-    d.add_argument("--attention-backend", default=device.attention_backend, choices=["auto", "torch", "triton"],
-                   help="auto: triton on cuda, torch elsewhere")
+    d.add_argument("--attention-backend", default=device.attention_backend,
+                   choices=["auto", "torch", "cpp", "triton"],
+                   help="auto: triton on cuda; on cpu the C++ kernel (built once into ~/.cache/tandem), "
+                        "or torch when no C++ compiler is found")
     d.add_argument("--num-threads", type=int, default=device.num_threads,
                    help="torch CPU threads (default: torch's own choice)")
     d.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs: run every step eagerly (graphs capture decode batches on CUDA by default)")
+                   help="no CUDA graphs and no fused C++ layer ops: every layer runs plain torch ops "
+                        "(by default graphs capture decode batches on CUDA, and CPU layers use the fused ops)")
     d.add_argument("--cuda-graph-max-batch-size", type=int, default=device.cuda_graph_max_batch_size,
                    help="largest decode batch captured as a CUDA graph (also capped by --max-num-seqs)")
     return p

@@ -99,7 +99,7 @@ def test_server_errors_carry_the_status_code_and_message(client):
         client.detokenize([VOCAB + 5])
     assert excinfo.value.code == grpc.StatusCode.INVALID_ARGUMENT and str(VOCAB + 5) in str(excinfo.value)
     with pytest.raises(TandemError) as excinfo:
-        list(client.generate("x", temperature=0, max_tokens=MAX_MODEL_LEN - 10, ignore_eos=True, timeout=0.2))
+        list(client.generate("x", temperature=0, max_tokens=MAX_MODEL_LEN - 10, ignore_eos=True, timeout=0.1))
     assert excinfo.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
 
 

@@ -15,6 +15,7 @@ from engine_core.engine_core import EngineCore
 from engine_core.llm_engine import LLMEngine
 from engine_core.sampling_params import SamplingParams
 from engine_core.types import EngineCoreRequest, FinishReason
+from kernels import cpu_extension
 from tests.engine_core.tiny_models import write_tiny_model
 
 BLOCK_SIZE = 4
@@ -37,6 +38,7 @@ def hf_model(tiny_model_dir):
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CPP = pytest.mark.skipif(cpu_extension.compiler() is None, reason="needs a C++ compiler for the CPU kernels")
 # tests/conftest.py turns the interpreter on exactly when there is no GPU
 INTERPRETER = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="Triton runs on the GPU here, not in its CPU interpreter"
@@ -98,7 +100,10 @@ def run_engine(config: EngineConfig, prompts, params) -> tuple[list, int]:
 @pytest.mark.parametrize(
     "device, backend, enforce_eager",
     [
-        ("cpu", "torch", False),
+        pytest.param("cpu", "torch", True, id="cpu-torch-eager"),  # the pure-torch reference path
+        pytest.param("cpu", "torch", False, id="cpu-torch-fused", marks=CPP),
+        pytest.param("cpu", "cpp", False, id="cpu-cpp-fused", marks=CPP),
+        pytest.param("cpu", "cpp", True, id="cpu-cpp-eager", marks=CPP),
         pytest.param("cpu", "triton", False, id="triton-interpreter", marks=INTERPRETER),
         pytest.param("cuda", "triton", False, id="cuda-triton-graphs", marks=CUDA),
         pytest.param("cuda", "triton", True, id="cuda-triton-eager", marks=CUDA),
@@ -113,6 +118,9 @@ def test_greedy_parity_with_transformers(tiny_model_dir, hf_model, device, backe
     graphs = engine.engine_core.runner.decode_graphs
     captured = device == "cuda" and backend == "triton" and not enforce_eager  # the torch reference never is
     assert (graphs is not None and len(graphs.graphs) > 0) == captured
+    fused = device == "cpu" and not enforce_eager  # the C++ layer ops: on the CPU unless eager
+    assert engine.info.attention_backend == backend
+    assert (engine.engine_core.model.model.norm.fused is not None) == fused
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
     outputs = engine.generate(prompts, params)
     cached = [o.num_cached_tokens for o in outputs]

@@ -1,0 +1,52 @@
+"""Paged attention on the CPU through Tandem's C++ kernels (kernels/csrc/paged_attention.cpp).
+
+Same signatures as kernels/reference.py. The kernel walks each request's block table and
+reads K/V blocks where they lie in the cache, with an online softmax in fp32, so no layer
+gathers a request's context into a dense copy. It handles fp32 and bf16; other dtypes (and
+tensors off the CPU) take the reference path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import reference
+from kernels.attention_metadata import AttentionMetadata
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _supported(*tensors: torch.Tensor) -> bool:
+    return all(t.is_cpu and t.dtype in DTYPES for t in tensors)
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    key_cache: torch.Tensor,  # [num_blocks, Hkv, block_size, D]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+    metadata: AttentionMetadata | None = None,
+) -> None:
+    if not _supported(key_cache):
+        return reference.write_kv_cache(key, value, key_cache, value_cache, slot_mapping, metadata)
+    torch.ops.tandem.write_kv_cache(
+        key.to(key_cache.dtype), value.to(value_cache.dtype), key_cache, value_cache, slot_mapping
+    )
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, H, D]
+    key_cache: torch.Tensor,  # [num_blocks, Hkv, block_size, D]
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, H, D]
+    if not _supported(query, key_cache) or query.dtype != key_cache.dtype:
+        return reference.paged_attention(query, key_cache, value_cache, metadata, scale)
+    out = torch.empty(query.shape, dtype=query.dtype)
+    torch.ops.tandem.paged_attention(
+        out, query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
+        metadata.query_start_loc, scale,
+    )
+    return out

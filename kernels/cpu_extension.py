@@ -1,0 +1,111 @@
+"""Tandem's C++ CPU kernels (kernels/csrc/*.cpp), built on first use with torch's extension tooling.
+
+`load()` compiles the sources once per (sources, flags, torch version, CPU) into
+`~/.cache/tandem/torch_extensions/` (`TANDEM_CACHE_DIR` moves it) and registers their ops
+under `torch.ops.tandem`; later loads reuse the built library in well under a second. The
+sources use only torch's stable C ABI (no pybind11, no ATen headers), so a cold build takes
+a few seconds. The library is built for the CPU it runs on (`-march=native`, or
+`TANDEM_CPU_ARCH`), which is why the CPU's feature flags are part of the cache key.
+
+Nothing requires it: `load()` returns False and logs why when there is no C++ compiler or the
+build fails, and callers keep the pure-torch path (kernels/reference.py, the torch layers).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "argmax.cpp")
+CFLAGS = (
+    "-O3",
+    "-ffp-contract=fast",  # fused multiply-adds (C++ standard modes turn them off)
+    "-fopenmp-simd", "-fno-math-errno",  # `#pragma omp simd` loops, no errno from sqrt
+    "-fno-finite-loops",  # else GCC deletes the prefetch-only loops as side-effect free
+    "-DTORCH_TARGET_VERSION=0x020a000000000000",  # the stable ABI of torch >= 2.10
+)
+
+
+def cflags() -> list[str]:
+    """CFLAGS plus the target: this CPU's vector units (`-march=native`, hence the CPU in the
+    cache key), or the `TANDEM_CPU_ARCH` one (e.g. x86-64-v3 for an image built elsewhere)."""
+    return [*CFLAGS, f"-march={os.environ.get('TANDEM_CPU_ARCH') or 'native'}"]
+
+
+def compiler() -> str | None:
+    """The C++ compiler torch's tooling would use ($CXX, else c++), or None when absent."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def _put_ninja_on_path() -> bool:
+    """torch's tooling runs `ninja` from PATH; the pip `ninja` package (a dependency) installs
+    it beside the interpreter, which is not on PATH when a venv is used without activating it."""
+    if shutil.which("ninja") is not None:
+        return True
+    try:
+        import ninja
+    except ImportError:
+        return False
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    return shutil.which("ninja") is not None
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem"
+    return Path(root) / "torch_extensions"
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the model name and feature flags of this CPU."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    return "\n".join(wanted)
+
+
+def _build_name() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(SOURCE_DIR.iterdir()):  # sources and headers
+        digest.update(path.name.encode() + path.read_bytes())
+    digest.update(" ".join(cflags()).encode())
+    digest.update(torch.__version__.encode())
+    digest.update(_cpu_signature().encode())
+    return f"tandem_cpu_kernels_{digest.hexdigest()[:16]}"
+
+
+@functools.cache
+def load() -> bool:
+    """Build (first time) and load the kernels; True when `torch.ops.tandem` is ready."""
+    if compiler() is None:
+        logger.info("no C++ compiler found ($CXX or c++): CPU kernels fall back to pure torch")
+        return False
+    if not _put_ninja_on_path():
+        logger.warning("ninja not found (pip install ninja): CPU kernels fall back to pure torch")
+        return False
+    from torch.utils import cpp_extension
+
+    name = _build_name()
+    build_dir = cache_dir() / name
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(
+            name=name, sources=[str(SOURCE_DIR / s) for s in SOURCES], extra_cflags=cflags(),
+            build_directory=str(build_dir), is_python_module=False, verbose=False,
+        )
+    except Exception as error:  # a broken toolchain must never stop the engine
+        logger.warning("building the C++ CPU kernels failed, falling back to pure torch: %s", error)
+        return False
+    logger.info("C++ CPU kernels ready (%s)", build_dir)
+    return True
