@@ -51,7 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--model", default=model.model,
                    help="Hugging Face folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     m.add_argument("--dtype", default=model.dtype, choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and KV cache dtype; auto: bfloat16 on CUDA and on CPUs with native bf16, else float32")
+                   help="weights and KV cache dtype; auto: bfloat16 on CUDA, on CPU the faster of bf16/fp32 measured at load")
+    m.add_argument("--quantization", default=model.quantization, choices=["auto", "int8", "none"],
+                   help="CPU linear layers: none keeps float weights; int8 quantizes on load (weight-only or "
+                        "dynamic W8A8 per batch size, fastest measured); auto: fastest of all, int8 unless --dtype float32")
     m.add_argument("--max-model-len", type=int, default=model.max_model_len,
                    help="longest prompt + output in tokens (default: the model's context length)")
     m.add_argument("--seed", type=int, default=model.seed, help="seed for torch's global generator")
@@ -90,7 +93,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     if args.model is not None and not Path(args.model).exists():
         raise ValueError(f"model {args.model!r} not found: give a Hugging Face folder or a .gguf file")
     return EngineConfig(
-        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed),
+        model=ModelConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                          max_model_len=args.max_model_len, seed=args.seed),
         cache=CacheConfig(
             block_size=args.block_size, num_blocks=args.num_blocks,
             kv_cache_memory_gib=args.kv_cache_memory_gib, enable_prefix_caching=not args.no_prefix_caching,

@@ -1,0 +1,238 @@
+"""Linear layers on CPU, each batch size served by the kernel measured fastest on this machine.
+
+CPUs differ (Intel with AMX, Intel without bf16, AMD with AVX512-BF16) and so does the fastest
+way to multiply by a weight: row-major `F.linear` (oneDNN/MKL), a column-major `mm`, int8
+weight-only (`torch._weight_int8pack_mm`, memory-bound decode) or int8 dynamic W8A8 (fbgemm /
+x86 quantized engine, VNNI, compute-bound batches). The loader times each allowed kernel on the
+model's real shapes per batch bucket (`choose_plans`) and swaps every `nn.Linear` for a
+`CpuLinear` that dispatches on the number of rows (`use_measured_linears`).
+
+Int8 weights are quantized on load, symmetric per output channel (scale = absmax / 127); the
+logits then differ from the dequantized float model by the activations' and weights' rounding
+only (see tests/kernels/test_cpu_linear.py for the tolerance and why).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+BUCKETS = (1, 8, 32, 128)  # rows timed at load; a call takes the smallest bucket >= its rows, else the last
+FLOAT_KERNELS = ("linear", "linear_colmajor")
+INT8_KERNELS = ("int8_weight_only", "int8_dynamic")
+QUANTIZATIONS = ("auto", "int8", "none")
+_TIMING_BYTES = 64 * 2**20  # small batches sweep enough weights to leave the caches, as a real step does
+_SWEEP_BELOW_ROWS = 32  # from here on a matmul is compute-bound: one weight, hot in cache, times it
+
+Plan = list[tuple[int, str]]  # (max rows, kernel name), ascending; the last entry takes any larger batch
+Timer = Callable[[str, int, Callable[[], object]], float]  # (kernel, rows, fn) -> seconds per call
+
+
+# ---- int8 quantization: symmetric, per output channel ----
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] float -> (int8 [out, in], fp32 scale [out]) with weight ≈ q * scale[:, None]."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale[:, None]
+
+
+# ---- the kernels: prepare(weight, bias) -> state, run(state, x [N, in]) -> [N, out] ----
+
+def _prep_linear(w, b):
+    return w.contiguous(), b
+
+
+def _run_linear(state, x):
+    return F.linear(x, *state)
+
+
+def _prep_colmajor(w, b):
+    return w.t().contiguous(), b  # [in, out]: x @ W^T without a transpose in the BLAS call
+
+
+def _run_colmajor(state, x):
+    wt, b = state
+    return torch.mm(x, wt) if b is None else torch.addmm(b, x, wt)
+
+
+def _prep_int8_weight_only(w, b):
+    q, scale = quantize_int8(w)
+    return q, scale.to(w.dtype), b
+
+
+def _run_int8_weight_only(state, x):
+    q, scale, b = state
+    y = torch._weight_int8pack_mm(x.contiguous(), q, scale)
+    return y if b is None else y + b
+
+
+def _prep_int8_dynamic(w, b):
+    q, scale = quantize_int8(w)
+    zero_points = torch.zeros(q.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():  # torch flags quantized tensors as deprecated; the op itself is kept
+        warnings.simplefilter("ignore")
+        qweight = torch._make_per_channel_quantized_tensor(q, scale.double(), zero_points, 0)
+        packed = torch.ops.quantized.linear_prepack(qweight, None if b is None else b.float())
+    return packed, w.dtype
+
+
+def _run_int8_dynamic(state, x):
+    packed, dtype = state
+    # reduce_range: 7-bit activations, so CPUs without VNNI (16-bit pair sums) cannot saturate
+    y = torch.ops.quantized.linear_dynamic(x.float().contiguous(), packed, True)
+    return y if dtype == torch.float32 else y.to(dtype)
+
+
+KERNELS = {
+    "linear": (_prep_linear, _run_linear),
+    "linear_colmajor": (_prep_colmajor, _run_colmajor),
+    "int8_weight_only": (_prep_int8_weight_only, _run_int8_weight_only),
+    "int8_dynamic": (_prep_int8_dynamic, _run_int8_dynamic),
+}
+
+
+class CpuLinear(nn.Module):
+    """y = x W^T + b through the kernel that `plan` names for x's number of rows.
+
+    Only the weight formats the plan uses are kept: an all-int8 plan frees the float weight.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: Plan):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.plan = list(plan)
+        self._limits = [rows for rows, _ in self.plan]
+        self._runs = {name: KERNELS[name][1] for _, name in self.plan}
+        self._states = {name: KERNELS[name][0](weight.detach(), None if bias is None else bias.detach())
+                        for name in self._runs}
+
+    def kernel_for(self, rows: int) -> str:
+        for limit, name in self.plan:
+            if rows <= limit:
+                return name
+        return self.plan[-1][1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        name = self.kernel_for(x2.shape[0])
+        y = self._runs[name](self._states[name], x2)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, plan={self.plan}"
+
+
+# ---- choosing by measurement ----
+
+def _wall_timer(kernel: str, rows: int, fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def allowed_kernels(quantization: str) -> tuple[str, ...]:
+    """none: float kernels only; int8: int8 kernels only; auto: all of them, the fastest wins."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    kernels = {"none": FLOAT_KERNELS, "int8": INT8_KERNELS, "auto": FLOAT_KERNELS + INT8_KERNELS}[quantization]
+    if "int8_dynamic" in kernels and torch.backends.quantized.engine not in ("x86", "fbgemm"):
+        kernels = tuple(k for k in kernels if k != "int8_dynamic") or ("int8_weight_only",)
+    return kernels
+
+
+def fastest(candidates: dict[str, Callable[[], object]], rows: int, timer: Timer = _wall_timer,
+            min_rounds: int = 3, max_rounds: int = 12, budget_s: float = 0.03) -> dict[str, float]:
+    """Seconds per call of each candidate: the minimum over rounds that take every candidate in
+    turn, so a burst from a neighbour on a shared machine hits them all alike."""
+    for name, fn in candidates.items():
+        timer(name, rows, fn)  # warm-up: first-call allocations, oneDNN primitive creation
+    best = dict.fromkeys(candidates, float("inf"))
+    spent, rounds = 0.0, 0
+    while rounds < min_rounds or (spent < budget_s and rounds < max_rounds):
+        for name, fn in candidates.items():
+            elapsed = timer(name, rows, fn)
+            best[name], spent = min(best[name], elapsed), spent + elapsed
+        rounds += 1
+    return best
+
+
+def choose_plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], kernels: tuple[str, ...],
+                buckets: tuple[int, ...] = BUCKETS, timer: Timer = _wall_timer) -> tuple[Plan, dict]:
+    """Time each kernel over `weights` (same-shape layers, swept in turn) at each bucket.
+
+    Returns the plan (fastest kernel per bucket) and the timings {rows: {kernel: seconds per layer}}.
+    """
+    in_features, dtype = weights[0][0].shape[1], weights[0][0].dtype
+    states = {name: [KERNELS[name][0](w, b) for w, b in weights] for name in kernels}
+    timings: dict[int, dict[str, float]] = {}
+    for rows in buckets:
+        x = torch.randn(rows, in_features, dtype=dtype)
+        layers = len(weights) if rows < _SWEEP_BELOW_ROWS else 1
+        candidates = {name: (lambda run=KERNELS[name][1], swept=states[name][:layers]: [run(s, x) for s in swept])
+                      for name in kernels}
+        timings[rows] = {name: t / layers for name, t in fastest(candidates, rows, timer).items()}
+    plan = [(rows, min(kernels, key=lambda k: timings[rows][k])) for rows in buckets]
+    return plan, timings
+
+
+@torch.no_grad()
+def use_measured_linears(model: nn.Module, quantization: str = "none", buckets: tuple[int, ...] = BUCKETS,
+                         timer: Timer | None = None) -> dict[tuple[int, int], Plan]:
+    """Replace every `nn.Linear` in `model` (on CPU) by a `CpuLinear` whose kernel per batch
+    bucket was measured fastest on this machine among those `quantization` allows.
+
+    Same-shape layers share one measurement. Logs one line per shape and returns the plans.
+    """
+    kernels = allowed_kernels(quantization)
+    groups: dict[tuple[int, int, bool], list[tuple[nn.Module, str, nn.Linear]]] = {}
+    for parent in model.modules():
+        for child_name, child in parent.named_children():
+            if isinstance(child, nn.Linear):
+                key = (child.out_features, child.in_features, child.bias is not None)
+                groups.setdefault(key, []).append((parent, child_name, child))
+    plans = {}
+    for (out_f, in_f, _), members in groups.items():
+        weight_bytes = out_f * in_f * members[0][2].weight.element_size()
+        count = max(1, min(len(members), _TIMING_BYTES // max(weight_bytes, 1)))
+        sample = [(m.weight, m.bias) for _, _, m in members[:count]]
+        plan, timings = choose_plan(sample, kernels, buckets, timer or _wall_timer)
+        for parent, child_name, child in members:
+            setattr(parent, child_name, CpuLinear(child.weight, child.bias, plan))
+        plans[(out_f, in_f)] = plan
+        best = ", ".join(f"{rows}:{name}({timings[rows][name] * 1e6:.0f}us)" for rows, name in plan)
+        logger.info("linear %dx%d (x%d): %s", out_f, in_f, len(members), best)
+    return plans
+
+
+def fastest_float_dtype(hidden: int = 576, intermediate: int = 1536, timer: Timer = _wall_timer) -> torch.dtype:
+    """bfloat16 or float32, whichever multiplies an MLP-shaped weight faster here at 1 and 32 rows.
+
+    bf16 halves the bytes read, but CPUs without bf16 dot products emulate it several times slower.
+    """
+    count = max(1, _TIMING_BYTES // (hidden * intermediate * 4))
+    weights = {dtype: [torch.randn(intermediate, hidden, dtype=dtype) for _ in range(count)]
+               for dtype in (torch.bfloat16, torch.float32)}
+    totals = dict.fromkeys(weights, 0.0)
+    for rows in (1, 32):
+        inputs = {dtype: torch.randn(rows, hidden, dtype=dtype) for dtype in weights}
+        candidates = {str(dtype): (lambda d=dtype: [F.linear(inputs[d], w) for w in weights[d]]) for dtype in weights}
+        for dtype, seconds in zip(weights, fastest(candidates, rows, timer).values()):
+            totals[dtype] += seconds
+    choice = min(totals, key=totals.get)
+    logger.info("dtype auto -> %s (linear sweep at 1 + 32 rows: bf16 %.2f ms, fp32 %.2f ms)",
+                str(choice).removeprefix("torch."), totals[torch.bfloat16] * 1e3, totals[torch.float32] * 1e3)
+    return choice
