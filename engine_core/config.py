@@ -24,9 +24,9 @@ def _require(ok: bool, message: str) -> None:
 class ModelConfig:
     model: str | None = None  # HF folder, .gguf file, or None for the embedded SmolLM2
     dtype: str = "auto"  # auto: on CPU the faster of bf16 / fp32 measured at load; bf16 on CUDA
-    # CPU linear layers. none: float weights; int8: int8 weights (weight-only or dynamic W8A8, per
-    # batch bucket, fastest measured); auto: the fastest of all those, int8 allowed unless dtype is
-    # float32 (asked for exactness) -- int8 logits stay within ~2-3% of the float model's spread
+    # CPU linear layers, each batch bucket taking the kernel measured fastest at load. none: float
+    # weights; int8: int8 weight-only or W8A8 (activations rounded to 8 bits per token, small drift);
+    # auto: float or int8 weight-only, and none when dtype is float32 (the exact path)
     quantization: str = "auto"
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0

@@ -2,8 +2,8 @@
 
 CPUs differ (Intel with AMX, Intel without bf16, AMD with AVX512-BF16) and so does the fastest
 way to multiply by a weight: row-major `F.linear` (oneDNN/MKL), a column-major `mm`, int8
-weight-only (`torch._weight_int8pack_mm`, memory-bound decode) or int8 dynamic W8A8 (fbgemm /
-x86 quantized engine, VNNI, compute-bound batches). The loader times each allowed kernel on the
+weight-only (`torch._weight_int8pack_mm`, memory-bound decode) or int8 dynamic W8A8 (per-token int8
+activations x int8 weights through `torch._int_mm`, VNNI/AMX, compute-bound batches). The loader times each allowed kernel on the
 model's real shapes per batch bucket (`choose_plans`) and swaps every `nn.Linear` for a
 `CpuLinear` that dispatches on the number of rows (`use_measured_linears`).
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from typing import Callable
 
 import torch
@@ -82,18 +81,23 @@ def _run_int8_weight_only(state, x):
 
 def _prep_int8_dynamic(w, b):
     q, scale = quantize_int8(w)
-    zero_points = torch.zeros(q.shape[0], dtype=torch.long)
-    with warnings.catch_warnings():  # torch flags quantized tensors as deprecated; the op itself is kept
-        warnings.simplefilter("ignore")
-        qweight = torch._make_per_channel_quantized_tensor(q, scale.double(), zero_points, 0)
-        packed = torch.ops.quantized.linear_prepack(qweight, None if b is None else b.float())
-    return packed, w.dtype
+    return q.t(), scale, None if b is None else b.float(), w.dtype
 
 
 def _run_int8_dynamic(state, x):
-    packed, dtype = state
-    # reduce_range: 7-bit activations, so CPUs without VNNI (16-bit pair sums) cannot saturate
-    y = torch.ops.quantized.linear_dynamic(x.float().contiguous(), packed, True)
+    """W8A8: each row of x quantized on the fly to int8 with its own scale (per token, as torchao's
+    int8 dynamic-activation config does), int8 x int8 -> int32 on VNNI/AMX, then rescaled.
+
+    torch's fbgemm `quantized.linear_dynamic` is not used: its one activation scale for the whole
+    batch lets one outlier token crush the others' precision, which changed SmolLM2's greedy answer.
+    """
+    qt, w_scale, b, dtype = state
+    xf = x.float()
+    x_scale = (xf.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12)
+    xq = torch.round(xf / x_scale).to(torch.int8)
+    y = torch._int_mm(xq, qt) * (x_scale * w_scale)
+    if b is not None:
+        y = y + b
     return y if dtype == torch.float32 else y.to(dtype)
 
 
@@ -145,13 +149,14 @@ def _wall_timer(kernel: str, rows: int, fn: Callable[[], object]) -> float:
 
 
 def allowed_kernels(quantization: str) -> tuple[str, ...]:
-    """none: float kernels only; int8: int8 kernels only; auto: all of them, the fastest wins."""
+    """none: float kernels only; int8: both int8 kernels; auto: float kernels and int8 weight-only.
+
+    auto leaves W8A8 out: rounding SmolLM2's activations to 8 bits changed the end of its bf16
+    greedy chat answer ("...is Paris, France." for "...is Paris."), while weight-only int8 kept it.
+    """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    kernels = {"none": FLOAT_KERNELS, "int8": INT8_KERNELS, "auto": FLOAT_KERNELS + INT8_KERNELS}[quantization]
-    if "int8_dynamic" in kernels and torch.backends.quantized.engine not in ("x86", "fbgemm"):
-        kernels = tuple(k for k in kernels if k != "int8_dynamic") or ("int8_weight_only",)
-    return kernels
+    return {"none": FLOAT_KERNELS, "int8": INT8_KERNELS, "auto": FLOAT_KERNELS + ("int8_weight_only",)}[quantization]
 
 
 def fastest(candidates: dict[str, Callable[[], object]], rows: int, timer: Timer = _wall_timer,

@@ -53,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", default=model.dtype, choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV cache dtype; auto: bfloat16 on CUDA, on CPU the faster of bf16/fp32 measured at load")
     m.add_argument("--quantization", default=model.quantization, choices=["auto", "int8", "none"],
-                   help="CPU linear layers: none keeps float weights; int8 quantizes on load (weight-only or "
-                        "dynamic W8A8 per batch size, fastest measured); auto: fastest of all, int8 unless --dtype float32")
+                   help="CPU linear layers, the fastest kernel measured per batch size: none keeps float weights; "
+                        "int8 quantizes on load (weight-only, or W8A8 with activations rounded per token); "
+                        "auto: float or int8 weight-only (none with --dtype float32)")
     m.add_argument("--max-model-len", type=int, default=model.max_model_len,
                    help="longest prompt + output in tokens (default: the model's context length)")
     m.add_argument("--seed", type=int, default=model.seed, help="seed for torch's global generator")

@@ -53,8 +53,8 @@ def test_kernel_matches_linear_on_its_own_weights(kernel, rows, dtype):
     expected = F.linear(x.float(), w.float(), b.float())
     assert y.shape == (rows, 96) and y.dtype == dtype
     # fp32: summation order only. bf16: bf16 rounding of inputs/outputs (8 bits of mantissa).
-    # int8_dynamic also quantizes the activations per call to 7 bits (reduce_range): each product
-    # carries up to half a step of amax/63.5, so compare at ~2% of the output's spread.
+    # int8_dynamic also rounds each activation row to 8 bits: up to half a step of the row's
+    # amax/127 per product, so compare at 3% of the output's spread.
     tolerance = {torch.float32: 1e-4, torch.bfloat16: 2e-2}[dtype]
     if kernel == "int8_dynamic":
         tolerance = 3e-2
@@ -66,8 +66,8 @@ def test_kernel_matches_linear_on_its_own_weights(kernel, rows, dtype):
 
 def test_allowed_kernels_follow_the_quantization_setting():
     assert allowed_kernels("none") == FLOAT_KERNELS
-    assert set(allowed_kernels("int8")) <= set(INT8_KERNELS) and allowed_kernels("int8")
-    assert set(allowed_kernels("auto")) >= set(FLOAT_KERNELS)
+    assert allowed_kernels("int8") == INT8_KERNELS
+    assert allowed_kernels("auto") == FLOAT_KERNELS + ("int8_weight_only",)  # W8A8 only when asked for
     with pytest.raises(ValueError, match="quantization must be one of"):
         allowed_kernels("int4")
 
@@ -86,10 +86,9 @@ def test_choose_plan_keeps_the_fastest_kernel_per_bucket():
     def timer(kernel, rows, fn):
         fn()
         return 3.0 if kernel == "int8_dynamic" else costs[kernel] * rows
-    plan, timings = choose_plan(weights, allowed_kernels("auto"), buckets=(1, 8, 32), timer=timer)
-    winner_from_8 = "int8_dynamic" if "int8_dynamic" in allowed_kernels("auto") else "int8_weight_only"
-    assert plan == [(1, "int8_weight_only"), (8, winner_from_8), (32, winner_from_8)]
-    assert set(timings) == {1, 8, 32} and set(timings[1]) == set(allowed_kernels("auto"))
+    plan, timings = choose_plan(weights, KERNELS, buckets=(1, 8, 32), timer=timer)
+    assert plan == [(1, "int8_weight_only"), (8, "int8_dynamic"), (32, "int8_dynamic")]
+    assert set(timings) == {1, 8, 32} and set(timings[1]) == set(KERNELS)
 
 
 def test_cpu_linear_dispatches_on_rows_and_keeps_only_the_formats_it_uses():
@@ -134,8 +133,6 @@ def build_model(folder, dequantized: bool = False) -> LlamaForCausalLM:
 @pytest.mark.parametrize("variant", [dict(), dict(model_type="qwen2", tie_word_embeddings=True)])
 @pytest.mark.parametrize("kernel", INT8_KERNELS)
 def test_int8_model_logits_match_the_dequantized_model(tmp_path, variant, kernel):
-    if kernel not in allowed_kernels("int8"):
-        pytest.skip(f"{kernel} needs the x86/fbgemm quantized engine")
     folder = write_tiny_model(tmp_path, **variant)
     reference = build_model(folder, dequantized=True)
     ours = build_model(folder)
@@ -152,8 +149,7 @@ def test_int8_model_logits_match_the_dequantized_model(tmp_path, variant, kernel
     if kernel == "int8_weight_only":  # the dequantized model's matmuls exactly, summation order aside
         assert (got - want).abs().max() <= 1e-4 * want.abs().max()
     else:
-        # W8A8 rounds the activations too, per call to 7 bits with one scale for the whole batch
-        # (fbgemm's dynamic per-tensor quantization): ~1% relative error per linear, compounding
-        # over 2 layers + the head of a random model whose activations have no outliers to spare.
-        # Greedy answers on the real model are checked in tests/test_default_model.py.
-        assert relative_rms <= 0.1, relative_rms
+        # W8A8 rounds each activation row to 8 bits too: ~0.5% relative error per linear,
+        # compounding over 2 layers + the head. Measured ~2%; 5% leaves room for other CPUs.
+        # Greedy answers on the real model: tests/engine_core/test_quantized_smollm2.py.
+        assert relative_rms <= 0.05, relative_rms
