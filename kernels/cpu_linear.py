@@ -160,7 +160,7 @@ def allowed_kernels(quantization: str) -> tuple[str, ...]:
 
 
 def fastest(candidates: dict[str, Callable[[], object]], rows: int, timer: Timer = _wall_timer,
-            min_rounds: int = 3, max_rounds: int = 12, budget_s: float = 0.03) -> dict[str, float]:
+            min_rounds: int = 5, max_rounds: int = 20, budget_s: float = 0.06) -> dict[str, float]:
     """Seconds per call of each candidate: the minimum over rounds that take every candidate in
     turn, so a burst from a neighbour on a shared machine hits them all alike."""
     for name, fn in candidates.items():
