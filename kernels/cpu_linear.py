@@ -119,7 +119,6 @@ class CpuLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.plan = list(plan)
-        self._limits = [rows for rows, _ in self.plan]
         self._runs = {name: KERNELS[name][1] for _, name in self.plan}
         self._states = {name: KERNELS[name][0](weight.detach(), None if bias is None else bias.detach())
                         for name in self._runs}
