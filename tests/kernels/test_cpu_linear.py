@@ -75,7 +75,7 @@ def test_allowed_kernels_follow_the_quantization_setting():
 def test_fastest_takes_each_candidate_minimum_across_interleaved_rounds():
     noise = {"a": iter([9.0, 9.0, 1.0, 5.0]), "b": iter([9.0, 2.0, 2.0, 2.0])}  # warm-up, then 3 rounds
     best = fastest({"a": lambda: None, "b": lambda: None}, rows=1,
-                   timer=lambda kernel, rows, fn: next(noise[kernel]), budget_s=0.0)
+                   timer=lambda kernel, rows, fn: next(noise[kernel]), min_rounds=3, budget_s=0.0)
     assert best == {"a": 1.0, "b": 2.0}
 
 
