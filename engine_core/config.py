@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
-_QUANTIZATIONS = ("auto", "int8", "none")
+_QUANTIZATIONS = ("auto", "int8", "int4", "none")
 _DEVICES = ("auto", "cpu", "cuda")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
 _POLICIES = ("fcfs", "priority")
@@ -26,7 +26,9 @@ class ModelConfig:
     dtype: str = "auto"  # auto: on CPU the faster of bf16 / fp32 measured at load; bf16 on CUDA
     # CPU linear layers, each batch bucket taking the kernel measured fastest at load. none: float
     # weights; int8: int8 weight-only or W8A8 (activations rounded to 8 bits per token, small drift);
-    # auto: float or int8 weight-only, and none when dtype is float32 (the exact path)
+    # int4: GGUF-style 4-bit groups of 32 (lossy on float checkpoints); auto: float or int8
+    # weight-only, int4 where it holds the weights exactly (a Q4_0/Q4_1 GGUF), and none when dtype
+    # is float32 (the exact path)
     quantization: str = "auto"
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0

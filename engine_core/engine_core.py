@@ -65,10 +65,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_quantization(name: str, dtype_name: str, device: torch.device) -> str:
-    """auto -> none on CUDA and when float32 was asked for explicitly (the exact path); int8 needs CPU."""
+    """auto -> none on CUDA and when float32 was asked for explicitly (the exact path); int8 and
+    int4 need CPU."""
     if device.type != "cpu":
-        if name == "int8":
-            raise ValueError("quantization 'int8' runs on CPU only; use quantization='none' on CUDA")
+        if name in ("int8", "int4"):
+            raise ValueError(f"quantization {name!r} runs on CPU only; use quantization='none' on CUDA")
         return "none"
     return "none" if name == "auto" and dtype_name == "float32" else name
 

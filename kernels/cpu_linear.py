@@ -1,11 +1,13 @@
 """Linear layers on CPU, each batch size served by the kernel measured fastest on this machine.
 
 CPUs differ (Intel with AMX, Intel without bf16, AMD with AVX512-BF16) and so does the fastest
-way to multiply by a weight: row-major `F.linear` (oneDNN/MKL), a column-major `mm`, int8
-weight-only (`torch._weight_int8pack_mm`, memory-bound decode) or int8 dynamic W8A8 (per-token int8
-activations x int8 weights through `torch._int_mm`, VNNI/AMX, compute-bound batches). The loader times each allowed kernel on the
-model's real shapes per batch bucket (`choose_plans`) and swaps every `nn.Linear` for a
-`CpuLinear` that dispatches on the number of rows (`use_measured_linears`).
+way to multiply by a weight: row-major `F.linear` (oneDNN/MKL), a column-major `mm`, weights
+prepacked once for oneDNN (kernels/onednn_linear.py), int8 weight-only (`torch._weight_int8pack_mm`,
+memory-bound decode), int8 dynamic W8A8 (per-token int8 activations x int8 weights through
+`torch._int_mm`, VNNI/AMX, compute-bound batches) or int4 in GGUF's 4-bit blocks
+(kernels/int4_linear.py). The loader times each allowed kernel on the model's real shapes per
+batch bucket (`choose_plan`) and swaps every `nn.Linear` for a `CpuLinear` that dispatches on the
+number of rows (`use_measured_linears`).
 
 Int8 weights are quantized on load, symmetric per output channel (scale = absmax / 127); the
 logits then differ from the dequantized float model by the activations' and weights' rounding
@@ -22,12 +24,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.int4_linear import GROUP_SIZE, dequantize_int4, int4_supported, prepare_int4, quantize_int4, run_int4
+from kernels.onednn_linear import onednn_supported, prepare_onednn, run_onednn
+
 logger = logging.getLogger(__name__)
 
 BUCKETS = (1, 8, 32, 128)  # rows timed at load; a call takes the smallest bucket >= its rows, else the last
-FLOAT_KERNELS = ("linear", "linear_colmajor")
+FLOAT_KERNELS = ("linear", "linear_colmajor", "linear_onednn")
 INT8_KERNELS = ("int8_weight_only", "int8_dynamic")
-QUANTIZATIONS = ("auto", "int8", "none")
+QUANTIZATIONS = ("auto", "int8", "int4", "none")
 _TIMING_BYTES = 64 * 2**20  # small batches sweep enough weights to leave the caches, as a real step does
 _SWEEP_BELOW_ROWS = 32  # from here on a matmul is compute-bound: one weight, hot in cache, times it
 
@@ -106,7 +111,31 @@ KERNELS = {
     "linear_colmajor": (_prep_colmajor, _run_colmajor),
     "int8_weight_only": (_prep_int8_weight_only, _run_int8_weight_only),
     "int8_dynamic": (_prep_int8_dynamic, _run_int8_dynamic),
+    "linear_onednn": (prepare_onednn, run_onednn),
+    "int4": (prepare_int4, run_int4),
 }
+
+
+def kernel_fits(kernel: str, weight: torch.Tensor) -> bool:
+    """Whether `kernel` can hold this weight: torch packs int4 only for some shapes, and oneDNN
+    only the float types this build and CPU support."""
+    if kernel == "int4":
+        return int4_supported(*weight.shape)
+    if kernel == "linear_onednn":
+        return onednn_supported(weight.dtype)
+    return True
+
+
+def int4_is_exact(weight: torch.Tensor) -> bool:
+    """Whether int4 reproduces `weight` within the rounding of its own dtype (2 eps of each group's
+    largest magnitude): true for weights dequantized from a Q4_0 / Q4_1 GGUF (kernels/int4_linear.py),
+    false by far for a float checkpoint (int4's step is ~6 % of a group's largest magnitude)."""
+    if not int4_supported(*weight.shape):
+        return False
+    w = weight.detach().float()
+    error = (dequantize_int4(*quantize_int4(w)) - w).abs().reshape(w.shape[0], -1, GROUP_SIZE)
+    group_max = w.abs().reshape(w.shape[0], -1, GROUP_SIZE).amax(-1, keepdim=True)
+    return bool((error <= 2 * torch.finfo(weight.dtype).eps * group_max).all())
 
 
 class CpuLinear(nn.Module):
@@ -148,14 +177,34 @@ def _wall_timer(kernel: str, rows: int, fn: Callable[[], object]) -> float:
 
 
 def allowed_kernels(quantization: str) -> tuple[str, ...]:
-    """none: float kernels only; int8: both int8 kernels; auto: float kernels and int8 weight-only.
+    """none: float kernels only; int8: both int8 kernels; int4: int4 (the int8 kernels for shapes
+    torch cannot pack as int4); auto: float kernels and int8 weight-only, plus int4 for layers it
+    holds exactly (`int4_is_exact`, checked by `use_measured_linears`).
 
     auto leaves W8A8 out: rounding SmolLM2's activations to 8 bits changed the end of its bf16
     greedy chat answer ("...is Paris, France." for "...is Paris."), while weight-only int8 kept it.
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    return {"none": FLOAT_KERNELS, "int8": INT8_KERNELS, "auto": FLOAT_KERNELS + ("int8_weight_only",)}[quantization]
+    return {"none": FLOAT_KERNELS, "int8": INT8_KERNELS, "int4": ("int4",) + INT8_KERNELS,
+            "auto": FLOAT_KERNELS + ("int8_weight_only",)}[quantization]
+
+
+def _kernels_for(quantization: str, weights: list[torch.Tensor], lm_head: bool) -> tuple[str, ...]:
+    """The allowed kernels that fit every weight of a same-shape group (see `allowed_kernels`).
+
+    int4 leaves the LM head at int8, as llama.cpp's Q4 files keep their output layer at 6-8 bits:
+    an int4 head turned SmolLM2's "The capital of France is Paris." into "L'Étoile (The City of
+    Lights) is the capital of France."
+    """
+    if quantization == "int4" and lm_head:
+        quantization = "int8"
+    kernels = [k for k in allowed_kernels(quantization) if all(kernel_fits(k, w) for w in weights)]
+    if quantization == "int4" and "int4" in kernels:
+        kernels = ["int4"]  # int8 is only the fallback for shapes int4 cannot take
+    elif quantization == "auto" and all(int4_is_exact(w) for w in weights):
+        kernels.append("int4")
+    return tuple(kernels)
 
 
 def fastest(candidates: dict[str, Callable[[], object]], rows: int, timer: Timer = _wall_timer,
@@ -201,18 +250,19 @@ def use_measured_linears(model: nn.Module, quantization: str = "none", buckets: 
 
     Same-shape layers share one measurement. Logs one line per shape and returns the plans.
     """
-    kernels = allowed_kernels(quantization)
-    groups: dict[tuple[int, int, bool], list[tuple[nn.Module, str, nn.Linear]]] = {}
+    allowed_kernels(quantization)  # validates the name
+    groups: dict[tuple[int, int, bool, bool], list[tuple[nn.Module, str, nn.Linear]]] = {}
     for parent in model.modules():
         for child_name, child in parent.named_children():
             if isinstance(child, nn.Linear):
-                key = (child.out_features, child.in_features, child.bias is not None)
+                key = (child.out_features, child.in_features, child.bias is not None, child_name == "lm_head")
                 groups.setdefault(key, []).append((parent, child_name, child))
     plans = {}
-    for (out_f, in_f, _), members in groups.items():
+    for (out_f, in_f, _, lm_head), members in groups.items():
         weight_bytes = out_f * in_f * members[0][2].weight.element_size()
         count = max(1, min(len(members), _TIMING_BYTES // max(weight_bytes, 1)))
         sample = [(m.weight, m.bias) for _, _, m in members[:count]]
+        kernels = _kernels_for(quantization, [m.weight for _, _, m in members], lm_head)
         plan, timings = choose_plan(sample, kernels, buckets, timer or _wall_timer)
         for parent, child_name, child in members:
             setattr(parent, child_name, CpuLinear(child.weight, child.bias, plan))

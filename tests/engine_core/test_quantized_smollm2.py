@@ -33,3 +33,20 @@ def test_int8_greedy_chat_answer_is_unchanged(monkeypatch, kernel, dtype):
         assert answer.startswith("The capital of France is Paris"), answer
     else:
         assert answer == "The capital of France is Paris.", answer
+
+
+@pytest.mark.parametrize("dtype, quantization", [("bfloat16", "auto"), ("float32", "int4")])
+def test_int4_greedy_chat_answer_is_unchanged(monkeypatch, dtype, quantization):
+    """The embedded GGUF is Q4_1: auto may take int4 for every decoder linear, as it holds the
+    file's weights exactly; the tied LM head (a Q8_0 embedding) never goes int4."""
+    def prefer(name, rows, fn):  # int4 wherever it is a candidate
+        return 1.0 if name == "int4" else 2.0
+    monkeypatch.setattr(cpu_linear, "_wall_timer", prefer)
+    engine = LLMEngine(EngineConfig(model=ModelConfig(dtype=dtype, quantization=quantization, max_model_len=512)))
+    model = engine.engine_core.model
+    layers = [m for m in model.model.layers.modules() if isinstance(m, cpu_linear.CpuLinear)]
+    assert layers and all(name == "int4" for layer in layers for _, name in layer.plan)
+    assert all(name != "int4" for _, name in model.lm_head.plan)
+    output = engine.generate([CHAT_PROMPT], SamplingParams(temperature=0.0, max_tokens=32))[0]
+    answer = load_tokenizer(default_model_path()).decode(output.outputs[0].token_ids)
+    assert answer == "The capital of France is Paris.", answer
