@@ -9,21 +9,25 @@ memory-bound decode), int8 dynamic W8A8 (per-token int8 activations x int8 weigh
 batch bucket (`choose_plan`) and swaps every `nn.Linear` for a `CpuLinear` that dispatches on the
 number of rows (`use_measured_linears`).
 
-Int8 weights are quantized on load, symmetric per output channel (scale = absmax / 127); the
-logits then differ from the dequantized float model by the activations' and weights' rounding
-only (see tests/kernels/test_cpu_linear.py for the tolerance and why).
+Quantized weights are made on load from the float ones: int8 in kernels/int8_linear.py, int4 in
+kernels/int4_linear.py (tests/kernels/test_cpu_linear.py states the tolerances and why).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.int8_linear import (  # noqa: F401 (quantize_int8 / dequantize_int8 re-exported)
+    dequantize_int8, prepare_int8_dynamic, prepare_int8_weight_only, quantize_int8, run_int8_dynamic,
+    run_int8_weight_only,
+)
 from kernels.int4_linear import GROUP_SIZE, dequantize_int4, int4_supported, prepare_int4, quantize_int4, run_int4
 from kernels.onednn_linear import onednn_supported, prepare_onednn, run_onednn
 
@@ -34,24 +38,12 @@ FLOAT_KERNELS = ("linear", "linear_colmajor", "linear_onednn")
 INT8_KERNELS = ("int8_weight_only", "int8_dynamic")
 QUANTIZATIONS = ("auto", "int8", "int4", "none")
 _TIMING_BYTES = 64 * 2**20  # small batches sweep enough weights to leave the caches, as a real step does
+_HOPELESS = 3.0  # a candidate this many times slower than the best after a round stops being timed
+_EXACTNESS_ROWS = 64  # rows of a weight `int4_is_exact` checks (a GGUF tensor has one type throughout)
 _SWEEP_BELOW_ROWS = 32  # from here on a matmul is compute-bound: one weight, hot in cache, times it
 
 Plan = list[tuple[int, str]]  # (max rows, kernel name), ascending; the last entry takes any larger batch
 Timer = Callable[[str, int, Callable[[], object]], float]  # (kernel, rows, fn) -> seconds per call
-
-
-# ---- int8 quantization: symmetric, per output channel ----
-
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [out, in] float -> (int8 [out, in], fp32 scale [out]) with weight ≈ q * scale[:, None]."""
-    w = weight.float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, scale
-
-
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.float() * scale[:, None]
 
 
 # ---- the kernels: prepare(weight, bias) -> state, run(state, x [N, in]) -> [N, out] ----
@@ -73,44 +65,11 @@ def _run_colmajor(state, x):
     return torch.mm(x, wt) if b is None else torch.addmm(b, x, wt)
 
 
-def _prep_int8_weight_only(w, b):
-    q, scale = quantize_int8(w)
-    return q, scale.to(w.dtype), b
-
-
-def _run_int8_weight_only(state, x):
-    q, scale, b = state
-    y = torch._weight_int8pack_mm(x.contiguous(), q, scale)
-    return y if b is None else y + b
-
-
-def _prep_int8_dynamic(w, b):
-    q, scale = quantize_int8(w)
-    return q.t(), scale, None if b is None else b.float(), w.dtype
-
-
-def _run_int8_dynamic(state, x):
-    """W8A8: each row of x quantized on the fly to int8 with its own scale (per token, as torchao's
-    int8 dynamic-activation config does), int8 x int8 -> int32 on VNNI/AMX, then rescaled.
-
-    torch's fbgemm `quantized.linear_dynamic` is not used: its one activation scale for the whole
-    batch lets one outlier token crush the others' precision, which changed SmolLM2's greedy answer.
-    """
-    qt, w_scale, b, dtype = state
-    xf = x.float()
-    x_scale = (xf.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12)
-    xq = torch.round(xf / x_scale).to(torch.int8)
-    y = torch._int_mm(xq, qt) * (x_scale * w_scale)
-    if b is not None:
-        y = y + b
-    return y if dtype == torch.float32 else y.to(dtype)
-
-
 KERNELS = {
     "linear": (_prep_linear, _run_linear),
     "linear_colmajor": (_prep_colmajor, _run_colmajor),
-    "int8_weight_only": (_prep_int8_weight_only, _run_int8_weight_only),
-    "int8_dynamic": (_prep_int8_dynamic, _run_int8_dynamic),
+    "int8_weight_only": (prepare_int8_weight_only, run_int8_weight_only),
+    "int8_dynamic": (prepare_int8_dynamic, run_int8_dynamic),
     "linear_onednn": (prepare_onednn, run_onednn),
     "int4": (prepare_int4, run_int4),
 }
@@ -132,7 +91,7 @@ def int4_is_exact(weight: torch.Tensor) -> bool:
     false by far for a float checkpoint (int4's step is ~6 % of a group's largest magnitude)."""
     if not int4_supported(*weight.shape):
         return False
-    w = weight.detach().float()
+    w = weight.detach()[:: max(1, weight.shape[0] // _EXACTNESS_ROWS)].float()  # evenly spaced rows
     error = (dequantize_int4(*quantize_int4(w)) - w).abs().reshape(w.shape[0], -1, GROUP_SIZE)
     group_max = w.abs().reshape(w.shape[0], -1, GROUP_SIZE).amax(-1, keepdim=True)
     return bool((error <= 2 * torch.finfo(weight.dtype).eps * group_max).all())
@@ -142,14 +101,18 @@ class CpuLinear(nn.Module):
     """y = x W^T + b through the kernel that `plan` names for x's number of rows.
 
     Only the weight formats the plan uses are kept: an all-int8 plan frees the float weight.
+    `prepared`: states already made by the kernels' prepare (from the load-time timing), reused.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: Plan):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: Plan,
+                 prepared: dict[str, object] | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.plan = list(plan)
         self._runs = {name: KERNELS[name][1] for _, name in self.plan}
-        self._states = {name: KERNELS[name][0](weight.detach(), None if bias is None else bias.detach())
+        prepared = prepared or {}
+        self._states = {name: prepared[name] if name in prepared else
+                        KERNELS[name][0](weight.detach(), None if bias is None else bias.detach())
                         for name in self._runs}
 
     def kernel_for(self, rows: int) -> str:
@@ -190,6 +153,19 @@ def allowed_kernels(quantization: str) -> tuple[str, ...]:
             "auto": FLOAT_KERNELS + ("int8_weight_only",)}[quantization]
 
 
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """Load-time preparation (quantizing, packing) on one thread: its many small ops each open an
+    OpenMP parallel region, and on a shared, oversubscribed machine a region waits for a
+    descheduled partner thread (int4_is_exact: 0.85 ms on 1 thread, 26-34 ms on 2, here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _kernels_for(quantization: str, weights: list[torch.Tensor], lm_head: bool) -> tuple[str, ...]:
     """The allowed kernels that fit every weight of a same-shape group (see `allowed_kernels`).
 
@@ -210,27 +186,35 @@ def _kernels_for(quantization: str, weights: list[torch.Tensor], lm_head: bool) 
 def fastest(candidates: dict[str, Callable[[], object]], rows: int, timer: Timer = _wall_timer,
             min_rounds: int = 5, max_rounds: int = 20, budget_s: float = 0.06) -> dict[str, float]:
     """Seconds per call of each candidate: the minimum over rounds that take every candidate in
-    turn, so a burst from a neighbour on a shared machine hits them all alike."""
+    turn, so a burst from a neighbour on a shared machine hits them all alike. After the first
+    round a candidate over `_HOPELESS` times the best leaves the race (keeping its time): int8
+    weight-only on fp32 activations, say, runs 10-60x slower and would eat the load time."""
     for name, fn in candidates.items():
         timer(name, rows, fn)  # warm-up: first-call allocations, oneDNN primitive creation
     best = dict.fromkeys(candidates, float("inf"))
+    racing = dict(candidates)
     spent, rounds = 0.0, 0
     while rounds < min_rounds or (spent < budget_s and rounds < max_rounds):
-        for name, fn in candidates.items():
+        for name, fn in racing.items():
             elapsed = timer(name, rows, fn)
             best[name], spent = min(best[name], elapsed), spent + elapsed
+        leader = min(best[name] for name in racing)
+        racing = {name: fn for name, fn in racing.items() if best[name] <= _HOPELESS * leader}
         rounds += 1
     return best
 
 
 def choose_plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], kernels: tuple[str, ...],
-                buckets: tuple[int, ...] = BUCKETS, timer: Timer = _wall_timer) -> tuple[Plan, dict]:
-    """Time each kernel over `weights` (same-shape layers, swept in turn) at each bucket.
+                buckets: tuple[int, ...] = BUCKETS, timer: Timer = _wall_timer,
+                states: dict[str, list] | None = None) -> tuple[Plan, dict]:
+    """Time each kernel over `weights` (same-shape layers, swept in turn) at each bucket;
+    `states`: each kernel's prepared state per weight, when the caller made them already.
 
     Returns the plan (fastest kernel per bucket) and the timings {rows: {kernel: seconds per layer}}.
     """
     in_features, dtype = weights[0][0].shape[1], weights[0][0].dtype
-    states = {name: [KERNELS[name][0](w, b) for w, b in weights] for name in kernels}
+    if states is None:
+        states = {name: [KERNELS[name][0](w, b) for w, b in weights] for name in kernels}
     timings: dict[int, dict[str, float]] = {}
     for rows in buckets:
         x = torch.randn(rows, in_features, dtype=dtype)
@@ -262,10 +246,14 @@ def use_measured_linears(model: nn.Module, quantization: str = "none", buckets: 
         weight_bytes = out_f * in_f * members[0][2].weight.element_size()
         count = max(1, min(len(members), _TIMING_BYTES // max(weight_bytes, 1)))
         sample = [(m.weight, m.bias) for _, _, m in members[:count]]
-        kernels = _kernels_for(quantization, [m.weight for _, _, m in members], lm_head)
-        plan, timings = choose_plan(sample, kernels, buckets, timer or _wall_timer)
-        for parent, child_name, child in members:
-            setattr(parent, child_name, CpuLinear(child.weight, child.bias, plan))
+        with _one_thread():
+            kernels = _kernels_for(quantization, [m.weight for _, _, m in members], lm_head)
+            states = {name: [KERNELS[name][0](w, b) for w, b in sample] for name in kernels}
+        plan, timings = choose_plan(sample, kernels, buckets, timer or _wall_timer, states)
+        with _one_thread():
+            for i, (parent, child_name, child) in enumerate(members):
+                prepared = {name: states[name][i] for name in kernels} if i < count else None
+                setattr(parent, child_name, CpuLinear(child.weight, child.bias, plan, prepared))
         plans[(out_f, in_f)] = plan
         best = ", ".join(f"{rows}:{name}({timings[rows][name] * 1e6:.0f}us)" for rows, name in plan)
         logger.info("linear %dx%d (x%d): %s", out_f, in_f, len(members), best)
@@ -273,20 +261,23 @@ def use_measured_linears(model: nn.Module, quantization: str = "none", buckets: 
 
 
 def fastest_float_dtype(hidden: int = 576, intermediate: int = 1536, timer: Timer = _wall_timer) -> torch.dtype:
-    """bfloat16 or float32, whichever multiplies an MLP-shaped weight faster here at 1 and 32 rows.
+    """bfloat16 or float32, whichever multiplies an MLP-shaped weight faster here at 1 and 32 rows,
+    each dtype through its fastest float kernel (row-major F.linear is not always it: on an AMD
+    Zen 4 bf16 F.linear at 1 row is several times slower than the same weight prepacked for oneDNN).
 
     bf16 halves the bytes read, but CPUs without bf16 dot products emulate it several times slower.
     """
     count = max(1, _TIMING_BYTES // (hidden * intermediate * 4))
-    weights = {dtype: [torch.randn(intermediate, hidden, dtype=dtype) for _ in range(count)]
-               for dtype in (torch.bfloat16, torch.float32)}
-    totals = dict.fromkeys(weights, 0.0)
-    for rows in (1, 32):
-        inputs = {dtype: torch.randn(rows, hidden, dtype=dtype) for dtype in weights}
-        candidates = {str(dtype): (lambda d=dtype: [F.linear(inputs[d], w) for w in weights[d]]) for dtype in weights}
-        for dtype, seconds in zip(weights, fastest(candidates, rows, timer).values()):
-            totals[dtype] += seconds
+    totals = {torch.bfloat16: 0.0, torch.float32: 0.0}
+    for dtype in totals:
+        weights = [torch.randn(intermediate, hidden, dtype=dtype) for _ in range(count)]
+        kernels = [k for k in FLOAT_KERNELS if kernel_fits(k, weights[0])]
+        states = {k: [KERNELS[k][0](w, None) for w in weights] for k in kernels}
+        for rows in (1, 32):
+            x = torch.randn(rows, hidden, dtype=dtype)
+            candidates = {k: (lambda run=KERNELS[k][1], swept=states[k]: [run(st, x) for st in swept]) for k in kernels}
+            totals[dtype] += min(fastest(candidates, rows, timer).values())
     choice = min(totals, key=totals.get)
-    logger.info("dtype auto -> %s (linear sweep at 1 + 32 rows: bf16 %.2f ms, fp32 %.2f ms)",
-                str(choice).removeprefix("torch."), totals[torch.bfloat16] * 1e3, totals[torch.float32] * 1e3)
+    logger.info("dtype auto -> %s (best float kernel, %d-weight sweep at 1 + 32 rows: bf16 %.2f ms, fp32 %.2f ms)",
+                str(choice).removeprefix("torch."), count, totals[torch.bfloat16] * 1e3, totals[torch.float32] * 1e3)
     return choice

@@ -81,10 +81,20 @@ def test_allowed_kernels_follow_the_quantization_setting():
 
 
 def test_fastest_takes_each_candidate_minimum_across_interleaved_rounds():
-    noise = {"a": iter([9.0, 9.0, 1.0, 5.0]), "b": iter([9.0, 2.0, 2.0, 2.0])}  # warm-up, then 3 rounds
+    noise = {"a": iter([9.0, 5.0, 1.0, 5.0]), "b": iter([9.0, 2.0, 2.0, 2.0])}  # warm-up, then 3 rounds
     best = fastest({"a": lambda: None, "b": lambda: None}, rows=1,
                    timer=lambda kernel, rows, fn: next(noise[kernel]), min_rounds=3, budget_s=0.0)
     assert best == {"a": 1.0, "b": 2.0}
+
+
+def test_fastest_stops_timing_a_hopeless_candidate():
+    calls = {"slow": 0, "fast": 0}
+    def timer(kernel, rows, fn):
+        calls[kernel] += 1
+        return 10.0 if kernel == "slow" else 1.0
+    best = fastest({"slow": lambda: None, "fast": lambda: None}, rows=1, timer=timer, min_rounds=4, budget_s=0.0)
+    assert best == {"slow": 10.0, "fast": 1.0}
+    assert calls == {"slow": 2, "fast": 5}  # warm-up + the first round only, against warm-up + 4 rounds
 
 
 def test_choose_plan_keeps_the_fastest_kernel_per_bucket():
