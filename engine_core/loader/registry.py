@@ -37,7 +37,7 @@ def load_model(
 ) -> tuple[LlamaForCausalLM, ModelArchConfig]:
     """Load a Hugging Face folder (config.json + *.safetensors) or a .gguf file; None loads
     the embedded SmolLM2. Returns the model in eval mode on `device` with weights in `dtype`.
-    On CPU, `quantization` (none | int8 | auto) says which linear kernels may be measured and used."""
+    On CPU, `quantization` (none | int8 | int4 | auto) says which linear kernels may be measured and used."""
     model_path = Path(path) if path is not None else default_model_path()
     if not model_path.exists():
         raise FileNotFoundError(f"model path {model_path} does not exist")
