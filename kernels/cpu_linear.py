@@ -39,6 +39,7 @@ INT8_KERNELS = ("int8_weight_only", "int8_dynamic")
 QUANTIZATIONS = ("auto", "int8", "int4", "none")
 _TIMING_BYTES = 64 * 2**20  # small batches sweep enough weights to leave the caches, as a real step does
 _HOPELESS = 3.0  # a candidate this many times slower than the best after a round stops being timed
+_DTYPE_MARGIN = 3.0  # dtype=auto leaves the CPU flags' choice only for a dtype this many times faster
 _EXACTNESS_ROWS = 64  # rows of a weight `int4_is_exact` checks (a GGUF tensor has one type throughout)
 _SWEEP_BELOW_ROWS = 32  # from here on a matmul is compute-bound: one weight, hot in cache, times it
 
@@ -260,24 +261,36 @@ def use_measured_linears(model: nn.Module, quantization: str = "none", buckets: 
     return plans
 
 
-def fastest_float_dtype(hidden: int = 576, intermediate: int = 1536, timer: Timer = _wall_timer) -> torch.dtype:
+def fastest_float_dtype(hidden: int = 576, intermediate: int = 1536, timer: Timer = _wall_timer,
+                        native_bf16: bool | None = None) -> torch.dtype:
     """bfloat16 or float32, whichever multiplies an MLP-shaped weight faster here at 1 and 32 rows,
     each dtype through its fastest float kernel (row-major F.linear is not always it: on an AMD
     Zen 4 bf16 F.linear at 1 row is several times slower than the same weight prepacked for oneDNN).
 
     bf16 halves the bytes read, but CPUs without bf16 dot products emulate it several times slower.
+    The CPU's flags (`native_bf16`, default: AVX-512 BF16 or AMX) name the expected winner, and the
+    measurement overturns it only by a clear margin (`_DTYPE_MARGIN`): on a shared machine one dtype
+    can miss every quiet moment of a short race (measured here: fp32 "4x faster" in one load, bf16
+    2x faster in the next). Candidates reach `timer` named "kernel/dtype".
     """
     count = max(1, _TIMING_BYTES // (hidden * intermediate * 4))
     totals = {torch.bfloat16: 0.0, torch.float32: 0.0}
     for dtype in totals:
-        weights = [torch.randn(intermediate, hidden, dtype=dtype) for _ in range(count)]
-        kernels = [k for k in FLOAT_KERNELS if kernel_fits(k, weights[0])]
-        states = {k: [KERNELS[k][0](w, None) for w in weights] for k in kernels}
+        name = str(dtype).removeprefix("torch.")
+        with _one_thread():
+            weights = [torch.randn(intermediate, hidden, dtype=dtype) for _ in range(count)]
+            kernels = [k for k in FLOAT_KERNELS if kernel_fits(k, weights[0])]
+            states = {k: [KERNELS[k][0](w, None) for w in weights] for k in kernels}
         for rows in (1, 32):
             x = torch.randn(rows, hidden, dtype=dtype)
-            candidates = {k: (lambda run=KERNELS[k][1], swept=states[k]: [run(st, x) for st in swept]) for k in kernels}
-            totals[dtype] += min(fastest(candidates, rows, timer).values())
-    choice = min(totals, key=totals.get)
-    logger.info("dtype auto -> %s (best float kernel, %d-weight sweep at 1 + 32 rows: bf16 %.2f ms, fp32 %.2f ms)",
-                str(choice).removeprefix("torch."), count, totals[torch.bfloat16] * 1e3, totals[torch.float32] * 1e3)
+            candidates = {f"{k}/{name}": (lambda run=KERNELS[k][1], swept=states[k]: [run(st, x) for st in swept])
+                          for k in kernels}
+            totals[dtype] += min(fastest(candidates, rows, timer, min_rounds=8).values())
+    if native_bf16 is None:
+        native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    expected, other = (torch.bfloat16, torch.float32) if native_bf16 else (torch.float32, torch.bfloat16)
+    choice = other if totals[other] * _DTYPE_MARGIN < totals[expected] else expected
+    logger.info("dtype auto -> %s (CPU flags expect %s; best float kernel, %d-weight sweep at 1 + 32 rows: "
+                "bf16 %.2f ms, fp32 %.2f ms)", str(choice).removeprefix("torch."),
+                str(expected).removeprefix("torch."), count, totals[torch.bfloat16] * 1e3, totals[torch.float32] * 1e3)
     return choice

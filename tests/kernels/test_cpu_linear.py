@@ -13,7 +13,7 @@ from engine_core.models.llama import LlamaForCausalLM
 from kernels import select_backend
 from kernels.cpu_linear import (
     FLOAT_KERNELS, INT8_KERNELS, KERNELS, CpuLinear, allowed_kernels, choose_plan, dequantize_int8,
-    fastest, kernel_fits, quantize_int8, use_measured_linears,
+    fastest, fastest_float_dtype, kernel_fits, quantize_int8, use_measured_linears,
 )
 from kernels.int4_linear import dequantize_int4, quantize_int4
 from tests.engine_core.tiny_models import PagedBatch, run_step, write_tiny_model
@@ -173,3 +173,17 @@ def test_int8_model_logits_match_the_dequantized_model(tmp_path, variant, kernel
         # compounding over 2 layers + the head. Measured ~2%; 5% leaves room for other CPUs.
         # Greedy answers on the real model: tests/engine_core/test_quantized_smollm2.py.
         assert relative_rms <= 0.05, relative_rms
+
+
+# ---- dtype=auto ----
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_dtype_auto_keeps_the_flags_choice_unless_the_other_dtype_is_clearly_faster(native_bf16):
+    expected, other = ("bfloat16", "float32") if native_bf16 else ("float32", "bfloat16")
+    def timer(costs):
+        return lambda name, rows, fn: costs[name.split("/")[1]]
+    close = fastest_float_dtype(hidden=64, intermediate=128, native_bf16=native_bf16,
+                                timer=timer({expected: 2.0, other: 1.0}))  # 2x: within shared-machine noise
+    clear = fastest_float_dtype(hidden=64, intermediate=128, native_bf16=native_bf16,
+                                timer=timer({expected: 4.0, other: 1.0}))
+    assert (str(close), str(clear)) == (f"torch.{expected}", f"torch.{other}")
