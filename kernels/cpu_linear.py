@@ -16,19 +16,18 @@ kernels/int4_linear.py (tests/kernels/test_cpu_linear.py states the tolerances a
 from __future__ import annotations
 
 import logging
-import time
-from contextlib import contextmanager
-from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.int4_linear import GROUP_SIZE, dequantize_int4, int4_supported, prepare_int4, quantize_int4, run_int4
 from kernels.int8_linear import (  # noqa: F401 (quantize_int8 / dequantize_int8 re-exported)
     dequantize_int8, prepare_int8_dynamic, prepare_int8_weight_only, quantize_int8, run_int8_dynamic,
     run_int8_weight_only,
 )
-from kernels.int4_linear import GROUP_SIZE, dequantize_int4, int4_supported, prepare_int4, quantize_int4, run_int4
+from kernels.linear_timing import Timer, fastest_uncontended, one_thread, rotating
+from kernels.linear_timing import wall_timer as _wall_timer  # a module global: tests swap the clock here
 from kernels.onednn_linear import onednn_supported, prepare_onednn, run_onednn
 
 logger = logging.getLogger(__name__)
@@ -37,14 +36,13 @@ BUCKETS = (1, 8, 32, 128)  # rows timed at load; a call takes the smallest bucke
 FLOAT_KERNELS = ("linear", "linear_colmajor", "linear_onednn")
 INT8_KERNELS = ("int8_weight_only", "int8_dynamic")
 QUANTIZATIONS = ("auto", "int8", "int4", "none")
-_TIMING_BYTES = 64 * 2**20  # small batches sweep enough weights to leave the caches, as a real step does
-_HOPELESS = 3.0  # a candidate this many times slower than the best after a round stops being timed
+_TIMING_BYTES = 64 * 2**20  # weights timed in turn: enough to leave the caches, as a real step does
+_MIN_CALLS = 8  # timed calls per kernel and bucket at least (more while under _BUDGET_S)
+_BUDGET_S = 0.02  # timed seconds per bucket, all kernels together, before the extra calls stop
 _DTYPE_MARGIN = 3.0  # dtype=auto leaves the CPU flags' choice only for a dtype this many times faster
 _EXACTNESS_ROWS = 64  # rows of a weight `int4_is_exact` checks (a GGUF tensor has one type throughout)
-_SWEEP_BELOW_ROWS = 32  # from here on a matmul is compute-bound: one weight, hot in cache, times it
 
 Plan = list[tuple[int, str]]  # (max rows, kernel name), ascending; the last entry takes any larger batch
-Timer = Callable[[str, int, Callable[[], object]], float]  # (kernel, rows, fn) -> seconds per call
 
 
 # ---- the kernels: prepare(weight, bias) -> state, run(state, x [N, in]) -> [N, out] ----
@@ -134,12 +132,6 @@ class CpuLinear(nn.Module):
 
 # ---- choosing by measurement ----
 
-def _wall_timer(kernel: str, rows: int, fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def allowed_kernels(quantization: str) -> tuple[str, ...]:
     """none: float kernels only; int8: both int8 kernels; int4: int4 (the int8 kernels for shapes
     torch cannot pack as int4); auto: float kernels and int8 weight-only, plus int4 for layers it
@@ -152,19 +144,6 @@ def allowed_kernels(quantization: str) -> tuple[str, ...]:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     return {"none": FLOAT_KERNELS, "int8": INT8_KERNELS, "int4": ("int4",) + INT8_KERNELS,
             "auto": FLOAT_KERNELS + ("int8_weight_only",)}[quantization]
-
-
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    """Load-time preparation (quantizing, packing) on one thread: its many small ops each open an
-    OpenMP parallel region, and on a shared, oversubscribed machine a region waits for a
-    descheduled partner thread (int4_is_exact: 0.85 ms on 1 thread, 26-34 ms on 2, here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _kernels_for(quantization: str, weights: list[torch.Tensor], lm_head: bool) -> tuple[str, ...]:
@@ -184,31 +163,10 @@ def _kernels_for(quantization: str, weights: list[torch.Tensor], lm_head: bool) 
     return tuple(kernels)
 
 
-def fastest(candidates: dict[str, Callable[[], object]], rows: int, timer: Timer = _wall_timer,
-            min_rounds: int = 5, max_rounds: int = 20, budget_s: float = 0.06) -> dict[str, float]:
-    """Seconds per call of each candidate: the minimum over rounds that take every candidate in
-    turn, so a burst from a neighbour on a shared machine hits them all alike. After the first
-    round a candidate over `_HOPELESS` times the best leaves the race (keeping its time): int8
-    weight-only on fp32 activations, say, runs 10-60x slower and would eat the load time."""
-    for name, fn in candidates.items():
-        timer(name, rows, fn)  # warm-up: first-call allocations, oneDNN primitive creation
-    best = dict.fromkeys(candidates, float("inf"))
-    racing = dict(candidates)
-    spent, rounds = 0.0, 0
-    while rounds < min_rounds or (spent < budget_s and rounds < max_rounds):
-        for name, fn in racing.items():
-            elapsed = timer(name, rows, fn)
-            best[name], spent = min(best[name], elapsed), spent + elapsed
-        leader = min(best[name] for name in racing)
-        racing = {name: fn for name, fn in racing.items() if best[name] <= _HOPELESS * leader}
-        rounds += 1
-    return best
-
-
 def choose_plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], kernels: tuple[str, ...],
                 buckets: tuple[int, ...] = BUCKETS, timer: Timer = _wall_timer,
                 states: dict[str, list] | None = None) -> tuple[Plan, dict]:
-    """Time each kernel over `weights` (same-shape layers, swept in turn) at each bucket;
+    """Time each kernel on `weights` (same-shape layers, taken in turn) at each bucket;
     `states`: each kernel's prepared state per weight, when the caller made them already.
 
     Returns the plan (fastest kernel per bucket) and the timings {rows: {kernel: seconds per layer}}.
@@ -219,10 +177,11 @@ def choose_plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], kernels
     timings: dict[int, dict[str, float]] = {}
     for rows in buckets:
         x = torch.randn(rows, in_features, dtype=dtype)
-        layers = len(weights) if rows < _SWEEP_BELOW_ROWS else 1
-        candidates = {name: (lambda run=KERNELS[name][1], swept=states[name][:layers]: [run(s, x) for s in swept])
-                      for name in kernels}
-        timings[rows] = {name: t / layers for name, t in fastest(candidates, rows, timer).items()}
+        candidates = {name: rotating(KERNELS[name][1], states[name], x) for name in kernels}
+        timings[rows], contended = fastest_uncontended(candidates, rows, timer, min_rounds=_MIN_CALLS,
+                                                       max_rounds=4 * _MIN_CALLS, budget_s=_BUDGET_S)
+        if contended:
+            logger.info("%d rows: the machine is oversubscribed, kernels ranked by one-thread times", rows)
     plan = [(rows, min(kernels, key=lambda k: timings[rows][k])) for rows in buckets]
     return plan, timings
 
@@ -247,11 +206,11 @@ def use_measured_linears(model: nn.Module, quantization: str = "none", buckets: 
         weight_bytes = out_f * in_f * members[0][2].weight.element_size()
         count = max(1, min(len(members), _TIMING_BYTES // max(weight_bytes, 1)))
         sample = [(m.weight, m.bias) for _, _, m in members[:count]]
-        with _one_thread():
+        with one_thread():
             kernels = _kernels_for(quantization, [m.weight for _, _, m in members], lm_head)
             states = {name: [KERNELS[name][0](w, b) for w, b in sample] for name in kernels}
         plan, timings = choose_plan(sample, kernels, buckets, timer or _wall_timer, states)
-        with _one_thread():
+        with one_thread():
             for i, (parent, child_name, child) in enumerate(members):
                 prepared = {name: states[name][i] for name in kernels} if i < count else None
                 setattr(parent, child_name, CpuLinear(child.weight, child.bias, plan, prepared))
@@ -277,20 +236,21 @@ def fastest_float_dtype(hidden: int = 576, intermediate: int = 1536, timer: Time
     totals = {torch.bfloat16: 0.0, torch.float32: 0.0}
     for dtype in totals:
         name = str(dtype).removeprefix("torch.")
-        with _one_thread():
+        with one_thread():
             weights = [torch.randn(intermediate, hidden, dtype=dtype) for _ in range(count)]
             kernels = [k for k in FLOAT_KERNELS if kernel_fits(k, weights[0])]
             states = {k: [KERNELS[k][0](w, None) for w in weights] for k in kernels}
         for rows in (1, 32):
             x = torch.randn(rows, hidden, dtype=dtype)
-            candidates = {f"{k}/{name}": (lambda run=KERNELS[k][1], swept=states[k]: [run(st, x) for st in swept])
-                          for k in kernels}
-            totals[dtype] += min(fastest(candidates, rows, timer, min_rounds=8).values())
+            candidates = {f"{k}/{name}": rotating(KERNELS[k][1], states[k], x) for k in kernels}
+            timings, _ = fastest_uncontended(candidates, rows, timer, min_rounds=2 * _MIN_CALLS,
+                                             max_rounds=8 * _MIN_CALLS, budget_s=_BUDGET_S)
+            totals[dtype] += min(timings.values())
     if native_bf16 is None:
         native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     expected, other = (torch.bfloat16, torch.float32) if native_bf16 else (torch.float32, torch.bfloat16)
     choice = other if totals[other] * _DTYPE_MARGIN < totals[expected] else expected
-    logger.info("dtype auto -> %s (CPU flags expect %s; best float kernel, %d-weight sweep at 1 + 32 rows: "
-                "bf16 %.2f ms, fp32 %.2f ms)", str(choice).removeprefix("torch."),
-                str(expected).removeprefix("torch."), count, totals[torch.bfloat16] * 1e3, totals[torch.float32] * 1e3)
+    logger.info("dtype auto -> %s (CPU flags expect %s; best float kernel on one of %d weights, at 1 + 32 rows: "
+                "bf16 %.0f us, fp32 %.0f us)", str(choice).removeprefix("torch."),
+                str(expected).removeprefix("torch."), count, totals[torch.bfloat16] * 1e6, totals[torch.float32] * 1e6)
     return choice

@@ -30,8 +30,9 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels.cpu_linear import KERNELS, CpuLinear, fastest, kernel_fits, use_measured_linears  # noqa: E402
+from kernels.cpu_linear import KERNELS, CpuLinear, kernel_fits, use_measured_linears  # noqa: E402
 from kernels.int4_linear import dequantize_int4, quantize_int4  # noqa: E402
+from kernels.linear_timing import fastest  # noqa: E402
 
 HIDDEN, INTER, VOCAB, LAYERS = 576, 1536, 49152, 30
 QKV = HIDDEN + 2 * 192
