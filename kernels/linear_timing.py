@@ -12,6 +12,7 @@ from typing import Callable, Iterator
 
 import torch
 
+_HOPELESS = 3.0  # from round 3, a candidate this many times slower than the best stops being timed
 _CONTENDED = 1.5  # all threads this many times slower than one: the race was lost to neighbours
 
 Timer = Callable[[str, int, Callable[[], object]], float]  # (kernel, rows, fn) -> seconds per call
@@ -26,16 +27,22 @@ def wall_timer(kernel: str, rows: int, fn: Callable[[], object]) -> float:
 def fastest(candidates: dict[str, Callable[[], object]], rows: int, timer: Timer = wall_timer,
             min_rounds: int = 5, max_rounds: int = 20, budget_s: float = 0.06) -> dict[str, float]:
     """Seconds per call of each candidate: the minimum over rounds that take every candidate in
-    turn, so a burst from a neighbour on a shared machine hits them all alike."""
+    turn, so a burst from a neighbour on a shared machine hits them all alike. From the third
+    round on, a candidate over `_HOPELESS` times the best so far leaves the race with its time
+    (int8 weight-only at 128 rows, say, took half the load's timing before)."""
     for name, fn in candidates.items():
         timer(name, rows, fn)  # warm-up: first-call allocations, oneDNN primitive creation
     best = dict.fromkeys(candidates, float("inf"))
+    racing = dict(candidates)
     spent, rounds = 0.0, 0
     while rounds < min_rounds or (spent < budget_s and rounds < max_rounds):
-        for name, fn in candidates.items():
+        for name, fn in racing.items():
             elapsed = timer(name, rows, fn)
             best[name], spent = min(best[name], elapsed), spent + elapsed
         rounds += 1
+        if rounds >= 3:
+            leader = min(best[name] for name in racing)
+            racing = {name: fn for name, fn in racing.items() if best[name] <= _HOPELESS * leader}
     return best
 
 
@@ -71,7 +78,7 @@ def fastest_uncontended(candidates: dict[str, Callable[[], object]], rows: int, 
     timings = fastest(candidates, rows, timer, **rounds)
     if torch.get_num_threads() == 1:
         return timings, False
-    with one_thread():
-        alone = fastest(candidates, rows, timer, **rounds)
+    with one_thread():  # a check and a fallback ranking: no time slices to wait for, 3 rounds do
+        alone = fastest(candidates, rows, timer, min_rounds=3, max_rounds=3)
     contended = min(timings.values()) > _CONTENDED * min(alone.values())
     return (alone if contended else timings), contended

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.linear_timing import fastest_uncontended, one_thread, rotating
+from kernels.linear_timing import fastest, fastest_uncontended, one_thread, rotating
 
 
 def test_rotating_calls_take_the_weights_in_turn():
@@ -40,3 +40,13 @@ def test_one_thread_times_stand_in_when_all_threads_were_slower():
         torch.set_num_threads(threads)
     assert quiet == ({"a": 1.0, "b": 2.0}, False)
     assert busy == ({"a": 1.9, "b": 1.2}, True)
+
+
+def test_a_hopeless_candidate_leaves_the_race_after_three_rounds():
+    calls = {"slow": 0, "fast": 0}
+    def timer(kernel, rows, fn):
+        calls[kernel] += 1
+        return 10.0 if kernel == "slow" else 1.0
+    best = fastest({"slow": lambda: None, "fast": lambda: None}, rows=1, timer=timer, min_rounds=6, budget_s=0.0)
+    assert best == {"slow": 10.0, "fast": 1.0}
+    assert calls == {"slow": 4, "fast": 7}  # warm-up + 3 rounds, against warm-up + 6 rounds
