@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_QUANTIZATIONS = ("auto", "int8", "int4", "none")
 _DEVICES = ("auto", "cpu", "cuda")
 _ATTENTION_BACKENDS = ("auto", "torch", "cpp", "triton")
 _POLICIES = ("fcfs", "priority")
@@ -22,12 +23,20 @@ def _require(ok: bool, message: str) -> None:
 @dataclass
 class ModelConfig:
     model: str | None = None  # HF folder, .gguf file, or None for the embedded SmolLM2
-    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with AMX / AVX-512 BF16, else float32
+    dtype: str = "auto"  # auto: on CPU the faster of bf16 / fp32 measured at load; bf16 on CUDA
+    # CPU linear layers, each batch bucket taking the kernel measured fastest at load. none: float
+    # weights; int8: int8 weight-only or W8A8 (activations rounded to 8 bits per token, small drift);
+    # int4: GGUF-style 4-bit groups of 32 (lossy on float checkpoints); auto: float or int8
+    # weight-only, int4 where it holds the weights exactly (a Q4_0/Q4_1 GGUF), and none when dtype
+    # is float32 (the exact path)
+    quantization: str = "auto"
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
 
     def __post_init__(self) -> None:
         _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        _require(self.quantization in _QUANTIZATIONS,
+                 f"quantization must be one of {_QUANTIZATIONS}, got {self.quantization!r}")
         _require(
             self.max_model_len is None or self.max_model_len >= 1,
             f"max_model_len must be >= 1 (or unset to use the model's), got {self.max_model_len}",

