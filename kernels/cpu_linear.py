@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import linear_plan_cache, linear_timing
 from kernels.int4_linear import GROUP_SIZE, dequantize_int4, int4_supported, prepare_int4, quantize_int4, run_int4
 from kernels.int8_linear import (  # noqa: F401 (quantize_int8 / dequantize_int8 re-exported)
     dequantize_int8, prepare_int8_dynamic, prepare_int8_weight_only, quantize_int8, run_int8_dynamic,
@@ -198,9 +199,12 @@ def use_measured_linears(model: nn.Module, quantization: str = "none", buckets: 
     """Replace every `nn.Linear` in `model` (on CPU) by a `CpuLinear` whose kernel per batch
     bucket was measured fastest on this machine among those `quantization` allows.
 
-    Same-shape layers share one measurement. Logs one line per shape and returns the plans.
+    Same-shape layers share one measurement, kept on disk for the next load on this machine
+    (kernels/linear_plan_cache.py; not with an injected `timer`). Logs one line per shape and
+    returns the plans.
     """
     allowed_kernels(quantization)  # validates the name
+    cached = timer is None and _wall_timer is linear_timing.wall_timer
     groups: dict[tuple[int, int, bool, bool], list[tuple[nn.Module, str, nn.Linear]]] = {}
     for parent in model.modules():
         for child_name, child in parent.named_children():
@@ -214,16 +218,30 @@ def use_measured_linears(model: nn.Module, quantization: str = "none", buckets: 
         sample = [(m.weight, m.bias) for _, _, m in members[:count]]
         with one_thread():
             kernels = _kernels_for(quantization, [m.weight for _, _, m in members], lm_head)
-            states = {name: [KERNELS[name][0](w, b) for w, b in sample] for name in kernels}
-        plan, timings = choose_plan(sample, kernels, buckets, timer or _wall_timer, states)
+        entry = (f"linear {out_f}x{in_f} bias={members[0][2].bias is not None} head={lm_head} "
+                 f"{members[0][2].weight.dtype} kernels={','.join(kernels)} buckets={buckets}")
+        stored = linear_plan_cache.lookup(entry) if cached else None
+        if stored is not None and all(name in kernels for _, name in stored):
+            plan, states, count = [(rows, name) for rows, name in stored], {}, 0
+            best = ", ".join(f"{rows}:{name}" for rows, name in plan) + " (measured on an earlier load)"
+        else:
+            with one_thread():
+                states = {name: [KERNELS[name][0](w, b) for w, b in sample] for name in kernels}
+            plan, timings = choose_plan(sample, kernels, buckets, timer or _wall_timer, states)
+            best = ", ".join(f"{rows}:{name}({timings[rows][name] * 1e6:.0f}us)" for rows, name in plan)
+            if cached:
+                linear_plan_cache.store(entry, plan)
         with one_thread():
             for i, (parent, child_name, child) in enumerate(members):
-                prepared = {name: states[name][i] for name in kernels} if i < count else None
+                prepared = {name: states[name][i] for name in states} if i < count else None
                 setattr(parent, child_name, CpuLinear(child.weight, child.bias, plan, prepared))
         plans[(out_f, in_f)] = plan
-        best = ", ".join(f"{rows}:{name}({timings[rows][name] * 1e6:.0f}us)" for rows, name in plan)
         logger.info("linear %dx%d (x%d): %s", out_f, in_f, len(members), best)
     return plans
+
+
+def _native_bf16() -> bool:
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def fastest_float_dtype(hidden: int = 576, intermediate: int = 1536, timer: Timer = _wall_timer,
@@ -238,6 +256,14 @@ def fastest_float_dtype(hidden: int = 576, intermediate: int = 1536, timer: Time
     can miss every quiet moment of a short race (measured here: fp32 "4x faster" in one load, bf16
     2x faster in the next). Candidates reach `timer` named "kernel/dtype".
     """
+    if native_bf16 is None:
+        native_bf16 = _native_bf16()
+    cached = timer is linear_timing.wall_timer
+    entry = f"dtype {hidden}x{intermediate} native_bf16={native_bf16}"
+    stored = linear_plan_cache.lookup(entry) if cached else None
+    if stored in ("bfloat16", "float32"):
+        logger.info("dtype auto -> %s (measured on an earlier load)", stored)
+        return getattr(torch, stored)
     count = max(1, _TIMING_BYTES // (hidden * intermediate * 4))
     totals = {torch.bfloat16: 0.0, torch.float32: 0.0}
     for dtype in totals:
@@ -252,11 +278,11 @@ def fastest_float_dtype(hidden: int = 576, intermediate: int = 1536, timer: Time
             timings, _ = fastest_uncontended(candidates, rows, timer, min_rounds=2 * _MIN_CALLS,
                                              max_rounds=8 * _MIN_CALLS, budget_s=_BUDGET_S)
             totals[dtype] += min(timings.values())
-    if native_bf16 is None:
-        native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     expected, other = (torch.bfloat16, torch.float32) if native_bf16 else (torch.float32, torch.bfloat16)
     choice = other if totals[other] * _DTYPE_MARGIN < totals[expected] else expected
     logger.info("dtype auto -> %s (CPU flags expect %s; best float kernel on one of %d weights, at 1 + 32 rows: "
                 "bf16 %.0f us, fp32 %.0f us)", str(choice).removeprefix("torch."),
                 str(expected).removeprefix("torch."), count, totals[torch.bfloat16] * 1e6, totals[torch.float32] * 1e6)
+    if cached:
+        linear_plan_cache.store(entry, str(choice).removeprefix("torch."))
     return choice

@@ -1,0 +1,76 @@
+"""Load-time kernel choices kept on disk, so only the first load on a machine pays for timing.
+
+`kernels/cpu_linear.py` times each linear kernel on the model's shapes at load (a few seconds for
+SmolLM2) and `dtype=auto` races bf16 against fp32. Both answers depend only on the machine, the
+torch build, the thread count and the shapes, so they are written to
+`~/.cache/tandem/linear_plans.json` (`TANDEM_CACHE_DIR` moves it) under a key naming all of
+those, and read back by the next load with the same key. `TANDEM_REMEASURE=1` times again and
+overwrites (after a noisy first load, or to see the timings in the log).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_ENV_THAT_CHANGES_KERNELS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
+                             "MKL_CBWR", "TANDEM_CPU_ARCH")
+
+
+def cache_path() -> Path:
+    root = os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem"
+    return Path(root) / "linear_plans.json"
+
+
+def machine_key() -> str:
+    """The CPU model and flags, torch's version and threads, and the env that steers kernels."""
+    cpu = ""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
+        cpu = "\n".join(dict.fromkeys(lines))  # one model line and one flags line
+    except OSError:
+        cpu = platform.processor()
+    env = {name: os.environ.get(name, "") for name in _ENV_THAT_CHANGES_KERNELS}
+    text = json.dumps([cpu, torch.__version__, torch.get_num_threads(), env], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def remeasure() -> bool:
+    return os.environ.get("TANDEM_REMEASURE", "") not in ("", "0")
+
+
+def lookup(entry: str) -> object | None:
+    """The stored answer for `entry` on this machine, or None (absent, unreadable, TANDEM_REMEASURE)."""
+    if remeasure():
+        return None
+    try:
+        stored = json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return None
+    return stored.get(machine_key(), {}).get(entry)
+
+
+def store(entry: str, answer: object) -> None:
+    """Record `answer` for `entry` on this machine; a cache that cannot be written is only logged."""
+    path = cache_path()
+    try:
+        stored = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        stored = {}
+    stored.setdefault(machine_key(), {})[entry] = answer
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(stored, indent=1, sort_keys=True))
+        tmp.replace(path)  # atomic: two engines loading at once never read half a file
+    except OSError as exc:
+        logger.warning("could not write the linear plan cache %s: %s", path, exc)
