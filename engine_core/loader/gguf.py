@@ -19,8 +19,8 @@ from gguf.quants import dequantize
 from engine_core.config import ModelArchConfig
 from engine_core.gguf_metadata import read_gguf_header
 from engine_core.models.llama import packed_groups
+from engine_core.models.registry import family_of_gguf
 
-_SUPPORTED_ARCHS = ("llama", "qwen2")
 # Tokens that end a turn, added to eos like llama.cpp's end-of-generation set.
 _EOG_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>", "<end_of_turn>")
 
@@ -28,7 +28,7 @@ _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"
 _BLOCK_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 
@@ -71,8 +71,7 @@ def arch_config(gguf: GGUFFile) -> ModelArchConfig:
     """Read `{arch}.*` and `tokenizer.ggml.*` keys into a ModelArchConfig."""
     meta = gguf.metadata
     arch = meta.get("general.architecture")
-    if arch not in _SUPPORTED_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {_SUPPORTED_ARCHS})")
+    family = family_of_gguf(arch)
     if "rope_freqs.weight" in gguf.tensors:
         raise ValueError("GGUF rope_freqs (Llama 3.1-style rope scaling as a tensor) is not supported yet")
 
@@ -101,7 +100,8 @@ def arch_config(gguf: GGUFFile) -> ModelArchConfig:
         attention_bias="blk.0.attn_q.bias" in gguf.tensors,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_eos_token_ids(meta, tokens),
-        name=arch,
+        name=family,
+        qk_norm="blk.0.attn_q_norm.weight" in gguf.tensors,
     )
 
 
