@@ -43,9 +43,12 @@ class KVCacheManager:
         """The longest cached run of the request's leading full blocks, and its length in tokens.
 
         Never covers the whole request: at least one token is left to compute so the
-        model produces logits for it. Requests that want prompt logprobs compute everything.
+        model produces logits for it. Requests that want prompt logprobs, or pool over every
+        position (mean, cls), compute everything.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        every_position = request.sampling_params.prompt_logprobs is not None or (
+            request.pooling is not None and request.pooling.needs_every_position)
+        if not self.enable_caching or every_position:
             return [], 0
         size = self.block_size
         max_blocks = min((request.num_tokens - 1) // size, len(request.block_hashes))

@@ -230,8 +230,13 @@ class Scheduler:
                     num_prompt_tokens += request.num_prompt_tokens
                 if request.check_stop() or self._check_model_len(request):
                     stopped.add(request_id)
+            embedding = model_runner_output.pooled.get(request_id)
+            if embedding is not None:  # a pooling request is done once its prompt is
+                request.status = RequestStatus.FINISHED_STOPPED
+                stopped.add(request_id)
+                num_prompt_tokens += request.num_prompt_tokens
             prompt_logprobs = self._new_prompt_logprobs(request, scheduler_output, model_runner_output)
-            if not new_token_ids and not prompt_logprobs:
+            if not new_token_ids and not prompt_logprobs and embedding is None:
                 continue
             logprobs = model_runner_output.logprobs.get(request_id) if new_token_ids else None
             outputs.append(EngineCoreOutput(
@@ -243,6 +248,7 @@ class Scheduler:
                 stop_reason=request.stop_reason,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 events=request.take_events() if self.log_stats else None,
+                embedding=embedding,
             ))
         self._num_prompt_tokens = num_prompt_tokens
         self._num_generation_tokens = num_generation_tokens
