@@ -103,8 +103,9 @@ class EngineCore:
             num_blocks=num_blocks, block_size=block_size, device=device, dtype=dtype,
             max_model_len=self.max_model_len, cuda_graph_sizes=self._cuda_graph_sizes(device),
         )
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len,
-                                   log_stats=log_stats)
+        every_layer_slides = all(self.arch.is_sliding(i) for i in range(self.arch.num_hidden_layers))
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len, log_stats=log_stats,
+                                   sliding_window=self.arch.sliding_window if every_layer_slides else None)
         self.eos_token_ids = frozenset(self.arch.eos_token_ids)
         self.asleep = False  # the KV cache is freed (sleep / wake_up)
         self._profiler = Profiler(device)

@@ -34,8 +34,10 @@ class Scheduler:
         max_model_len: int,
         *,
         log_stats: bool = False,
+        sliding_window: int | None = None,
     ) -> None:
-        """log_stats: record per-request events (queued, scheduled, preempted) for tracing and metrics."""
+        """log_stats: record per-request events (queued, scheduled, preempted) for tracing and metrics.
+        sliding_window: set when every layer attends through it (blocks behind it are freed)."""
         capacity = (num_blocks - 1) * cache_config.block_size
         if max_model_len > capacity:
             raise ValueError(
@@ -54,7 +56,7 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, sliding_window
         )
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting = PriorityQueue() if scheduler_config.policy == "priority" else FcfsQueue()

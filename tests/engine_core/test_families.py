@@ -115,3 +115,29 @@ def test_greedy_generation_matches_transformers(family, backend, eager):
         for ours, step in zip(completion.logprobs, out.logits):
             expected = torch.log_softmax(step[0].float(), -1)[ours.token_ids[0]].item()
             assert abs(ours.logprobs[0] - expected) < ATOL
+
+
+def test_sliding_window_models_free_the_blocks_behind_the_window(tmp_path):
+    """Mistral (every layer sliding): a 70-token request never holds more than the window plus
+    one chunk of blocks, and still matches transformers; Gemma 2 (full layers too) keeps all."""
+    import transformers
+
+    for name, bounded in (("mistral", True), ("gemma2", False)):
+        folder = write_tiny_model(tmp_path / name, vocab_size=VOCAB, **FAMILIES[name])
+        engine = LLMEngine(EngineConfig(
+            model=ModelConfig(model=str(folder), dtype="float32"), cache=CacheConfig(block_size=4, num_blocks=128),
+            scheduler=SchedulerConfig(max_num_batched_tokens=16), device=DeviceConfig(device="cpu"),
+        ))
+        core, (prompt,) = engine.engine_core, prompts([30], seed=5)
+        engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+        held, tokens = [], []
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                tokens = output.outputs[0].token_ids
+            held.append(core.info.num_blocks - 1 - core.scheduler.kv_cache_manager.num_free_blocks)
+        assert (max(held) <= (WINDOW + 16) // 4 + 2) == bounded, held
+        ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+        with torch.no_grad():
+            expected = ref.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, pad_token_id=0,
+                                    eos_token_id=None, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        assert list(tokens) == expected[0, len(prompt):].tolist()
