@@ -1,4 +1,4 @@
-"""GGUF checkpoints: tiny Llama and Qwen2 GGUF twins written with the `gguf` package load and
+"""GGUF checkpoints: tiny Llama, Qwen2 and Qwen3 GGUF twins written with the `gguf` package load and
 match their safetensors originals, and every supported quant type dequantizes (fused groups,
 Llama's permuted Q/K rows) exactly as the gguf package's own dequantize gives tensor by tensor."""
 
@@ -23,14 +23,15 @@ CPU = torch.device("cpu")
 QTYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
-def test_gguf_twin_matches_safetensors(tmp_path, model_type):
-    folder = write_tiny_model(tmp_path / "hf", model_type=model_type, vocab_size=64)
+@pytest.mark.parametrize("model_type, options", [("llama", {}), ("qwen2", {}), ("qwen3", {"head_dim": 32})])
+def test_gguf_twin_matches_safetensors(tmp_path, model_type, options):
+    folder = write_tiny_model(tmp_path / "hf", model_type=model_type, vocab_size=64, **options)
     path = write_gguf_twin(folder, tmp_path / "twin.gguf")
     hf_model, hf_config = load_model(str(folder), torch.float32, CPU, TORCH)
     gguf_model, gguf_config = load_model(str(path), torch.float32, CPU, TORCH)
     assert gguf_config.name == hf_config.name == model_type
     assert gguf_config.attention_bias == (model_type == "qwen2")
+    assert gguf_config.qk_norm == (model_type == "qwen3") and gguf_config.head_dim == hf_config.head_dim
     hf_weights, gguf_weights = dict(load_hf(folder)[1]), dict(load_gguf(path)[1])
     assert set(gguf_weights) == set(hf_weights)
     for name, tensor in hf_weights.items():

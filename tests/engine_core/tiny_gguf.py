@@ -20,7 +20,7 @@ _NAMES = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
+    "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }
 # where each K-quant block keeps its fp16 scale(s): byte offsets
 _F16_FIELDS = {GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q5_K: (0, 2), GGMLQuantizationType.Q6_K: (208,)}
@@ -56,7 +56,7 @@ def quantized(values: np.ndarray, qtype: GGMLQuantizationType, seed: int = 0) ->
 
 
 def write_gguf_twin(folder: Path, path: Path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32) -> Path:
-    """Write `path` (.gguf) holding the Llama or Qwen2 checkpoint in `folder`; 2-D weights in
+    """Write `path` (.gguf) holding the Llama, Qwen2 or Qwen3 checkpoint in `folder`; 2-D weights in
     `qtype`, norms and biases in F32."""
     cfg = json.loads((folder / "config.json").read_text())
     arch = cfg["model_type"]
@@ -69,6 +69,7 @@ def write_gguf_twin(folder: Path, path: Path, qtype: GGMLQuantizationType = GGML
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(cfg.get("head_dim") or cfg["hidden_size"] // heads)
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     rope = cfg.get("rope_parameters") or {}
     writer.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
