@@ -26,16 +26,8 @@ from engine_core.types import (
 
 
 class Scheduler:
-    def __init__(
-        self,
-        scheduler_config: SchedulerConfig,
-        cache_config: CacheConfig,
-        num_blocks: int,
-        max_model_len: int,
-        *,
-        log_stats: bool = False,
-        sliding_window: int | None = None,
-    ) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+                 max_model_len: int, *, log_stats: bool = False, sliding_window: int | None = None) -> None:
         """log_stats: record per-request events (queued, scheduled, preempted) for tracing and metrics.
         sliding_window: set when every layer attends through it (blocks behind it are freed)."""
         capacity = (num_blocks - 1) * cache_config.block_size
@@ -44,9 +36,7 @@ class Scheduler:
                 f"max_model_len ({max_model_len}) is larger than the KV cache holds "
                 f"({num_blocks - 1} blocks of {cache_config.block_size} tokens = {capacity})"
             )
-        if not scheduler_config.enable_chunked_prefill and (
-            scheduler_config.max_num_batched_tokens < max_model_len
-        ):
+        if not scheduler_config.enable_chunked_prefill and scheduler_config.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"without chunked prefill max_num_batched_tokens ({scheduler_config.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({max_model_len})"
@@ -55,9 +45,8 @@ class Scheduler:
         self.log_stats = log_stats
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, sliding_window
-        )
+        self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                                               sliding_window)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting = PriorityQueue() if scheduler_config.policy == "priority" else FcfsQueue()
         self.running: list[Request] = []
