@@ -141,3 +141,28 @@ def test_sliding_window_models_free_the_blocks_behind_the_window(tmp_path):
             expected = ref.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, pad_token_id=0,
                                     eos_token_id=None, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
         assert list(tokens) == expected[0, len(prompt):].tolist()
+
+
+def test_longrope_cache_uses_transformers_short_and_long_frequencies():
+    """Within the original context our Phi-3 rope equals transformers' short-factor one; past it, the
+    long-factor one (transformers switches a whole sequence past the original context to the long
+    factors; we choose per position, as vLLM does). Both scaled by the same attention factor."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from engine_core.models.layers import RotaryEmbedding
+
+    options = FAMILIES["phi3"]
+    config = transformers.Phi3Config(hidden_size=64, num_attention_heads=4, max_position_embeddings=256,
+                                     original_max_position_embeddings=64, rope_parameters=options["rope_parameters"])
+    short, factor = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=None)
+    long, _ = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=65)
+    scaling = {**options["rope_parameters"], "original_max_position_embeddings": 64, "max_position_embeddings": 256}
+    rope = RotaryEmbedding(16, 256, 10000.0, scaling)
+    positions = torch.tensor([0, 5, 63, 64, 200])
+    cos, sin = rope(positions, torch.float32)
+    inv_freq = torch.stack([short if p < 64 else long for p in positions.tolist()])  # [5, 8]
+    angles = positions[:, None].float() * inv_freq
+    torch.testing.assert_close(cos[:, 0], angles.cos() * factor)
+    torch.testing.assert_close(sin[:, 0], angles.sin() * factor)
+    assert factor > 1.0
