@@ -22,7 +22,8 @@ HF_ARCHITECTURES = {
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
 # GGUF general.architecture -> family (llama.cpp writes Mistral as "llama")
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3",
+                      "phi3": "phi3"}
 
 _CLASSES: dict[str, type[nn.Module]] = {
     "gemma2": GemmaForCausalLM, "gemma3": GemmaForCausalLM,

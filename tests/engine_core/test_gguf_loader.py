@@ -1,4 +1,4 @@
-"""GGUF checkpoints: tiny Llama, Qwen2 and Qwen3 GGUF twins written with the `gguf` package load and
+"""GGUF checkpoints: tiny Llama, Qwen2, Qwen3, Gemma 2/3 and Phi-3 GGUF twins written with the `gguf` package load and
 match their safetensors originals, and every supported quant type dequantizes (fused groups,
 Llama's permuted Q/K rows) exactly as the gguf package's own dequantize gives tensor by tensor."""
 
@@ -23,22 +23,40 @@ CPU = torch.device("cpu")
 QTYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 
-@pytest.mark.parametrize("model_type, options", [("llama", {}), ("qwen2", {}), ("qwen3", {"head_dim": 32})])
-def test_gguf_twin_matches_safetensors(tmp_path, model_type, options):
-    folder = write_tiny_model(tmp_path / "hf", model_type=model_type, vocab_size=64, **options)
+_WINDOW = dict(sliding_window=8, head_dim=16)
+TWINS = {  # family: options of its tiny checkpoint (Gemma's query_pre_attn_scalar = head_dim, as llama.cpp assumes)
+    "llama": {}, "qwen2": {}, "qwen3": {"head_dim": 32},
+    "gemma2": dict(**_WINDOW, query_pre_attn_scalar=16, attn_logit_softcapping=1.0, final_logit_softcapping=3.0,
+                   tie_word_embeddings=True),
+    "gemma3": dict(**_WINDOW, num_layers=7, query_pre_attn_scalar=16, tie_word_embeddings=True,
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
+    "phi3": dict(sliding_window=8, original_max_position_embeddings=64, pad_token_id=0, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.1 * i for i in range(8)],
+        "long_factor": [2.0 + 0.5 * i for i in range(8)]}),
+}
+_SAME_CONFIG = ("layer_types", "sliding_window", "rope_local_theta", "qk_norm", "query_pre_attn_scalar",
+                "attn_logit_softcap", "final_logit_softcap", "attention_bias", "head_dim", "tie_word_embeddings")
+
+
+@pytest.mark.parametrize("model_type", list(TWINS))
+def test_gguf_twin_matches_safetensors(tmp_path, model_type):
+    folder = write_tiny_model(tmp_path / "hf", model_type=model_type, vocab_size=64, **TWINS[model_type])
     path = write_gguf_twin(folder, tmp_path / "twin.gguf")
     hf_model, hf_config = load_model(str(folder), torch.float32, CPU, TORCH)
     gguf_model, gguf_config = load_model(str(path), torch.float32, CPU, TORCH)
     assert gguf_config.name == hf_config.name == model_type
-    assert gguf_config.attention_bias == (model_type == "qwen2")
-    assert gguf_config.qk_norm == (model_type == "qwen3") and gguf_config.head_dim == hf_config.head_dim
+    for field in _SAME_CONFIG:
+        assert getattr(gguf_config, field) == getattr(hf_config, field), field
+    assert (gguf_config.rope_scaling or {}).get("rope_type") == (hf_config.rope_scaling or {}).get("rope_type")
     hf_weights, gguf_weights = dict(load_hf(folder)[1]), dict(load_gguf(path)[1])
-    assert set(gguf_weights) == set(hf_weights)
-    for name, tensor in hf_weights.items():
-        torch.testing.assert_close(gguf_weights[name], tensor, atol=0, rtol=0, msg=name)
-    prompt = torch.randint(0, 64, (13,), generator=torch.Generator().manual_seed(0)).tolist()
-    (ours,) = run_step(gguf_model, PagedBatch(gguf_config, 1, 16), [(0, prompt)])
-    (twin,) = run_step(hf_model, PagedBatch(hf_config, 1, 16), [(0, prompt)])
+    tied = {"lm_head.weight"} if hf_config.tie_word_embeddings else set()  # convert drops a tied head
+    assert set(gguf_weights) == set(hf_weights) - tied
+    for name, tensor in gguf_weights.items():  # Gemma's norms: 1 + w stored, w back (one rounding)
+        torch.testing.assert_close(tensor, hf_weights[name], atol=3e-7, rtol=0, msg=name)
+    prompt = torch.randint(0, 64, (21,), generator=torch.Generator().manual_seed(0)).tolist()  # past the window
+    (ours,) = run_step(gguf_model, PagedBatch(gguf_config, 1, 24), [(0, prompt)])
+    (twin,) = run_step(hf_model, PagedBatch(hf_config, 1, 24), [(0, prompt)])
     torch.testing.assert_close(ours, twin, atol=1e-4, rtol=0)
 
 
@@ -103,6 +121,6 @@ def test_gguf_unknown_architecture_names_the_supported(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"'mamba' is not supported \(supported: llama, qwen2, qwen3\)"):
+    with pytest.raises(ValueError, match=r"'mamba' is not supported \(supported: llama, qwen2, qwen3, gemma2, gemma3, phi3\)"):
         load_model(str(tmp_path / "x.gguf"), torch.float32, CPU, TORCH)
     assert read_gguf(tmp_path / "x.gguf").metadata["general.architecture"] == "mamba"

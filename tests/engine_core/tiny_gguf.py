@@ -1,6 +1,7 @@
 """Test helper: a GGUF twin of a tiny Hugging Face checkpoint, written with the `gguf` package.
 
-Tensor names, metadata keys and Llama's Q/K row permutation follow llama.cpp's
+Tensor names (from the gguf package's own name map), metadata keys, Llama's Q/K row
+permutation, Gemma's 1 + w norms and Phi-3's rope-factor tensors follow llama.cpp's
 convert_hf_to_gguf.py, so our loader reads the file as it would a real one. `quantized`
 makes raw quantized rows of any GGML type (random K-quant blocks where gguf has no
 quantizer) for dequantization tests.
@@ -9,6 +10,7 @@ quantizer) for dequantization tests.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -56,11 +58,12 @@ def quantized(values: np.ndarray, qtype: GGMLQuantizationType, seed: int = 0) ->
 
 
 def write_gguf_twin(folder: Path, path: Path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32) -> Path:
-    """Write `path` (.gguf) holding the Llama, Qwen2 or Qwen3 checkpoint in `folder`; 2-D weights in
-    `qtype`, norms and biases in F32."""
+    """Write `path` (.gguf) holding the checkpoint in `folder` as llama.cpp's convert would: gguf's
+    own tensor-name map, Llama's permuted Q/K, Gemma's norms stored as 1 + w, Phi-3's LongRoPE
+    factors as tensors; 2-D weights in `qtype`, norms and biases in F32."""
     cfg = json.loads((folder / "config.json").read_text())
-    arch = cfg["model_type"]
-    writer = gguf.GGUFWriter(str(path), arch)
+    family = {"gemma3_text": "gemma3"}.get(cfg["model_type"], cfg["model_type"])
+    writer = gguf.GGUFWriter(str(path), family)
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     writer.add_vocab_size(cfg["vocab_size"])
     writer.add_context_length(cfg["max_position_embeddings"])
@@ -72,18 +75,36 @@ def write_gguf_twin(folder: Path, path: Path, qtype: GGMLQuantizationType = GGML
     writer.add_key_length(cfg.get("head_dim") or cfg["hidden_size"] // heads)
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     rope = cfg.get("rope_parameters") or {}
-    writer.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    writer.add_rope_freq_base(rope.get("full_attention", rope).get("rope_theta", cfg.get("rope_theta", 10000.0)))
     writer.add_uint32("tokenizer.ggml.bos_token_id", 1)
     writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            getattr(writer, f"add_{key}")(cfg[key])
+    if family in ("gemma2", "gemma3", "phi3"):
+        writer.add_sliding_window(cfg.get("sliding_window") or 0)
+    if family == "phi3":
+        original = cfg["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
+        scale = cfg["max_position_embeddings"] / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[family.upper()], cfg["num_hidden_layers"])
     for name, tensor in load_file(folder / "model.safetensors").items():
-        if arch == "llama" and ".q_proj." in name:
+        if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+            continue
+        if family == "llama" and ".q_proj." in name:
             tensor = permute(tensor, heads)
-        elif arch == "llama" and ".k_proj." in name:
+        elif family == "llama" and ".k_proj." in name:
             tensor = permute(tensor, kv_heads)
+        elif family.startswith("gemma") and name.endswith("norm.weight"):
+            tensor = tensor + 1
+        gguf_tensor_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if tensor.ndim == 2 and qtype != GGMLQuantizationType.F32:
-            writer.add_tensor(gguf_name(name), quantized(tensor, qtype), raw_dtype=qtype)
+            writer.add_tensor(gguf_tensor_name, quantized(tensor, qtype), raw_dtype=qtype)
         else:
-            writer.add_tensor(gguf_name(name), tensor.astype(np.float32))
+            writer.add_tensor(gguf_tensor_name, tensor.astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
