@@ -61,7 +61,8 @@ class GrpcEngineClient(EngineClient):
     def __init__(self, targets: list[str], *, backoff_initial_s: float = 0.1, backoff_max_s: float = 5.0,
                  info_timeout_s: float = 5.0, transport: ChannelTransport = PLAINTEXT_LINK,
                  router: Router | None = None, resolver: Resolver | None = None,
-                 resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S, metrics: FrontendMetrics | None = None) -> None:
+                 resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S,
+                 metrics: FrontendMetrics | None = None) -> None:
         super().__init__()
         self._transport = transport
         self._engines: dict[str, EngineConnection] = {}

@@ -21,7 +21,16 @@ from services.frontend.engine_discovery import EngineTarget, parse_engine_target
 from services.frontend.router import RoutingPolicy
 from services.security import flags as security_flags
 from services.telemetry.flags import tracing_settings
-from tests.deploy.conftest import DEFAULT_NAMESPACE, ENGINE, PROBES, Probe, Rendered, Workload, probe_target, quantity_value
+from tests.deploy.conftest import (
+    DEFAULT_NAMESPACE,
+    ENGINE,
+    PROBES,
+    Probe,
+    Rendered,
+    Workload,
+    probe_target,
+    quantity_value,
+)
 from tests.security.pki import Pki
 
 # After --grace runs out a service still finishes its step in flight, closes its server and flushes
@@ -113,7 +122,8 @@ def test_ports_probes_and_services_agree_with_the_flags(rendered, tmp_path, pki)
     assert headless["clusterIP"] == "None" and rendered.engine.manifest["spec"]["serviceName"] == ENGINE
     namespace = rendered.frontend.manifest["metadata"].get("namespace", DEFAULT_NAMESPACE)
     assert rendered.get("Service", ENGINE)["metadata"].get("namespace", DEFAULT_NAMESPACE) == namespace
-    assert parse_engine_targets(frontend.engine) == [EngineTarget(f"{ENGINE}.{namespace}.svc", engine.port, dns=True)], (
+    expected = EngineTarget(f"{ENGINE}.{namespace}.svc", engine.port, dns=True)
+    assert parse_engine_targets(frontend.engine) == [expected], (
         "the frontend must discover every engine behind their headless Service (dns:///)")
     assert RoutingPolicy(frontend.routing_policy) is RoutingPolicy.PREFIX_AWARE
 

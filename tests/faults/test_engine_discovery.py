@@ -24,8 +24,8 @@ from services.frontend.async_llm import AsyncLLM
 from services.frontend.engine_client import GrpcEngineClient
 from services.frontend.server import FrontendServer
 from services.frontend.tokenizer import load_tokenizer
-from tests.faults.conftest import ENGINE_FLAGS
 from tests.engine_core.tiny_models import write_tiny_model
+from tests.faults.conftest import ENGINE_FLAGS
 from tests.faults.probes import VOCAB, random_prompts, read_rest, token_request
 from tests.faults.processes import ENGINE_STARTUP_S, Service
 
@@ -116,7 +116,8 @@ def test_engines_added_drained_and_killed_behind_a_dns_name(engines, report):
                 await wait_until(lambda: d.address in connected(), what="the new engine d")
                 await wait_until(lambda: client._engines.get(b.address) is None or client._engines[b.address].retiring,
                                  what="b retiring")
-                b_in_flight_at_sigterm = len(client._engines[b.address].in_flight) if b.address in client._engines else 0
+                retiring_b = client._engines.get(b.address)
+                b_in_flight_at_sigterm = len(retiring_b.in_flight) if retiring_b is not None else 0
                 b.signal(signal.SIGTERM)  # drain: its streams finish, it takes no new work
                 report.fault("engine SIGTERM behind DNS")
 
