@@ -58,9 +58,12 @@ class PrefixIndex:
         self.expected.update(hashes)
 
     def unexpect(self, hashes: Iterable[BlockHash]) -> None:
-        self.expected.subtract(hashes)
-        for block_hash in [h for h, count in self.expected.items() if count <= 0]:
-            del self.expected[block_hash]
+        for block_hash in hashes:  # only these keys: the cost follows the request, not the index
+            count = self.expected.get(block_hash, 0) - 1
+            if count > 0:
+                self.expected[block_hash] = count
+            else:
+                self.expected.pop(block_hash, None)
 
     def clear(self) -> None:
         """The engine went away: its cache and whatever was routed there are gone."""
