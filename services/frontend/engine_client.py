@@ -76,6 +76,7 @@ class GrpcEngineClient(EngineClient):
         self._backoff = (backoff_initial_s, backoff_max_s)
         self._info_timeout_s = info_timeout_s
         self._connected = asyncio.Event()
+        self._retired: set[asyncio.Task] = set()  # retired engines' closing tasks (held: the loop keeps weak refs)
         self._started = self._closed = False
 
     # ---- lifecycle ------------------------------------------------------------------
@@ -86,7 +87,7 @@ class GrpcEngineClient(EngineClient):
     async def close(self) -> None:
         self._closed = True
         await self._discovery.close()
-        await asyncio.gather(*(engine.close() for engine in self._engines.values()))
+        await asyncio.gather(*(engine.close() for engine in self._engines.values()), *self._retired)
 
     async def wait_for_engine(self) -> EngineInfo:
         await self._connected.wait()
@@ -128,7 +129,9 @@ class GrpcEngineClient(EngineClient):
         if engine.retiring and engine.idle and self._engines.get(engine.address) is engine:
             del self._engines[engine.address]
             log.info("engine %s retired", engine.address)
-            asyncio.ensure_future(engine.close())
+            closing = asyncio.ensure_future(engine.close())
+            self._retired.add(closing)
+            closing.add_done_callback(self._retired.discard)
             self._on_change()
 
     # ---- state ----------------------------------------------------------------------
