@@ -148,3 +148,45 @@ def test_client_connects_new_engines_and_retires_departed_ones_after_their_reque
     assert len(on_first) == 2 and set(finished.values()) == {"LENGTH"}, finished  # none failed
     assert added[0] == set(on_first), "no new request went to the retiring engine"
     assert {f"new-{i}" for i in range(6)} <= added[1] | added[2] and added[2]
+
+
+def test_an_engine_back_in_the_answer_is_routed_to_again_and_the_router_metrics_show():
+    from services.telemetry.metrics import FrontendMetrics
+
+    async def run():
+        engines = [await start_fake_engine(step_delay_s=0.005) for _ in range(2)]
+        addresses = [f"127.0.0.1:{port}" for _, port, _ in engines]
+        resolver = ChangingResolver(addresses)
+        metrics = FrontendMetrics("fake")
+        client = GrpcEngineClient(["dns:///e.test.svc:1"], resolver=resolver, resolve_interval_s=3600,
+                                  backoff_initial_s=0.05, metrics=metrics)
+        await client.start()
+        try:
+            await wait_until(lambda: all(e.connected for e in client.engines()) and len(client.engines()) == 2)
+            client.add_request(request("held", 10_000))  # stays in flight on its engine
+            await wait_until(lambda: sum(len(e[2].added) for e in engines) == 1)
+            holder = next(i for i, e in enumerate(engines) if e[2].added)
+            resolver.addresses = [addresses[1 - holder]]
+            client._discovery.refresh()
+            await wait_until(lambda: client._engines[addresses[holder]].retiring)
+            while_retiring = [e.address for e in client._engines.values() if e.routable]
+            resolver.addresses = addresses
+            client._discovery.refresh()
+            await wait_until(lambda: not client._engines[addresses[holder]].retiring)
+            gauge = {s.labels["engine"]: s.value for s in metrics.registry.collect()
+                     for s in s.samples if s.name == "tandem:router_requests_in_flight"}
+            client.add_request(request("same-prompt", 2))  # the held request's prompt: expected on its engine
+            await wait_until(lambda: "same-prompt" in engines[holder][2].added)
+            hits = metrics.registry.get_sample_value("tandem:router_prefix_hit_tokens_total",
+                                                     {"policy": "prefix-aware"})
+            client.abort(["held"])
+            return addresses[1 - holder], while_retiring, gauge, hits
+        finally:
+            await client.close()
+            for server, _, _ in engines:
+                await server.stop(0)
+
+    other, while_retiring, gauge, hits = asyncio.run(run())
+    assert while_retiring == [other], "while retiring, only the other engine takes requests"
+    assert sorted(gauge.values()) == [0.0, 1.0]
+    assert hits == 32, "two full blocks of 16 of the 39-token prompt were expected on the chosen engine"
