@@ -1,0 +1,148 @@
+"""The engine's structured outputs: grammars compiled once per text, a matcher per request, and each
+step's token bitmask computed on a worker thread while the forward pass runs.
+
+llguidance computes a step's masks for all constrained rows in parallel (its LLExecutor, which
+drops the GIL), so on the worker thread they overlap the model's forward; the sampler waits only
+for what is left (`MaskTiming.wait_seconds`). torch-free: the bitmask is numpy, one bit per token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+from llguidance import LLExecutor, LLMatcher, LLTokenizer
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
+
+from engine_core.sampling_params import StructuredOutput
+from engine_core.structured.grammar import grammar_text
+from engine_core.structured.matcher import GrammarMatcher
+from engine_core.structured.vocabulary import build_vocabulary
+
+if TYPE_CHECKING:
+    from engine_core.request import Request
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GRAMMAR_CACHE_SIZE = 256
+
+
+@dataclass(frozen=True)
+class MaskTiming:
+    """One step's masks: engine-local, for the `tandem:structured_mask_*` metrics."""
+
+    compute_seconds: float  # computing every constrained row's mask (on the worker thread)
+    wait_seconds: float  # the sampler waiting for them after the forward: the part not hidden
+    num_rows: int  # constrained rows this step
+
+
+class StepMasks:
+    """A step's bitmasks in the making: `rows` are the sampling rows (batch order) that are constrained."""
+
+    def __init__(self, rows: list[int], future: Future) -> None:
+        self.rows = rows
+        self._future = future
+
+    def result(self) -> tuple[np.ndarray, MaskTiming]:
+        """[len(rows), ceil(V / 32)] int32 bitmask (bit t of row r: token t allowed) and its timing."""
+        started = time.perf_counter()
+        bitmask, compute_seconds = self._future.result()
+        return bitmask, MaskTiming(compute_seconds, time.perf_counter() - started, len(self.rows))
+
+
+class StructuredOutputs:
+    """Owned by the engine: compiles constraints into matchers and computes the masks of a batch."""
+
+    def __init__(self, tokenizer_path: str | None, *, vocab_size: int, eos_token_ids: list[int],
+                 cache_size: int = DEFAULT_GRAMMAR_CACHE_SIZE) -> None:
+        """`tokenizer_path`: a .gguf or a folder with tokenizer.json (None: structured requests are refused)."""
+        self.tokenizer_path = tokenizer_path
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._vocabulary: LLTokenizer | None = None
+        self._grammars: OrderedDict[str, LLMatcher] = OrderedDict()  # grammar text -> compiled, fresh
+        self._cache_size = cache_size
+        self._executor: LLExecutor | None = None
+        self._worker: ThreadPoolExecutor | None = None
+
+    # ---- compile ------------------------------------------------------------------
+    @property
+    def vocabulary(self) -> LLTokenizer:
+        """Built on the first structured request (about a second for a 50k vocabulary), then kept."""
+        if self._vocabulary is None:
+            if self.tokenizer_path is None:
+                raise ValueError("structured output needs the model's tokenizer, and this engine has none: start "
+                                 "it with --tokenizer (a tokenizer.json folder or a .gguf)")
+            self._vocabulary = build_vocabulary(self.tokenizer_path, vocab_size=self.vocab_size,
+                                                eos_token_ids=self.eos_token_ids)
+        return self._vocabulary
+
+    def new_matcher(self, structured: StructuredOutput) -> GrammarMatcher:
+        """A fresh matcher for a checked constraint; ValueError with llguidance's message if it does not compile."""
+        text = grammar_text(structured)
+        compiled = self._grammars.get(text)
+        if compiled is None:
+            compiled = LLMatcher(self.vocabulary, text, log_level=0)
+            if compiled.is_error():
+                raise ValueError(f"structured.{structured.kind} does not compile: {compiled.get_error()}")
+            self._grammars[text] = compiled
+            if len(self._grammars) > self._cache_size:
+                self._grammars.popitem(last=False)
+        else:
+            self._grammars.move_to_end(text)
+        return GrammarMatcher(compiled.deep_copy(), structured.kind)
+
+    @property
+    def num_cached_grammars(self) -> int:
+        return len(self._grammars)
+
+    # ---- masks --------------------------------------------------------------------
+    def start_masks(self, requests: list[Request]) -> StepMasks | None:
+        """Begin this step's masks for the constrained ones among `requests` (the sampling rows, in
+        order) on the worker thread; None when none is constrained. The matchers must not advance
+        until `result()` has returned."""
+        rows = [row for row, request in enumerate(requests) if request.grammar is not None]
+        if not rows:
+            return None
+        if self._worker is None:
+            self._executor = LLExecutor()
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-masks")
+        constrained = [requests[row] for row in rows]
+        return StepMasks(rows, self._worker.submit(self._compute, constrained))
+
+    def _compute(self, requests: list[Request]) -> tuple[np.ndarray, float]:
+        started = time.perf_counter()
+        bitmask = allocate_token_bitmask(len(requests), self.vocab_size)
+        fill_next_token_bitmask_par(self._executor, [(r.grammar.matcher, i) for i, r in enumerate(requests)],
+                                    bitmask)
+        for i, request in enumerate(requests):
+            if request.num_output_tokens < request.sampling_params.min_tokens:
+                _ban_ends(bitmask[i], request)
+        return bitmask, time.perf_counter() - started
+
+    def close(self) -> None:
+        """Stop the worker thread (idempotent)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+
+def _ban_ends(row: np.ndarray, request: Request) -> None:
+    """min_tokens under a grammar: no EOS or stop token yet, unless the grammar allows nothing else
+    (a finished structure ends the request whatever min_tokens says)."""
+    params = request.sampling_params
+    ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(request.eos_token_ids))
+    ends = [t for t in ends if t < row.size * 32]
+    if not ends:
+        return
+    words = np.array([t // 32 for t in ends])
+    bits = np.array([1 << (t % 32) for t in ends], dtype=np.int64).astype(np.uint32).view(np.int32)
+    before = row.copy()
+    np.bitwise_and.at(row, words, ~bits)
+    if not row.any():
+        row[:] = before
