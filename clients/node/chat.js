@@ -67,7 +67,7 @@ function parseArgs(argv) {
       case '--json-schema': constrain(args, 'json_schema', fs.readFileSync(value(++i, flag), 'utf8')); break;
       case '--json-object': constrain(args, 'json_object', true); break;
       case '--regex': constrain(args, 'regex', value(++i, flag)); break;
-      case '--choice': constrain(args, 'choice', { options: [...(args.choice || []), value(++i, flag)] }); break;
+      case '--choice': constrain(args, 'choice', { options: [...(args.choice ? args.choice.options : []), value(++i, flag)] }); break;
       case '--grammar': constrain(args, 'grammar', fs.readFileSync(value(++i, flag), 'utf8')); break;
       case '--whitespace-flexible': args.whitespaceFlexible = true; break;
       case '--timeout': args.timeout = number(value(++i, flag), flag); break;
