@@ -20,7 +20,7 @@ from engine_core.config import ModelArchConfig
 from engine_core.cuda_graphs import DecodeGraphRunner
 from engine_core.request import Request
 from engine_core.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs
-from engine_core.structured.bitmask import apply_token_bitmask
+from engine_core.structured.bitmask import apply_token_mask
 from engine_core.structured.masks import StepMasks, StructuredOutputs
 from engine_core.types import ModelRunnerOutput, SchedulerOutput
 from kernels import AttentionBackend, AttentionMetadata
@@ -120,8 +120,8 @@ class ModelRunner:
         requests = batch.sampling_requests
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab] fp32
         if masks is not None:  # before the sampler: logprobs are those of the constrained distribution
-            bitmask, output.mask_timing = masks.result()
-            apply_token_bitmask(logits, bitmask, masks.rows)
+            disallowed, output.mask_timing = masks.result()
+            apply_token_mask(logits, disallowed, masks.rows)
         # creates (once) the generator of each seeded request in self.generators
         metadata = build_sampling_metadata(requests, self.generators, self.device)
         sampled = self.sampler(logits, metadata)

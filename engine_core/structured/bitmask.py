@@ -1,4 +1,4 @@
-"""Token bitmasks onto logits: every token a row's grammar does not allow gets -inf."""
+"""Token masks onto logits: every token a row's grammar does not allow gets -inf."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import numpy as np
 import torch
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]) -> None:
-    """In place. logits: [N, V]; bitmask: [len(rows), ceil(V / 32)] int32, bit t of a row = token t
-    allowed (llguidance's layout); rows: the logits rows the bitmask rows belong to."""
-    vocab_size = logits.shape[1]
-    # little-endian int32 words -> bytes -> bits, lowest bit first: bit index == token id
-    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab_size, bitorder="little")  # [R, V]
-    disallowed = torch.from_numpy(allowed).to(logits.device) == 0
+def apply_token_mask(logits: torch.Tensor, disallowed: np.ndarray, rows: list[int]) -> None:
+    """In place. logits: [N, V]; disallowed: [len(rows), V] uint8, 1 = not allowed
+    (masks.disallowed_tokens); rows: the logits rows its rows belong to, ascending."""
+    mask = torch.from_numpy(disallowed).view(torch.bool).to(logits.device)  # 0/1 bytes: a zero-copy view
+    if len(rows) == logits.shape[0]:  # every row constrained: one pass, no gather
+        logits.masked_fill_(mask, float("-inf"))
+        return
     index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(disallowed, float("-inf")))
+    logits[index] = logits[index].masked_fill_(mask, float("-inf"))

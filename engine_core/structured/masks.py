@@ -49,10 +49,10 @@ class StepMasks:
         self._future = future
 
     def result(self) -> tuple[np.ndarray, MaskTiming]:
-        """[len(rows), ceil(V / 32)] int32 bitmask (bit t of row r: token t allowed) and its timing."""
+        """[len(rows), V] uint8, 1 where a token is NOT allowed (`disallowed_tokens`), and the timing."""
         started = time.perf_counter()
-        bitmask, compute_seconds = self._future.result()
-        return bitmask, MaskTiming(compute_seconds, time.perf_counter() - started, len(self.rows))
+        disallowed, compute_seconds = self._future.result()
+        return disallowed, MaskTiming(compute_seconds, time.perf_counter() - started, len(self.rows))
 
 
 class StructuredOutputs:
@@ -123,13 +123,22 @@ class StructuredOutputs:
         for i, request in enumerate(requests):
             if request.num_output_tokens < request.sampling_params.min_tokens:
                 _ban_ends(bitmask[i], request)
-        return bitmask, time.perf_counter() - started
+        return disallowed_tokens(bitmask, self.vocab_size), time.perf_counter() - started
 
     def close(self) -> None:
         """Stop the worker thread (idempotent)."""
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
+
+
+def disallowed_tokens(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """llguidance's [R, ceil(V / 32)] int32 bitmask (bit t: token t allowed) -> [R, V] uint8, 1 = not allowed.
+
+    Unpacked here, on the worker thread, so that the sampler's part is one masked_fill over a
+    zero-copy bool view. Little-endian words: byte-wise, lowest bit first, bit index == token id.
+    """
+    return np.unpackbits(~bitmask.view(np.uint8), axis=1, count=vocab_size, bitorder="little")
 
 
 def _ban_ends(row: np.ndarray, request: Request) -> None:

@@ -12,9 +12,9 @@ import torch
 from clients import messages as wire
 from engine_core.request import Request
 from engine_core.sampling_params import SamplingParams, StructuredOutput, validate_sampling_params
-from engine_core.structured.bitmask import apply_token_bitmask
+from engine_core.structured.bitmask import apply_token_mask
 from engine_core.structured.grammar import grammar_text
-from engine_core.structured.masks import _ban_ends
+from engine_core.structured.masks import _ban_ends, disallowed_tokens
 from services import sampling_convert
 from services.frontend.limits import RequestLimits
 from tests.structured.schemas import ARITHMETIC, PERSON
@@ -98,11 +98,15 @@ def bitmask_allowing(vocab_size: int, *allowed: int) -> np.ndarray:
 def test_bitmask_sets_disallowed_logits_to_minus_infinity():
     logits = torch.randn(3, 70)
     before = logits.clone()
-    apply_token_bitmask(logits, np.concatenate([bitmask_allowing(70, 0, 31, 32, 69), bitmask_allowing(70, 5)]), [2, 0])
+    bitmask = np.concatenate([bitmask_allowing(70, 5), bitmask_allowing(70, 0, 31, 32, 69)])
+    apply_token_mask(logits, disallowed_tokens(bitmask, 70), [0, 2])
     assert torch.equal(logits[1], before[1])  # an unconstrained row
     assert torch.isfinite(logits[2]).nonzero().flatten().tolist() == [0, 31, 32, 69]
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [5]
     assert torch.equal(logits[2, [0, 31, 32, 69]], before[2, [0, 31, 32, 69]])
+    every_row = torch.zeros(2, 70)
+    apply_token_mask(every_row, disallowed_tokens(bitmask, 70), [0, 1])
+    assert torch.isfinite(every_row).nonzero().tolist() == [[0, 5], [1, 0], [1, 31], [1, 32], [1, 69]]
 
 
 def test_min_tokens_bans_ends_unless_nothing_else_is_allowed():
