@@ -65,6 +65,7 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self._vocabulary: LLTokenizer | None = None
+        self._json_vocabulary: LLTokenizer | None = None  # the same, with llguidance's JSON slices
         self._grammars: OrderedDict[str, LLMatcher] = OrderedDict()  # grammar text -> compiled, fresh
         self._cache_size = cache_size
         self._executor: LLExecutor | None = None
@@ -82,12 +83,21 @@ class StructuredOutputs:
                                                 eos_token_ids=self.eos_token_ids)
         return self._vocabulary
 
+    def vocabulary_for(self, kind: str) -> LLTokenizer:
+        """JSON constraints get llguidance's JSON token slices (about a third less mask time on JSON
+        than the general slices); the others the general ones."""
+        if kind not in ("json_schema", "json_object"):
+            return self.vocabulary
+        if self._json_vocabulary is None:
+            self._json_vocabulary = self.vocabulary.with_slices(LLTokenizer.json_slices())
+        return self._json_vocabulary
+
     def new_matcher(self, structured: StructuredOutput) -> GrammarMatcher:
         """A fresh matcher for a checked constraint; ValueError with llguidance's message if it does not compile."""
         text = grammar_text(structured)
         compiled = self._grammars.get(text)
         if compiled is None:
-            compiled = LLMatcher(self.vocabulary, text, log_level=0)
+            compiled = LLMatcher(self.vocabulary_for(structured.kind), text, log_level=0)
             if compiled.is_error():
                 raise ValueError(f"structured.{structured.kind} does not compile: {compiled.get_error()}")
             self._grammars[text] = compiled
