@@ -59,7 +59,8 @@ def sampling_parent() -> argparse.ArgumentParser:
     group.add_argument("--repetition-penalty", type=float, metavar="R", help="(0, 2], 1 = off")
     group.add_argument("--ignore-eos", action="store_true", default=None, help="keep going past end-of-sequence")
     structured = parent.add_argument_group("structured output (at most one; the server enforces it token by token)")
-    structured.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid under this JSON Schema file")
+    structured.add_argument("--json-schema", metavar="FILE",
+                            help="the output is JSON valid under this JSON Schema file")
     structured.add_argument("--json-object", action="store_true", default=None, help="the output is a JSON object")
     structured.add_argument("--regex", metavar="R", help="the whole output matches this regular expression")
     structured.add_argument("--choice", action="append", metavar="TEXT", help="the output is one of these; repeatable")
@@ -74,8 +75,8 @@ def sampling_from_args(args: argparse.Namespace) -> dict:
     names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "repetition_penalty",
              "ignore_eos", "json_object", "regex", "choice", "whitespace_flexible")
     sampling = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
-    constraints = [f"--{name.replace('_', '-')}" for name in ("json_schema", "json_object", "regex", "choice", "grammar")
-                   if getattr(args, name, None) is not None]
+    kinds = ("json_schema", "json_object", "regex", "choice", "grammar")
+    constraints = [f"--{name.replace('_', '-')}" for name in kinds if getattr(args, name, None) is not None]
     if len(constraints) > 1:
         raise ValueError(f"give at most one of {', '.join(constraints)}")
     for name in ("json_schema", "grammar"):

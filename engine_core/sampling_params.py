@@ -3,7 +3,9 @@ reasons and logprobs, numbered like tandem.v1 (common.proto), so the enums cross
 
 `SamplingParams` only normalises on construction; `validate_sampling_params` checks every range
 once, where a request enters (the frontend's input processor, the engine's gRPC edge, the
-offline `LLMEngine`). What only the engine knows (vocabulary, context length) it checks itself.
+offline `LLMEngine`), and compiles a structured-output constraint (llguidance, no torch) so a bad
+one is refused with the compiler's message. What only the engine knows (vocabulary, context
+length) it checks itself.
 """
 
 from __future__ import annotations

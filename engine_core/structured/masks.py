@@ -74,7 +74,7 @@ class StructuredOutputs:
     # ---- compile ------------------------------------------------------------------
     @property
     def vocabulary(self) -> LLTokenizer:
-        """Built on the first structured request (about a second for a 50k vocabulary), then kept."""
+        """Built on the first structured request (under a second for a 50k vocabulary), then kept."""
         if self._vocabulary is None:
             if self.tokenizer_path is None:
                 raise ValueError("structured output needs the model's tokenizer, and this engine has none: start "
@@ -134,12 +134,6 @@ class StructuredOutputs:
             if request.num_output_tokens < request.sampling_params.min_tokens:
                 _ban_ends(bitmask[i], request)
         return disallowed_tokens(bitmask, self.vocab_size), time.perf_counter() - started
-
-    def close(self) -> None:
-        """Stop the worker thread (idempotent)."""
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-            self._worker = None
 
 
 def disallowed_tokens(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:

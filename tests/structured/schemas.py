@@ -16,7 +16,8 @@ PERSON = {  # nested object, array, enum, required fields, bounded numbers
         "role": {"enum": ["admin", "user", "guest"]},
         "address": {
             "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 10}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "properties": {"city": {"type": "string", "maxLength": 10},
+                           "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
             "required": ["city", "zip"],
             "additionalProperties": False,
         },

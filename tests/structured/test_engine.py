@@ -14,7 +14,13 @@ from engine_core.sampling_params import FinishReason, SamplingParams, Structured
 from engine_core.types import EngineCoreRequest
 from tests.structured.conftest import tiny_config
 from tests.structured.schemas import (
-    ARITHMETIC, CHOICES, PHONE_REGEX, SCHEMAS, check_json, check_lark, check_regex,
+    ARITHMETIC,
+    CHOICES,
+    PHONE_REGEX,
+    SCHEMAS,
+    check_json,
+    check_lark,
+    check_regex,
 )
 
 
