@@ -1,9 +1,11 @@
 """The engine's structured outputs: grammars compiled once per text, a matcher per request, and each
-step's token bitmask computed on a worker thread while the forward pass runs.
+step's token masks, computed on a worker thread while the forward pass runs where that pays.
 
 llguidance computes a step's masks for all constrained rows in parallel (its LLExecutor, which
-drops the GIL), so on the worker thread they overlap the model's forward; the sampler waits only
-for what is left (`MaskTiming.wait_seconds`). torch-free: the bitmask is numpy, one bit per token.
+drops the GIL). Where the forward leaves a core idle (a GPU, or spare CPU cores) they run on the
+worker thread beside it and the sampler waits only for what is left (`MaskTiming.wait_seconds`);
+where torch already uses every core, a thread beside it only slows its thread team down, so they
+are computed right after the forward. torch-free: the masks are numpy.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -42,16 +45,19 @@ class MaskTiming:
 
 
 class StepMasks:
-    """A step's bitmasks in the making: `rows` are the sampling rows (batch order) that are constrained."""
+    """A step's masks in the making: `rows` are the sampling rows (batch order) that are constrained.
+    Either already running on the worker thread (`future`) or computed when asked for (`compute`)."""
 
-    def __init__(self, rows: list[int], future: Future) -> None:
+    def __init__(self, rows: list[int], future: Future | None = None,
+                 compute: Callable[[], tuple[np.ndarray, float]] | None = None) -> None:
         self.rows = rows
         self._future = future
+        self._compute = compute
 
     def result(self) -> tuple[np.ndarray, MaskTiming]:
         """[len(rows), V] uint8, 1 where a token is NOT allowed (`disallowed_tokens`), and the timing."""
         started = time.perf_counter()
-        disallowed, compute_seconds = self._future.result()
+        disallowed, compute_seconds = self._future.result() if self._future is not None else self._compute()
         return disallowed, MaskTiming(compute_seconds, time.perf_counter() - started, len(self.rows))
 
 
@@ -59,9 +65,15 @@ class StructuredOutputs:
     """Owned by the engine: compiles constraints into matchers and computes the masks of a batch."""
 
     def __init__(self, tokenizer_path: str | None, *, vocab_size: int, eos_token_ids: list[int],
+                 overlap: bool = True, num_threads: int | None = None,
                  cache_size: int = DEFAULT_GRAMMAR_CACHE_SIZE) -> None:
-        """`tokenizer_path`: a .gguf or a folder with tokenizer.json (None: structured requests are refused)."""
+        """`tokenizer_path`: a .gguf or a folder with tokenizer.json (None: structured requests are refused).
+        `overlap`: compute masks on a worker thread during the forward; worth it only where the forward
+        leaves a CPU core idle (a GPU does the work, or torch has fewer threads than cores); otherwise
+        they are computed right after it. `num_threads`: llguidance's (None: its default)."""
         self.tokenizer_path = tokenizer_path
+        self.overlap = overlap
+        self.num_threads = num_threads
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self._vocabulary: LLTokenizer | None = None
@@ -119,11 +131,14 @@ class StructuredOutputs:
         rows = [row for row, request in enumerate(requests) if request.grammar is not None]
         if not rows:
             return None
-        if self._worker is None:
-            self._executor = LLExecutor()
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-masks")
+        if self._executor is None:
+            self._executor = LLExecutor(self.num_threads)
         constrained = [requests[row] for row in rows]
-        return StepMasks(rows, self._worker.submit(self._compute, constrained))
+        if not self.overlap:
+            return StepMasks(rows, compute=lambda: self._compute(constrained))
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-masks")
+        return StepMasks(rows, future=self._worker.submit(self._compute, constrained))
 
     def _compute(self, requests: list[Request]) -> tuple[np.ndarray, float]:
         started = time.perf_counter()
