@@ -4,13 +4,17 @@ Pure bookkeeping (no tensors): a block id is an index into the model runner's KV
 tensors. Block 0 is the null block: never handed out, used to pad block tables.
 A free block keeps its cached hash until it is evicted (reused for new tokens), so
 a later request with the same prefix can take it back out of the free queue.
+
+With `record_events()` the pool also notes which hashes it indexed and evicted (vLLM's KV
+events), for whoever routes requests by prefix: `take_events()` hands them over once a step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine_core.request import BlockHash
+from engine_core.block_hash import BlockHash
+from engine_core.types import KVCacheEvents
 
 
 class KVCacheBlock:
@@ -85,6 +89,9 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+        # hash -> cached (True) or evicted (False), last change wins; None: not recording
+        self._changes: dict[BlockHash, bool] | None = None
+        self._cleared = False
 
     @property
     def num_free_blocks(self) -> int:
@@ -137,6 +144,7 @@ class BlockPool:
             return
         block.block_hash, block.token_ids = block_hash, token_ids
         self.cached_blocks[block_hash] = block
+        self._note(block_hash, cached=True)
 
     def get_cached_block(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> KVCacheBlock | None:
         """The cached block with this hash, only if it holds exactly these tokens."""
@@ -152,10 +160,44 @@ class BlockPool:
         for block in self.cached_blocks.values():
             block.block_hash, block.token_ids = None, ()
         self.cached_blocks.clear()
+        if self._changes is not None:
+            self._changes.clear()
+            self._cleared = True
         return True
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return
         del self.cached_blocks[block.block_hash]
+        self._note(block.block_hash, cached=False)
         block.block_hash, block.token_ids = None, ()
+
+    # ---- KV events ------------------------------------------------------------
+    def record_events(self) -> None:
+        """From now on note the hashes indexed and evicted, for `take_events()`."""
+        if self._changes is None:
+            self._changes = {}
+
+    def take_events(self) -> KVCacheEvents | None:
+        """The net changes since the last call (None when there are none or nothing is recorded).
+
+        A hash indexed and evicted within one report shows only as removed, and the reverse only
+        as stored, so a reader may apply `removed` and `stored` in either order.
+        """
+        if not self._changes and not self._cleared:
+            return None
+        events = KVCacheEvents(stored=[h for h, cached in self._changes.items() if cached],
+                               removed=[h for h, cached in self._changes.items() if not cached],
+                               cleared=self._cleared)
+        self._changes.clear()
+        self._cleared = False
+        return events
+
+    def snapshot(self) -> KVCacheEvents:
+        """Every hash indexed now, as a report that replaces whatever a reader knew."""
+        return KVCacheEvents(stored=list(self.cached_blocks), cleared=True)
+
+    def _note(self, block_hash: BlockHash, cached: bool) -> None:
+        if self._changes is not None:
+            self._changes.pop(block_hash, None)  # re-insert: the order follows the last change
+            self._changes[block_hash] = cached

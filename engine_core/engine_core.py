@@ -24,7 +24,7 @@ from engine_core.profiler import Profiler
 from engine_core.request import Request, RequestStatus
 from engine_core.scheduler import Scheduler
 from engine_core.structured.masks import StructuredOutputs
-from engine_core.types import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from engine_core.types import EngineCoreOutputs, EngineCoreRequest, KVCacheEvents, SchedulerStats
 from kernels import select_backend
 from kernels.fused_ops import select_fused_ops
 from kernels.cpu_linear import fastest_float_dtype
@@ -79,8 +79,9 @@ def resolve_quantization(name: str, dtype_name: str, device: torch.device) -> st
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, *, log_stats: bool = False) -> None:
-        """log_stats: outputs carry per-request events (queued, scheduled, preempted) as in vLLM v1."""
+    def __init__(self, config: EngineConfig, *, log_stats: bool = False, kv_events: bool = False) -> None:
+        """log_stats: outputs carry per-request events (queued, scheduled, preempted) as in vLLM v1.
+        kv_events: each step's outputs carry the prefix-cache hashes indexed and evicted (for routers)."""
         self.config = config
         if config.device.num_threads is not None:
             torch.set_num_threads(config.device.num_threads)
@@ -113,6 +114,10 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len,
                                    log_stats=log_stats)
+        self._block_pool = self.scheduler.kv_cache_manager.block_pool
+        self.records_kv_events = kv_events
+        if kv_events:
+            self._block_pool.record_events()
         self.eos_token_ids = frozenset(self.arch.eos_token_ids)
         self.asleep = False  # the KV cache is freed (sleep / wake_up)
         self._profiler = Profiler(device)
@@ -227,6 +232,7 @@ class EngineCore:
         runner_output = self.runner.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs.timestamp = time.time()
+        outputs.kv_events = self._block_pool.take_events()
         outputs.mask_timing = runner_output.mask_timing
         return outputs
 
@@ -236,6 +242,14 @@ class EngineCore:
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
+
+    def take_kv_events(self) -> KVCacheEvents | None:
+        """Prefix-cache changes not yet in a step's outputs (a reset between steps); None when none."""
+        return self._block_pool.take_events()
+
+    def kv_cache_snapshot(self) -> KVCacheEvents:
+        """Every prefix-cache hash held now (cleared=True: it replaces what a reader knew)."""
+        return self._block_pool.snapshot()
 
     # ---- sleep and profiling --------------------------------------------------------
     def sleep(self) -> None:

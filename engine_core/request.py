@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine_core.block_hash import BlockHash, hash_block_tokens
 from engine_core.sampling_params import SamplingParams
 from engine_core.types import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
 
@@ -15,13 +16,6 @@ if TYPE_CHECKING:
     from engine_core.structured.matcher import GrammarMatcher
 
 logger = logging.getLogger(__name__)
-
-BlockHash = int
-
-
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids: tuple[int, ...]) -> BlockHash:
-    """Chained hash of one full block: equal hashes mean equal prefixes (confirmed on hit)."""
-    return hash((parent_hash, token_ids))
 
 
 class RequestStatus(enum.IntEnum):
@@ -136,7 +130,7 @@ class Request:
         size = self.block_size
         parent = self.block_hashes[-1] if self.block_hashes else None
         for start in range(len(self.block_hashes) * size, self.num_tokens - size + 1, size):
-            parent = hash_block_tokens(parent, tuple(self.all_token_ids[start:start + size]))
+            parent = hash_block_tokens(parent, self.all_token_ids[start:start + size])
             self.block_hashes.append(parent)
 
     # ---- events (for tracing and latency metrics) ------------------------------

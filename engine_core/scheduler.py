@@ -26,15 +26,8 @@ from engine_core.types import (
 
 
 class Scheduler:
-    def __init__(
-        self,
-        scheduler_config: SchedulerConfig,
-        cache_config: CacheConfig,
-        num_blocks: int,
-        max_model_len: int,
-        *,
-        log_stats: bool = False,
-    ) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+                 max_model_len: int, *, log_stats: bool = False) -> None:
         """log_stats: record per-request events (queued, scheduled, preempted) for tracing and metrics."""
         capacity = (num_blocks - 1) * cache_config.block_size
         if max_model_len > capacity:
@@ -42,9 +35,7 @@ class Scheduler:
                 f"max_model_len ({max_model_len}) is larger than the KV cache holds "
                 f"({num_blocks - 1} blocks of {cache_config.block_size} tokens = {capacity})"
             )
-        if not scheduler_config.enable_chunked_prefill and (
-            scheduler_config.max_num_batched_tokens < max_model_len
-        ):
+        if not scheduler_config.enable_chunked_prefill and scheduler_config.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"without chunked prefill max_num_batched_tokens ({scheduler_config.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({max_model_len})"
@@ -53,9 +44,7 @@ class Scheduler:
         self.log_stats = log_stats
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
-        )
+        self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting = PriorityQueue() if scheduler_config.policy == "priority" else FcfsQueue()
         self.running: list[Request] = []

@@ -107,9 +107,20 @@ class SchedulerStats:
 
 
 @dataclass
+class KVCacheEvents:
+    """Prefix-cache blocks indexed and evicted since the last report (vLLM's KV events), by chained hash
+    (engine_core/block_hash.py). `cleared`: forget every hash first (a reset, or a full snapshot)."""
+
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+    cleared: bool = False
+
+
+@dataclass
 class EngineCoreOutputs:
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     finished_request_ids: set[str] = field(default_factory=set)
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
+    kv_events: KVCacheEvents | None = None  # only when the engine records them
     mask_timing: "MaskTiming | None" = None  # engine-local (step metrics), never sent

@@ -147,22 +147,23 @@ def allowed_kernels(quantization: str) -> tuple[str, ...]:
             "auto": FLOAT_KERNELS + ("int8_weight_only",)}[quantization]
 
 
-def _kernels_for(quantization: str, weights: list[torch.Tensor], lm_head: bool) -> tuple[str, ...]:
-    """The allowed kernels that fit every weight of a same-shape group (see `allowed_kernels`).
+def _kernels_for(quantization: str, weights: list[torch.Tensor], role: str) -> tuple[str, ...]:
+    """The allowed kernels that fit every weight of a same-shape group (see `allowed_kernels`);
+    `role`: "lm_head", "down_proj" or "" for any other linear.
 
     int4 leaves the LM head at int8, as llama.cpp's Q4 files keep their output layer at 6-8 bits:
     an int4 head turned SmolLM2's "The capital of France is Paris." into "L'Étoile (The City of
     Lights) is the capital of France."
 
-    W8A8 serves float32 models only (the CPUs without fast bf16 it is for): 8-bit activations on
-    top of bf16 rounding turned that answer into "L'Étoile ..." too once the fused C++ layer ops
-    were on, while fp32 W8A8 keeps it exactly.
+    W8A8 never takes the LM head or an MLP's down projection: the SiLU·mul product feeding
+    down_proj has outlier channels (as SmoothQuant found) that one int8 scale per token crushes. With
+    W8A8 there the bf16 answer above became "L'Étoile ..."; without it, it stays exact.
     """
-    if quantization == "int4" and lm_head:
+    if quantization == "int4" and role == "lm_head":
         quantization = "int8"
     kernels = [k for k in allowed_kernels(quantization) if all(kernel_fits(k, w) for w in weights)]
-    if weights[0].dtype != torch.float32 and "int8_dynamic" in kernels:
-        kernels.remove("int8_dynamic")  # W8A8 is the fp32 machine's path; see the docstring
+    if role and "int8_dynamic" in kernels and len(kernels) > 1:
+        kernels.remove("int8_dynamic")  # outlier activations: see the docstring
     if quantization == "int4" and "int4" in kernels:
         kernels = ["int4"]  # int8 is only the fallback for shapes int4 cannot take
     elif quantization == "auto" and all(int4_is_exact(w) for w in weights):
@@ -209,16 +210,17 @@ def use_measured_linears(model: nn.Module, quantization: str = "none", buckets: 
     for parent in model.modules():
         for child_name, child in parent.named_children():
             if isinstance(child, nn.Linear):
-                key = (child.out_features, child.in_features, child.bias is not None, child_name == "lm_head")
+                role = child_name if child_name in ("lm_head", "down_proj") else ""
+                key = (child.out_features, child.in_features, child.bias is not None, role)
                 groups.setdefault(key, []).append((parent, child_name, child))
     plans = {}
-    for (out_f, in_f, _, lm_head), members in groups.items():
+    for (out_f, in_f, _, role), members in groups.items():
         weight_bytes = out_f * in_f * members[0][2].weight.element_size()
         count = max(1, min(len(members), _TIMING_BYTES // max(weight_bytes, 1)))
         sample = [(m.weight, m.bias) for _, _, m in members[:count]]
         with one_thread():
-            kernels = _kernels_for(quantization, [m.weight for _, _, m in members], lm_head)
-        entry = (f"linear {out_f}x{in_f} bias={members[0][2].bias is not None} head={lm_head} "
+            kernels = _kernels_for(quantization, [m.weight for _, _, m in members], role)
+        entry = (f"linear {out_f}x{in_f} bias={members[0][2].bias is not None} role={role or 'any'} "
                  f"{members[0][2].weight.dtype} kernels={','.join(kernels)} buckets={buckets}")
         stored = linear_plan_cache.lookup(entry) if cached else None
         if stored is not None and all(name in kernels for _, name in stored):

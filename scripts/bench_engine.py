@@ -26,7 +26,6 @@ import asyncio
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
@@ -36,30 +35,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from clients.async_client import AsyncTandemClient  # noqa: E402
-from clients.bench.backends import LlamaServerBackend, TandemBackend  # noqa: E402
-from clients.bench.loadgen import closed_loop  # noqa: E402
+from clients.bench.backends import TandemBackend  # noqa: E402
 from clients.bench.metrics import RequestRecord, summarize  # noqa: E402
 from clients.bench.prompts import BenchPrompt, synthetic_prompts  # noqa: E402
 from clients.local_stack import LocalStack, free_port  # noqa: E402
+from scripts.bench_peers import SHARED_TOOLS, floor_ms, run_closed_loop, run_floor, run_llama  # noqa: E402
 
-SHARED_TOOLS = ROOT.parent / "shared" / "tools"
 STEP_METRIC = "tandem:engine_step_duration_seconds"
-
-
-# ---- the machine's floor ------------------------------------------------------------------------
-def run_floor(path: Path, batches: list[int]) -> dict | None:
-    if not path.exists():
-        print(f"floor: {path} not found, skipped", file=sys.stderr)
-        return None
-    cmd = [sys.executable, str(path), "--json", "--batches", *map(str, batches)]
-    return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-
-
-def floor_ms(floor: dict | None, dtype: str, batch: int) -> float | None:
-    for row in (floor or {}).get("linears_only", []):
-        if row["dtype"] == dtype and row["batch"] == batch and "step_ms" in row:
-            return row["step_ms"]
-    return None
 
 
 # ---- in-process: LLMEngine on the main thread ------------------------------------------------------
@@ -151,11 +133,6 @@ def scrape_step_metric(url: str) -> tuple[float, float]:
     return values["_sum"], values["_count"]
 
 
-async def run_closed_loop(backend, prompts: list[BenchPrompt]) -> dict:
-    records, wall = await closed_loop(backend, prompts, len(prompts))
-    return summarize(records, wall)
-
-
 def run_grpc(engine_args: list[str], workloads: dict[int, list[BenchPrompt]]) -> dict[int, dict]:
     metrics_port = free_port()
     stack = LocalStack(frontend_port=free_port(), engine_port=free_port(),
@@ -178,34 +155,6 @@ def run_grpc(engine_args: list[str], workloads: dict[int, list[BenchPrompt]]) ->
             after = scrape_step_metric(metrics_url)
             summary["step_mean_ms"] = 1000 * (after[0] - before[0]) / max(after[1] - before[1], 1)
             results[streams] = summary
-    return results
-
-
-# ---- llama.cpp's llama-server -------------------------------------------------------------------------
-def run_llama(workloads: dict[int, list[BenchPrompt]]) -> dict[int, dict]:
-    script = SHARED_TOOLS / "llama_server.sh"
-    subprocess.run(["bash", str(script), "build"], check=True, capture_output=True)
-    results = {}
-    for streams, prompts in workloads.items():
-        port = free_port()
-        server = subprocess.Popen(["bash", str(script), "serve", str(streams), str(port)],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
-                        break
-                except OSError:
-                    if time.monotonic() > deadline or server.poll() is not None:
-                        raise RuntimeError("llama-server did not become healthy") from None
-                    time.sleep(0.5)
-            asyncio.run(run_closed_loop(LlamaServerBackend(url), [BenchPrompt(None, (1, 2, 3, 4), 8)]))
-            results[streams] = asyncio.run(run_closed_loop(LlamaServerBackend(url), prompts))
-        finally:
-            server.terminate()
-            server.wait(30)
     return results
 
 

@@ -22,6 +22,7 @@ import os
 import statistics
 import sys
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 
@@ -29,9 +30,46 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc  # noqa: E402
+from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc  # noqa: E402
 
 from clients.local_stack import LocalStack, free_port  # noqa: E402
-from scripts.bench_split import bench_grpc, make_prompts  # noqa: E402
+
+
+# ---- load: concurrent greedy streams of random prompt ids ----
+def make_prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(count)]
+
+
+async def one_stream(stub, prompt: list[int], gen_len: int) -> dict:
+    request = generation_pb2.GenerateRequest(
+        token_ids=generation_pb2.TokenIds(ids=prompt),
+        sampling_params=common_pb2.SamplingParams(
+            temperature=0.0, max_tokens=gen_len, ignore_eos=True, output_kind=common_pb2.OUTPUT_KIND_DELTA,
+        ),
+    )
+    started = time.perf_counter()
+    first, tokens = None, 0
+    async for response in stub.Generate(request):
+        for chunk in response.completions:
+            if chunk.token_ids and first is None:
+                first = time.perf_counter() - started
+            tokens += len(chunk.token_ids)
+    return {"ttft": first, "tokens": tokens}
+
+
+async def bench_grpc(address: str, prompts: list[list[int]], gen_len: int) -> dict:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        await one_stream(stub, prompts[0][:16], 4)  # warm-up
+        started = time.perf_counter()
+        results = await asyncio.gather(*(one_stream(stub, p, gen_len) for p in prompts))
+        elapsed = time.perf_counter() - started
+    tokens = sum(r["tokens"] for r in results)
+    return {"seconds": elapsed, "generated_tokens": tokens, "tok_per_s": tokens / elapsed,
+            "ttft_p50_s": statistics.median(r["ttft"] for r in results)}
 
 
 def parse_args() -> argparse.Namespace:

@@ -34,7 +34,7 @@ WIRING = {
     "services/engine/server.py",
     "services/engine/health.py",
     "services/frontend/server.py",
-    "services/frontend/engine_client.py",
+    "services/frontend/engine_connection.py",
     "clients/client.py",
     "clients/async_client.py",
     "clients/local_stack.py",

@@ -181,6 +181,8 @@ class EngineBusyLoop:
                 self._router.reply(connection, result)
         elif isinstance(item, Open):
             self._router.open(connection, item.sink)
+            if self.engine.records_kv_events:  # the prefix cache as it is: the connection's routing starts here
+                self._router.send_snapshot(connection, self.engine.kv_cache_snapshot(), self.engine.make_stats())
         elif isinstance(item, Close):
             self._close(connection)
         elif isinstance(item, Call):
@@ -271,6 +273,9 @@ class EngineBusyLoop:
                 self.engine.stop_profile()
         except ValueError as exc:  # refused, with a message for the caller
             return UtilityResult(call.call_id, False, str(exc), self.engine.make_stats())
+        finally:
+            if (events := self.engine.take_kv_events()) is not None:  # a reset clears every router's view now
+                self._router.broadcast_kv_events(events, self.engine.make_stats())
         return UtilityResult(call.call_id, True, stats=self.engine.make_stats())
 
     def _pause_engine(self, connection: int, call: Utility) -> UtilityResult | None:

@@ -111,6 +111,10 @@ def outputs_to_proto(message: ConnectionOutputs) -> engine_core_pb2.EngineCoreOu
         proto.scheduler_stats.CopyFrom(stats_to_proto(message.scheduler_stats))
     if message.utility_result is not None:
         proto.utility_result.CopyFrom(utility_result_to_proto(message.utility_result))
+    if message.kv_events is not None:
+        events = message.kv_events
+        proto.kv_events.CopyFrom(engine_core_pb2.KVCacheEvents(
+            cleared=events.cleared, stored_block_hashes=events.stored, removed_block_hashes=events.removed))
     return proto
 
 

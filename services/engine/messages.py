@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine_core.types import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from engine_core.types import EngineCoreOutput, EngineCoreRequest, KVCacheEvents, SchedulerStats
 
 
 class UtilityMethod(enum.Enum):
@@ -94,6 +94,7 @@ class ConnectionOutputs:
     timestamp: float = 0.0
     utility_result: UtilityResult | None = None
     errors: list[RequestError] = field(default_factory=list)
+    kv_events: KVCacheEvents | None = None  # the prefix cache's changes, sent to every connection
 
 
 @dataclass(frozen=True)

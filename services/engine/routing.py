@@ -14,7 +14,7 @@ import itertools
 import time
 from typing import Callable
 
-from engine_core.types import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats
+from engine_core.types import EngineCoreOutput, EngineCoreOutputs, FinishReason, KVCacheEvents, SchedulerStats
 from services.engine.messages import ConnectionOutputs, RequestError, UtilityResult
 
 Sink = Callable[[object], None]  # called from the busy-loop thread; must not block
@@ -54,6 +54,18 @@ class ConnectionRouter:
     def reply(self, connection: int, result: UtilityResult) -> None:
         self.send(connection, ConnectionOutputs(utility_result=result, timestamp=time.time()))
 
+    def send_snapshot(self, connection: int, events: KVCacheEvents, stats: SchedulerStats) -> None:
+        """A new connection's first message: the whole prefix cache and the load now (no step counters)."""
+        gauges = SchedulerStats(num_running_reqs=stats.num_running_reqs, num_waiting_reqs=stats.num_waiting_reqs,
+                                kv_cache_usage=stats.kv_cache_usage, num_free_blocks=stats.num_free_blocks,
+                                num_total_blocks=stats.num_total_blocks)
+        self.send(connection, ConnectionOutputs(scheduler_stats=gauges, timestamp=time.time(), kv_events=events))
+
+    def broadcast_kv_events(self, events: KVCacheEvents, stats: SchedulerStats | None = None) -> None:
+        """Prefix-cache changes made between steps (a reset) to every connection."""
+        for connection in list(self.sinks):
+            self.send(connection, ConnectionOutputs(scheduler_stats=stats, timestamp=time.time(), kv_events=events))
+
     def send_aborted(self, connection: int, request_ids: list[str], stats: SchedulerStats) -> None:
         """An ABORT finish for requests the server aborted (PAUSE ABORT): their clients do not know yet."""
         outputs = [EngineCoreOutput(request_id, [], finish_reason=FinishReason.ABORT) for request_id in request_ids]
@@ -92,8 +104,12 @@ class ConnectionRouter:
 
     # ---- outputs ----------------------------------------------------------------------
     def route(self, step: EngineCoreOutputs) -> None:
-        """Send one message to each connection with outputs or finished requests in this step, in its own ids."""
+        """Send one message to each connection with outputs or finished requests in this step, in its own ids;
+        when the prefix cache changed, every connection gets a message with the changes (and the stats)."""
         messages: dict[int, ConnectionOutputs] = {}
+        if step.kv_events is not None:
+            messages = {connection: ConnectionOutputs(scheduler_stats=step.scheduler_stats, timestamp=step.timestamp,
+                                                      kv_events=step.kv_events) for connection in self.sinks}
 
         def message_for(engine_id: str) -> tuple[ConnectionOutputs | None, str]:
             owner = self._owners.get(engine_id)

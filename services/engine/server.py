@@ -123,7 +123,8 @@ class EngineServer:
         if max_pending_outputs < 1:
             raise ValueError(f"max_pending_outputs must be >= 1, got {max_pending_outputs}")
         self.max_pending_outputs = max_pending_outputs
-        self.engine = EngineCore(config, log_stats=True)  # outputs carry queued/scheduled/preempted events
+        # outputs carry queued/scheduled/preempted events and the prefix cache's changes (for frontends' routers)
+        self.engine = EngineCore(config, log_stats=True, kv_events=True)
         self._init_telemetry(tracer_provider, metrics_port, metrics_host)
         self.busy_loop = EngineBusyLoop(self.engine, self.telemetry)
         self.health = EngineHealth(self.busy_loop, stall_timeout)

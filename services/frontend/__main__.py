@@ -1,6 +1,7 @@
 """tandem-frontend: the public gRPC server in front of one or more engine cores.
 
     python -m services.frontend --engine 127.0.0.1:50061 --port 50051
+    python -m services.frontend --engine dns:///tandem-engine.default.svc:50061   # every engine behind a name
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import signal
 
 from services.frontend.async_llm import DEFAULT_MAX_WAITING_REQUESTS, AsyncLLM
 from services.frontend.engine_client import GrpcEngineClient
+from services.frontend.engine_discovery import DEFAULT_RESOLVE_INTERVAL_S, parse_engine_targets
 from services.frontend.limits import RequestLimits
 from services.frontend.output_processor import DEFAULT_MAX_UNSENT_TOKENS
+from services.frontend.router import DEFAULT_BALANCE_ABS, DEFAULT_BALANCE_REL, Router, RoutingPolicy
 from services.frontend.server import FrontendServer
 from services.frontend.telemetry import FrontendTelemetry
 from services.frontend.tokenizer import load_tokenizer
@@ -29,9 +32,24 @@ log = logging.getLogger("tandem.frontend")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tandem-frontend", description=__doc__.splitlines()[0])
-    parser.add_argument("--engine", action="append", metavar="ADDR",
-                        help="engine core address host:port; repeat for several engines "
-                             "(default: 127.0.0.1:50061)")
+    parser.add_argument("--engine", action="append", metavar="TARGET",
+                        help="engine core address host:port, or dns:///NAME:PORT for every address behind a DNS "
+                             "name (a Kubernetes headless Service), re-resolved as engines come and go; repeat "
+                             "or separate with commas for several (default: 127.0.0.1:50061)")
+    parser.add_argument("--engine-resolve-interval", type=float, default=DEFAULT_RESOLVE_INTERVAL_S, metavar="S",
+                        help="seconds between DNS lookups of dns:/// engine targets (also looked up again when an "
+                             "engine's stream breaks) (default: %(default)s)")
+    parser.add_argument("--routing-policy", default=RoutingPolicy.PREFIX_AWARE.value,
+                        choices=[p.value for p in RoutingPolicy],
+                        help="which engine gets a request: the one holding the longest cached prefix of its prompt "
+                             "unless its load is too far above the least loaded (prefix-aware), the least loaded, "
+                             "or each in turn (default: %(default)s)")
+    parser.add_argument("--routing-balance-abs", type=int, default=DEFAULT_BALANCE_ABS, metavar="N",
+                        help="prefix-aware: an engine more than N requests and more than --routing-balance-rel "
+                             "times the least load above the least loaded engine gets no requests for its "
+                             "cached prefixes (default: %(default)s)")
+    parser.add_argument("--routing-balance-rel", type=float, default=DEFAULT_BALANCE_REL, metavar="R",
+                        help="see --routing-balance-abs (default: %(default)s)")
     parser.add_argument("--tokenizer", metavar="PATH",
                         help="a .gguf file or a Hugging Face folder with tokenizer.json "
                              "(default: the model path the engine reports)")
@@ -56,6 +74,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--max-unsent-tokens must be >= 1, got {args.max_unsent_tokens}")
     args.engine = args.engine or ["127.0.0.1:50061"]
     try:
+        parse_engine_targets(args.engine)
+        args.router = Router(RoutingPolicy(args.routing_policy), balance_abs=args.routing_balance_abs,
+                             balance_rel=args.routing_balance_rel)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.engine_resolve_interval <= 0:
+        parser.error(f"--engine-resolve-interval must be > 0 seconds, got {args.engine_resolve_interval}")
+    try:
         args.transport = security_flags.server_transport_from_args(args)
         args.engine_link = security_flags.engine_link_from_args(args)
     except ValueError as exc:  # a missing or bad certificate, key or token file
@@ -69,7 +95,8 @@ async def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     telemetry, metrics_server = _telemetry_from_args(args)
-    client = GrpcEngineClient(args.engine, transport=args.engine_link)
+    client = GrpcEngineClient(args.engine, transport=args.engine_link, router=args.router,
+                              resolve_interval_s=args.engine_resolve_interval, metrics=telemetry.metrics)
     await client.start()
     try:
         tokenizer_path = args.tokenizer or await _model_path_from_engine(client, stop, args.engine)

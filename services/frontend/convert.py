@@ -17,8 +17,10 @@ from services.frontend.messages import (
     EngineRequest,
     EngineStatus,
     FinishReason,
+    KVCacheEvents,
     RequestError,
     RequestOutput,
+    SchedulerStats,
     UtilityResult,
 )
 
@@ -141,7 +143,7 @@ def request_to_proto(request: EngineRequest) -> engine_core_pb2.EngineCoreInput:
 # ---- engine -> frontend ----------------------------------------------------------
 def engine_info_from_proto(info: engine_core_pb2.GetEngineInfoResponse) -> EngineInfo:
     return EngineInfo(model_name=info.model_name, model_path=info.model_path, max_model_len=info.max_model_len,
-                      vocab_size=info.vocab_size, eos_token_ids=tuple(info.eos_token_ids))
+                      vocab_size=info.vocab_size, eos_token_ids=tuple(info.eos_token_ids), block_size=info.block_size)
 
 
 def message_from_proto(batch: engine_core_pb2.EngineCoreOutputs) -> EngineMessage:
@@ -151,6 +153,15 @@ def message_from_proto(batch: engine_core_pb2.EngineCoreOutputs) -> EngineMessag
     if batch.HasField("utility_result"):
         result = batch.utility_result
         message.utility_call_id, message.utility_ok, message.utility_error = result.call_id, result.ok, result.error
+    if batch.HasField("scheduler_stats"):
+        stats = batch.scheduler_stats
+        message.scheduler_stats = SchedulerStats(num_running_reqs=stats.num_running_reqs,
+                                                 num_waiting_reqs=stats.num_waiting_reqs,
+                                                 kv_cache_usage=stats.kv_cache_usage)
+    if batch.HasField("kv_events"):
+        events = batch.kv_events
+        message.kv_events = KVCacheEvents(stored=list(events.stored_block_hashes),
+                                          removed=list(events.removed_block_hashes), cleared=events.cleared)
     return message
 
 

@@ -1,8 +1,8 @@
 """The frontend's link to engine cores: one long-lived Connect stream per engine address.
 
-`EngineClient` is the interface AsyncLLM uses; `GrpcEngineClient` implements it over
-gRPC for one or many engines, `in_process.InProcessEngineClient` over an engine busy
-loop of this process.
+`EngineClient` (engine_client_base.py) is the interface AsyncLLM uses; `GrpcEngineClient`
+implements it over gRPC for one or many engines (found by discovery, chosen by the router),
+`in_process.InProcessEngineClient` over an engine busy loop of this process.
 
 The engine client only routes: requests and aborts to engines, utility answers to their
 callers, and every engine step (or lost request) onto one queue that AsyncLLM's output
@@ -12,15 +12,21 @@ handler reads with `get_output()` (vLLM v1's shape).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
-from abc import ABC, abstractmethod
-from collections.abc import Callable
 
 import grpc
-from tandem.v1 import engine_core_pb2_grpc
 
 from services.frontend import convert
+from services.frontend.engine_client_base import EngineClient  # re-exported: the interface lives beside
+from services.frontend.engine_connection import EngineConnection
+from services.frontend.engine_discovery import (
+    DEFAULT_RESOLVE_INTERVAL_S,
+    EngineDiscovery,
+    Resolver,
+    parse_engine_targets,
+)
 from services.frontend.errors import EngineUnavailable, InvalidRequest
 from services.frontend.messages import (
     EngineInfo,
@@ -30,170 +36,146 @@ from services.frontend.messages import (
     EngineStatus,
     UtilityResult,
 )
+from services.frontend.router import Router
 from services.security.transport import ENGINE_LINK_MAX_MESSAGE_BYTES, ChannelTransport
+from services.telemetry.metrics import FrontendMetrics
+
+__all__ = ["EngineClient", "GrpcEngineClient"]
 
 log = logging.getLogger(__name__)
 
 PLAINTEXT_LINK = ChannelTransport(max_message_bytes=ENGINE_LINK_MAX_MESSAGE_BYTES)
 
 
-class EngineClient(ABC):
-    """Adds and aborts engine requests, makes utility calls, and queues engine outputs for `get_output()`."""
-
-    def __init__(self) -> None:
-        self._outputs: asyncio.Queue[EngineOutputs] = asyncio.Queue()
-        self._listeners: list[Callable[[], None]] = []
-
-    @abstractmethod
-    async def start(self) -> None: ...
-
-    @abstractmethod
-    async def close(self) -> None: ...
-
-    @abstractmethod
-    def add_request(self, request: EngineRequest) -> None:
-        """Send a request to an engine (never blocks); raises EngineUnavailable when none is connected."""
-
-    @abstractmethod
-    def abort(self, request_ids: list[str]) -> None:
-        """Abort engine requests (never blocks; unknown ids are ignored)."""
-
-    @abstractmethod
-    async def call_utility(self, method: str, *, pause_mode: str = "", profile_dir: str = "") -> list[UtilityResult]:
-        """Call `method` (pause, resume, sleep, wake_up, reset_prefix_cache, start_profile, ...) on every engine."""
-
-    @abstractmethod
-    async def wait_for_engine(self) -> EngineInfo:
-        """Wait until an engine is connected; its model info."""
-
-    @property
-    @abstractmethod
-    def is_connected(self) -> bool: ...
-
-    @property
-    @abstractmethod
-    def num_in_flight(self) -> int:
-        """Engine requests sent and not yet finished, aborted or lost."""
-
-    @property
-    @abstractmethod
-    def engine_info(self) -> EngineInfo | None: ...
-
-    @abstractmethod
-    def engines(self) -> list[EngineStatus]: ...
-
-    async def get_output(self) -> EngineOutputs:
-        """The next engine step's outputs, or requests that failed (AsyncLLM's output handler is the reader)."""
-        return await self._outputs.get()
-
-    def _put_output(self, outputs: EngineOutputs) -> None:
-        self._outputs.put_nowait(outputs)
-
-    def add_listener(self, callback: Callable[[], None]) -> None:
-        """`callback()` runs whenever an engine connects or disconnects."""
-        self._listeners.append(callback)
-
-    def remove_listener(self, callback: Callable[[], None]) -> None:
-        self._listeners.remove(callback)
-
-    def _notify(self) -> None:
-        for callback in self._listeners:
-            callback()
-
-
-class _Engine:
-    """One engine address: its channel, its current stream and the engine request ids in flight on it."""
-
-    def __init__(self, address: str, transport: ChannelTransport) -> None:
-        self.address = address
-        self.channel = transport.aio_channel(address)
-        self.stub = engine_core_pb2_grpc.EngineCoreServiceStub(self.channel)
-        self.info: EngineInfo | None = None
-        self.queue: asyncio.Queue | None = None  # inputs for the current stream; None: not connected
-        self.in_flight: set[str] = set()  # the client's only record of what is in flight
-        self.pending: dict[int, asyncio.Future] = {}  # utility call id -> result
-        self.task: asyncio.Task | None = None
-
-    @property
-    def connected(self) -> bool:
-        return self.queue is not None
-
-    def send(self, message) -> None:
-        self.queue.put_nowait(message)
-
-
 class GrpcEngineClient(EngineClient):
-    """Engine cores over gRPC: reconnects with capped exponential backoff, routes to the least loaded.
+    """Engine cores over gRPC: one Connect stream per engine address, each reconnecting with capped
+    exponential backoff; each request goes where the router says (services/frontend/router.py).
 
-    `transport` says how to reach the engines (plaintext by default; TLS / mutual TLS from the
-    frontend's --engine-tls-* flags).
+    `targets` are --engine values: `host:port` or `dns:///name:port`, the latter resolved to every
+    address behind the name on an interval and when a stream breaks (engine_discovery.py). Engines
+    that appear are connected; engines that disappear retire: no new requests, closed once their
+    requests in flight are done. `transport` says how to reach the engines (plaintext by default;
+    TLS / mutual TLS from the frontend's --engine-tls-* flags).
     """
 
-    def __init__(self, addresses: list[str], *, backoff_initial_s: float = 0.1, backoff_max_s: float = 5.0,
-                 info_timeout_s: float = 5.0, transport: ChannelTransport = PLAINTEXT_LINK) -> None:
+    def __init__(self, targets: list[str], *, backoff_initial_s: float = 0.1, backoff_max_s: float = 5.0,
+                 info_timeout_s: float = 5.0, transport: ChannelTransport = PLAINTEXT_LINK,
+                 router: Router | None = None, resolver: Resolver | None = None,
+                 resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S,
+                 metrics: FrontendMetrics | None = None) -> None:
         super().__init__()
-        self._engines = [_Engine(address, transport) for address in addresses]
+        self._transport = transport
+        self._engines: dict[str, EngineConnection] = {}
+        self._discovery = EngineDiscovery(parse_engine_targets(targets), self._on_addresses, resolver=resolver,
+                                          interval_s=resolve_interval_s)
+        self.router = router or Router()
+        self._metrics = metrics
+        if metrics is not None:
+            metrics.track_engines(lambda: [(e.address, len(e.in_flight)) for e in self._engines.values()])
         self._call_ids = itertools.count(1)
         self._backoff = (backoff_initial_s, backoff_max_s)
         self._info_timeout_s = info_timeout_s
         self._connected = asyncio.Event()
-        self._closed = False
+        self._retired: set[asyncio.Task] = set()  # retired engines' closing tasks (held: the loop keeps weak refs)
+        self._started = self._closed = False
 
     # ---- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
-        for engine in self._engines:
-            engine.task = asyncio.create_task(self._run(engine), name=f"engine {engine.address}")
+        self._started = True
+        await self._discovery.start()  # its first answer starts the engines' connection loops
 
     async def close(self) -> None:
         self._closed = True
-        for engine in self._engines:
-            if engine.task is not None:
-                engine.task.cancel()
-        await asyncio.gather(*(e.task for e in self._engines if e.task), return_exceptions=True)
-        for engine in self._engines:
-            await engine.channel.close()
+        await self._discovery.close()
+        await asyncio.gather(*(engine.close() for engine in self._engines.values()), *self._retired)
 
     async def wait_for_engine(self) -> EngineInfo:
         await self._connected.wait()
         return self.engine_info
 
+    # ---- engines coming and going ---------------------------------------------------
+    def _on_addresses(self, addresses: list[str]) -> None:
+        """Discovery's answer changed: connect new engines, retire departed ones (un-retire returning ones)."""
+        wanted = set(addresses)
+        for address in addresses:
+            engine = self._engines.get(address)
+            if engine is None:
+                engine = self._engines[address] = EngineConnection(address, self._transport_to(address))
+                log.info("engine %s discovered", address)
+                if self._started:
+                    self._start_engine(engine)
+            elif engine.retiring:
+                engine.retiring = False
+                log.info("engine %s is back in discovery; routing to it again", address)
+        for engine in [e for e in self._engines.values() if e.address not in wanted and not e.retiring]:
+            engine.retiring = True
+            log.info("engine %s left discovery: no new requests; %d in flight finish there",
+                     engine.address, len(engine.in_flight))
+            self._retire_if_idle(engine)
+        self._on_change()
+
+    def _transport_to(self, address: str) -> ChannelTransport:
+        """TLS to an address found by DNS verifies the DNS name (unless --engine-tls-server-name says otherwise)."""
+        name = self._discovery.names.get(address)
+        if self._transport.credentials is None or self._transport.server_name or name is None:
+            return self._transport
+        return dataclasses.replace(self._transport, server_name=name)
+
+    def _start_engine(self, engine: EngineConnection) -> None:
+        engine.task = asyncio.create_task(self._run(engine), name=f"engine {engine.address}")
+
+    def _retire_if_idle(self, engine: EngineConnection) -> None:
+        """Close a retiring engine once nothing of ours is in flight there."""
+        if engine.retiring and engine.idle and self._engines.get(engine.address) is engine:
+            del self._engines[engine.address]
+            log.info("engine %s retired", engine.address)
+            closing = asyncio.ensure_future(engine.close())
+            self._retired.add(closing)
+            closing.add_done_callback(self._retired.discard)
+            self._on_change()
+
     # ---- state ----------------------------------------------------------------------
     @property
     def is_connected(self) -> bool:
-        return any(e.connected for e in self._engines)
+        return any(e.routable for e in self._engines.values())
 
     @property
     def num_in_flight(self) -> int:
-        return sum(len(e.in_flight) for e in self._engines)
+        return sum(len(e.in_flight) for e in self._engines.values())
 
     @property
     def engine_info(self) -> EngineInfo | None:
-        infos = [e.info for e in self._engines if e.connected and e.info]
+        infos = [e.info for e in self._engines.values() if e.connected and e.info]
         return min(infos, key=lambda info: info.max_model_len) if infos else None
 
     def engines(self) -> list[EngineStatus]:
-        return [EngineStatus(e.address, e.connected, len(e.in_flight)) for e in self._engines]
+        return [EngineStatus(e.address, e.connected, len(e.in_flight)) for e in self._engines.values()]
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
-        connected = [e for e in self._engines if e.connected]
-        if not connected:
-            addresses = ", ".join(e.address for e in self._engines)
-            raise EngineUnavailable(f"no engine is connected (engines: {addresses}); they may be starting or down, "
+        candidates = [e for e in self._engines.values() if e.routable]
+        if not candidates:
+            targets = ", ".join(str(t) for t in self._discovery.targets)
+            raise EngineUnavailable(f"no engine is connected (engines: {targets}); they may be starting or down, "
                                     "retry shortly")
-        engine = min(connected, key=lambda e: len(e.in_flight))
-        engine.in_flight.add(request.request_id)
+        decision = self.router.choose([e.load for e in candidates], request.prompt_token_ids)
+        engine = candidates[decision.index]
+        engine.track(request.request_id, decision.prefix_hashes)
         engine.send(convert.request_to_proto(request))
+        if self._metrics is not None:
+            policy = self.router.policy.value
+            self._metrics.router_prefix_hit_tokens.labels(policy).inc(decision.matched_tokens)
+            self._metrics.router_prompt_tokens.labels(policy).inc(len(request.prompt_token_ids))
 
     def abort(self, request_ids: list[str]) -> None:
-        for engine in self._engines:
-            ids = [request_id for request_id in request_ids if request_id in engine.in_flight]
-            engine.in_flight.difference_update(ids)
+        for engine in list(self._engines.values()):
+            ids = engine.untrack(request_ids)
             if ids and engine.connected:
                 engine.send(convert.abort_to_proto(ids))
+            self._retire_if_idle(engine)
 
     async def call_utility(self, method: str, *, pause_mode: str = "", profile_dir: str = "") -> list[UtilityResult]:
-        engines = [e for e in self._engines if e.connected]
+        engines = [e for e in self._engines.values() if e.connected]
         if not engines:
             raise EngineUnavailable("no engine is connected; the call reached no engine")
         calls = []
@@ -205,9 +187,9 @@ class GrpcEngineClient(EngineClient):
         return list(await asyncio.gather(*calls))
 
     # ---- one engine's connection loop -----------------------------------------------
-    async def _run(self, engine: _Engine) -> None:
+    async def _run(self, engine: EngineConnection) -> None:
         delay = self._backoff[0]
-        while not self._closed:
+        while not self._closed and self._engines.get(engine.address) is engine:
             try:
                 info = await engine.stub.GetEngineInfo(convert.engine_info_request(), timeout=self._info_timeout_s)
             except grpc.aio.AioRpcError as e:
@@ -220,16 +202,18 @@ class GrpcEngineClient(EngineClient):
             if self._closed:
                 return
             log.warning("engine at %s disconnected (%s); reconnecting", engine.address, reason)
+            self._discovery.refresh()  # it may have moved or gone
             await asyncio.sleep(delay)
 
-    async def _serve(self, engine: _Engine, info: EngineInfo) -> str:
+    async def _serve(self, engine: EngineConnection, info: EngineInfo) -> str:
         """Hold one Connect stream open until it breaks; returns why it ended."""
         queue: asyncio.Queue = asyncio.Queue()
         call = engine.stub.Connect(_stream_inputs(queue))
-        engine.info, engine.queue = info, queue
+        engine.opened(queue, info)
         log.info("connected to engine at %s (model %s, max_model_len %d)", engine.address, info.model_name,
                  info.max_model_len)
         self._on_change()
+        reason = "the frontend closed the stream"
         try:
             async for batch in call:
                 self._route(engine, convert.message_from_proto(batch))
@@ -242,28 +226,28 @@ class GrpcEngineClient(EngineClient):
         finally:
             queue.put_nowait(None)
             call.cancel()
-            engine.queue = None
             self._on_lost(engine, reason)
         return reason
 
-    def _route(self, engine: _Engine, message: EngineMessage) -> None:
-        """Utility answers to their callers; refusals and outputs to the output handler."""
+    def _route(self, engine: EngineConnection, message: EngineMessage) -> None:
+        """Utility answers to their callers; refusals and outputs to the output handler; load to the router."""
+        engine.observe(message.scheduler_stats, message.kv_events)
         if message.utility_call_id is not None:
             future = engine.pending.pop(message.utility_call_id, None)
             if future is not None and not future.done():
                 future.set_result(UtilityResult(engine.address, message.utility_ok, message.utility_error))
         for error in message.errors:
-            engine.in_flight.discard(error.request_id)
+            engine.untrack([error.request_id])
             self._put_output(EngineOutputs(
                 failed=[error.request_id], error=InvalidRequest(f"the engine refused the request: {error.message}")))
         if message.outputs:
-            engine.in_flight.difference_update(o.request_id for o in message.outputs if o.finish_reason is not None)
+            engine.untrack([o.request_id for o in message.outputs if o.finish_reason is not None])
             self._put_output(EngineOutputs(outputs=message.outputs))
+        self._retire_if_idle(engine)
 
-    def _on_lost(self, engine: _Engine, reason: str) -> None:
+    def _on_lost(self, engine: EngineConnection, reason: str) -> None:
         """Every request in flight on this engine ends with UNAVAILABLE; pending utility calls fail."""
-        lost = list(engine.in_flight)
-        engine.in_flight.clear()
+        lost = engine.closed()
         if lost:
             error = EngineUnavailable(f"engine at {engine.address} disconnected ({reason}); retry the request")
             self._put_output(EngineOutputs(failed=lost, error=error))
@@ -271,6 +255,7 @@ class GrpcEngineClient(EngineClient):
             if not future.done():
                 future.set_result(UtilityResult(engine.address, False, f"engine at {engine.address} disconnected"))
         engine.pending.clear()
+        self._retire_if_idle(engine)
         self._on_change()
 
     def _on_change(self) -> None:

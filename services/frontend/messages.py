@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 # Shared with the engine core (one definition each, numbered like tandem.v1).
 from engine_core.sampling_params import FinishReason, SamplingParams, TokenLogprobs  # noqa: F401
+from engine_core.types import KVCacheEvents, SchedulerStats  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class EngineInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...] = ()
+    block_size: int = 0  # tokens per KV block: the prefix hashes' granularity (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,8 @@ class EngineMessage:
     utility_call_id: int | None = None
     utility_ok: bool = False
     utility_error: str = ""
+    scheduler_stats: SchedulerStats | None = None
+    kv_events: KVCacheEvents | None = None  # the engine's prefix-cache changes (for the router)
 
 
 @dataclass

@@ -8,9 +8,10 @@ vLLM's `model_name` label.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 
 # ---- buckets (vLLM's, extended downwards for CPU-sized latencies) -------------------------
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -136,6 +137,15 @@ class FrontendMetrics:
                               ["code"], registry=r)
         self.streams_in_flight = Gauge("tandem:num_streams_in_flight", "Client streams open on this frontend.",
                                        registry=r)
+        # ---- the router (services/frontend/router.py)
+        self.router_prefix_hit_tokens = Counter(
+            "tandem:router_prefix_hit_tokens",
+            "Prompt tokens the chosen engine held in its prefix cache when the router sent a request there "
+            "(by the engines' KV events).", ["policy"], registry=r)
+        self.router_prompt_tokens = Counter("tandem:router_prompt_tokens", "Prompt tokens of the requests routed.",
+                                            ["policy"], registry=r)
+        self._engines = _EngineRequestsCollector()
+        r.register(self._engines)
         self.set_model(model_name)
 
     def set_model(self, model_name: str) -> None:
@@ -153,6 +163,27 @@ class FrontendMetrics:
     def track_streams(self, count: Callable[[], int]) -> None:
         """The in-flight gauge reads `count()` at scrape time: no cost per request."""
         self.streams_in_flight.set_function(count)
+
+    def track_engines(self, snapshot: Callable[[], Iterable[tuple[str, int]]]) -> None:
+        """tandem:router_requests_in_flight{engine} reads `snapshot()` ((address, in flight) pairs) at scrape time."""
+        self._engines.snapshot = snapshot
+
+
+class _EngineRequestsCollector:
+    """Per-engine requests in flight from this frontend, for engines that come and go (DNS discovery)."""
+
+    def __init__(self) -> None:
+        self.snapshot: Callable[[], Iterable[tuple[str, int]]] = lambda: ()
+
+    def describe(self):
+        return [GaugeMetricFamily("tandem:router_requests_in_flight", "", labels=["engine"])]
+
+    def collect(self):
+        family = GaugeMetricFamily("tandem:router_requests_in_flight",
+                                   "Requests this frontend has in flight on each engine.", labels=["engine"])
+        for address, count in self.snapshot():
+            family.add_metric([address], count)
+        yield family
 
 
 # ---- the /metrics endpoint ----------------------------------------------------------------------

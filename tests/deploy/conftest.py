@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = sorted(p.parent.name for p in (K8S / "overlays").glob("*/kustomization.yaml"))
 ENGINE, FRONTEND = "tandem-engine", "tandem-frontend"
+DEFAULT_NAMESPACE = "default"  # where an overlay without `namespace:` lands (kubectl's default)
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 
 
@@ -100,6 +101,9 @@ class Workload:
         if "configMapKeyRef" in source:
             ref = source["configMapKeyRef"]
             return self.configmaps[ref["name"]][ref["key"]]
+        if "fieldRef" in source:  # the downward API: only the pod's namespace is used
+            assert source["fieldRef"]["fieldPath"] == "metadata.namespace", source
+            return self.manifest["metadata"].get("namespace", DEFAULT_NAMESPACE)
         if "resourceFieldRef" in source:  # e.g. requests.cpu with divisor 1: whole CPUs, rounded up
             ref = source["resourceFieldRef"]
             kind, resource = ref["resource"].split(".", 1)

@@ -17,9 +17,20 @@ import pytest
 from services.engine.__main__ import build_parser as engine_parser
 from services.engine.__main__ import config_from_args
 from services.frontend.__main__ import parse_args as frontend_parse_args
+from services.frontend.engine_discovery import EngineTarget, parse_engine_targets
+from services.frontend.router import RoutingPolicy
 from services.security import flags as security_flags
 from services.telemetry.flags import tracing_settings
-from tests.deploy.conftest import ENGINE, PROBES, Probe, Rendered, Workload, probe_target, quantity_value
+from tests.deploy.conftest import (
+    DEFAULT_NAMESPACE,
+    ENGINE,
+    PROBES,
+    Probe,
+    Rendered,
+    Workload,
+    probe_target,
+    quantity_value,
+)
 from tests.security.pki import Pki
 
 # After --grace runs out a service still finishes its step in flight, closes its server and flushes
@@ -109,7 +120,12 @@ def test_ports_probes_and_services_agree_with_the_flags(rendered, tmp_path, pki)
         assert port["targetPort"] == "grpc" and port["port"] == args.port and port["appProtocol"] == "grpc"
     headless = rendered.get("Service", ENGINE)["spec"]
     assert headless["clusterIP"] == "None" and rendered.engine.manifest["spec"]["serviceName"] == ENGINE
-    assert frontend.engine == [f"{ENGINE}:{engine.port}"], "the frontend must dial the engines' headless Service"
+    namespace = rendered.frontend.manifest["metadata"].get("namespace", DEFAULT_NAMESPACE)
+    assert rendered.get("Service", ENGINE)["metadata"].get("namespace", DEFAULT_NAMESPACE) == namespace
+    expected = EngineTarget(f"{ENGINE}.{namespace}.svc", engine.port, dns=True)
+    assert parse_engine_targets(frontend.engine) == [expected], (
+        "the frontend must discover every engine behind their headless Service (dns:///)")
+    assert RoutingPolicy(frontend.routing_policy) is RoutingPolicy.PREFIX_AWARE
 
 
 def check_probe_tls(workload: Workload, kind: str, probe: Probe) -> None:

@@ -95,3 +95,40 @@ def test_reset_prefix_cache_only_when_all_blocks_are_free():
     pool.free_blocks([b])
     assert pool.reset_prefix_cache() is True
     assert pool.get_cached_block(1, (1,)) is None and a.block_hash is None
+
+
+# ---- KV events (what a prefix-aware router learns) ------------------------------------
+def test_events_report_net_changes_since_the_last_take():
+    pool = BlockPool(num_blocks=4)
+    assert pool.take_events() is None  # not recording: nothing accumulates
+    pool.record_events()
+    a, b, c = pool.get_new_blocks(3)
+    pool.cache_full_block(a, 11, (1,))
+    pool.cache_full_block(b, 22, (2,))
+    events = pool.take_events()
+    assert events.stored == [11, 22] and events.removed == [] and not events.cleared
+    assert pool.take_events() is None
+    pool.free_blocks([a, b])
+    pool.cache_full_block(c, 33, (3,))
+    (evicted,) = pool.get_new_blocks(1)  # a: least recently freed, its hash 11 is evicted
+    pool.cache_full_block(evicted, 11, (1,))  # ... and cached again in the same step: net stored
+    pool.free_blocks([c])
+    pool.get_new_blocks(2)  # evicts b (22) and c (33: stored and evicted in one step, never reported)
+    events = pool.take_events()
+    assert sorted(events.stored) == [11] and sorted(events.removed) == [22, 33]
+
+
+def test_reset_reports_cleared_and_snapshot_lists_every_cached_hash():
+    pool = BlockPool(num_blocks=4)
+    pool.record_events()
+    a, b = pool.get_new_blocks(2)
+    pool.cache_full_block(a, 11, (1,))
+    pool.cache_full_block(b, 22, (2,))
+    snapshot = pool.snapshot()
+    assert snapshot.cleared and sorted(snapshot.stored) == [11, 22]
+    pool.free_blocks([a, b])
+    pool.take_events()
+    assert pool.reset_prefix_cache()
+    events = pool.take_events()
+    assert events.cleared and events.stored == [] and events.removed == []
+    assert pool.snapshot().stored == []

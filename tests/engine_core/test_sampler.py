@@ -1,8 +1,8 @@
-"""Sampler tests: greedy, random draws and their filters, seeds, penalties, logprobs."""
+"""Sampler tests: greedy, random draws and their filters, seeds, penalties (logprobs:
+test_sampler_logprobs.py)."""
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
@@ -16,36 +16,9 @@ from engine_core.sampler import (
     apply_logit_changes,
     apply_top_k_top_p,
     build_sampling_metadata,
-    compute_prompt_logprobs,
     sample,
 )
-from engine_core.sampling_params import SamplingParams
-
-_ids = itertools.count()
-
-
-def make_request(
-    prompt: list[int] | None = None, output: list[int] = (), eos: set[int] = frozenset(), **params
-) -> Request:
-    req = Request(
-        request_id=f"req-{next(_ids)}",
-        prompt_token_ids=list(prompt or [1, 2, 3]),
-        sampling_params=SamplingParams(max_tokens=None, **params),
-        block_size=4,
-        eos_token_ids=frozenset(eos),
-    )
-    if output:
-        req.append_output_token_ids(list(output))
-    return req
-
-
-def run(requests: list[Request], logits: torch.Tensor, generators: dict | None = None):
-    metadata = build_sampling_metadata(requests, {} if generators is None else generators, "cpu")
-    return Sampler()(logits, metadata)
-
-
-def counts(token_ids: list[int], vocab_size: int) -> torch.Tensor:
-    return torch.bincount(torch.tensor(token_ids), minlength=vocab_size).double()
+from tests.engine_core.sampler_harness import counts, make_request, run
 
 
 # ---- greedy ---------------------------------------------------------------------------
@@ -132,7 +105,8 @@ def test_filters_never_sample_excluded_tokens():
     sampled = run(requests, row.expand(len(requests), -1)).sampled_token_ids
     for f, params in enumerate(FILTERS):
         allowed = reference_allowed(
-            row, params.get("temperature", 1.0), params.get("top_k", 0), params.get("top_p", 1.0), params.get("min_p", 0.0)
+            row, params.get("temperature", 1.0), params.get("top_k", 0), params.get("top_p", 1.0),
+            params.get("min_p", 0.0),
         )
         drawn = set(sampled[f :: len(FILTERS)])
         assert drawn <= allowed, (params, drawn - allowed)
@@ -282,51 +256,3 @@ def test_logit_bias_steers_random_rows():
     logits = torch.zeros(50, 8)
     requests = [make_request(logit_bias={6: 100.0}, top_k=2) for _ in range(50)]
     assert run(requests, logits).sampled_token_ids == [6] * 50
-
-
-# ---- logprobs -------------------------------------------------------------------------
-def check_token_logprobs(entry, logprobs_row: torch.Tensor, token_id: int, n: int) -> None:
-    assert entry.token_ids[0] == token_id and len(entry.token_ids) == len(entry.logprobs) == n + 1
-    assert entry.logprobs[0] == pytest.approx(logprobs_row[token_id].item(), abs=1e-6)
-    assert entry.rank == 1 + int((logprobs_row > logprobs_row[token_id]).sum())
-    top_values = entry.logprobs[1:]
-    assert top_values == sorted(top_values, reverse=True)
-    torch.testing.assert_close(torch.tensor(top_values), logprobs_row.topk(n).values)
-    assert [logprobs_row[t].item() for t in entry.token_ids[1:]] == pytest.approx(top_values, abs=1e-6)
-
-
-def test_sample_logprobs_are_raw_topn_with_rank():
-    torch.manual_seed(2)
-    logits = torch.randn(6, 30) * 3
-    nums = [None, 0, 1, 5, 20, 3]
-    requests = [
-        make_request(logprobs=n, temperature=t, repetition_penalty=1.5, logit_bias={4: 50.0})
-        for n, t in zip(nums, [0.0, 1.0, 0.5, 2.0, 0.0, 1.0])
-    ]
-    out = run(requests, logits)
-    raw = torch.log_softmax(logits, dim=-1)  # before bias, penalties and temperature
-    assert out.logprobs[0] is None
-    for i, n in enumerate(nums[1:], start=1):
-        assert out.sampled_token_ids[i] == 4  # the bias decides the draw
-        check_token_logprobs(out.logprobs[i], raw[i], 4, n)
-
-
-def test_greedy_fast_path_logprobs():
-    logits = torch.randn(4, 25)
-    out = run([make_request(temperature=0.0, logprobs=2) for _ in range(4)], logits)
-    raw = torch.log_softmax(logits, dim=-1)
-    for i, entry in enumerate(out.logprobs):
-        check_token_logprobs(entry, raw[i], out.sampled_token_ids[i], 2)
-        assert entry.rank == 1
-
-
-@pytest.mark.parametrize("as_tensor", [False, True])
-@pytest.mark.parametrize("num_logprobs", [0, 4])
-def test_prompt_logprobs(as_tensor, num_logprobs):
-    logits = torch.randn(7, 40) * 2
-    targets = [3, 9, 0, 39, 3, 17, 21]
-    result = compute_prompt_logprobs(logits, torch.tensor(targets) if as_tensor else targets, num_logprobs)
-    raw = torch.log_softmax(logits, dim=-1)
-    assert len(result) == len(targets)
-    for i, entry in enumerate(result):
-        check_token_logprobs(entry, raw[i], targets[i], num_logprobs)

@@ -1,68 +1,12 @@
-"""Scheduler with a fake runner: budgets, preemption, prefix cache, aborts, stops, accounting."""
+"""Scheduler with a fake runner: budgets, preemption, prefix cache, aborts, stops (block accounting
+under random operations: test_scheduler_properties.py)."""
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-from engine_core.config import CacheConfig, SchedulerConfig
-from engine_core.request import Request, RequestStatus
-from engine_core.sampling_params import SamplingParams
-from engine_core.scheduler import Scheduler
+from engine_core.request import RequestStatus
 from engine_core.types import FinishReason
 from tests.engine_core.fake_runner import FakeRunner, run_step, run_to_completion
-
-BLOCK = 4
-
-
-def make_scheduler(
-    num_blocks=64, max_model_len=64, budget=64, max_num_seqs=16, policy="fcfs",
-    chunked=True, caching=True, block_size=BLOCK,
-):
-    return Scheduler(
-        SchedulerConfig(
-            max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-            policy=policy, enable_chunked_prefill=chunked,
-        ),
-        CacheConfig(block_size=block_size, enable_prefix_caching=caching),
-        num_blocks=num_blocks,
-        max_model_len=max_model_len,
-    )
-
-
-def make_request(
-    request_id, token_ids, max_tokens=4, priority=0, arrival_time=0.0,
-    eos=(), block_size=BLOCK, max_model_len=None, **params,
-):
-    return Request(
-        request_id, list(token_ids), SamplingParams(max_tokens=max_tokens, **params),
-        block_size=block_size, eos_token_ids=frozenset(eos), arrival_time=arrival_time,
-        priority=priority, max_model_len=max_model_len,
-    )
-
-
-def all_blocks_free(scheduler):
-    manager = scheduler.kv_cache_manager
-    return manager.num_free_blocks == manager.num_blocks - 1 and not manager.req_to_blocks
-
-
-def check_accounting(scheduler):
-    """Every reference is a block-table entry, and the free queue is exactly the unowned blocks."""
-    manager = scheduler.kv_cache_manager
-    pool = manager.block_pool
-    owners = {}
-    for blocks in manager.req_to_blocks.values():
-        for block in blocks:
-            owners[block.block_id] = owners.get(block.block_id, 0) + 1
-    for block in pool.blocks[1:]:
-        assert block.ref_cnt == owners.get(block.block_id, 0) >= 0
-    assert {b.block_id for b in pool.free_queue} == {b.block_id for b in pool.blocks[1:] if b.ref_cnt == 0}
-    assert len(pool.free_queue) == pool.num_free_blocks
-    assert pool.null_block.ref_cnt == 0 and 0 not in owners
-    assert all(block.block_hash == h for h, block in pool.cached_blocks.items())
-    assert set(manager.req_to_blocks) == {r.request_id for r in scheduler.running}
-    assert len(scheduler.running) <= scheduler.config.max_num_seqs
-    for request in scheduler.running:
-        assert len(manager.get_block_ids(request.request_id)) * manager.block_size >= request.num_computed_tokens
+from tests.engine_core.scheduler_harness import BLOCK, all_blocks_free, check_accounting, make_request, make_scheduler
 
 
 # ---- preemption ------------------------------------------------------------------
@@ -326,53 +270,3 @@ def test_finish_reasons():
 
     tokens, last = generate(make_request("d", prompt, max_tokens=None), make_scheduler(max_model_len=8))
     assert len(tokens) == 5 and last.finish_reason == FinishReason.LENGTH
-
-
-# ---- property: block accounting ------------------------------------------------------
-PREFIXES = [list(range(k * 30, k * 30 + 16)) for k in range(3)]
-add_op = st.tuples(st.just("add"), st.integers(0, 2), st.integers(0, 14), st.integers(1, 4), st.integers(1, 10),
-                   st.integers(0, 2))
-abort_op = st.tuples(st.just("abort"), st.integers(0, 30))
-step_op = st.tuples(st.just("step"), st.integers(1, 6))
-abort_between_op = st.tuples(st.just("abort_between"), st.integers(0, 30))
-
-
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    ops=st.lists(st.one_of(add_op, abort_op, step_op, abort_between_op), max_size=30),
-    policy=st.sampled_from(["fcfs", "priority"]),
-    caching=st.booleans(),
-    drain_by_abort=st.booleans(),
-)
-def test_block_accounting_survives_any_sequence(ops, policy, caching, drain_by_abort):
-    block_size, max_model_len = 2, 20
-    scheduler = make_scheduler(num_blocks=11, max_model_len=max_model_len, budget=6, max_num_seqs=4,
-                               policy=policy, caching=caching, block_size=block_size)
-    runner = FakeRunner(block_size)
-    ids = []
-    for op in ops:
-        if op[0] == "add":
-            _, prefix, prefix_len, suffix_len, max_tokens, priority = op
-            request_id = f"r{len(ids)}"
-            prompt = PREFIXES[prefix][:prefix_len] + [200 + len(ids)] * suffix_len
-            scheduler.add_request(make_request(request_id, prompt, max_tokens=max_tokens, priority=priority,
-                                               block_size=block_size, max_model_len=max_model_len))
-            ids.append(request_id)
-        elif op[0] == "abort" and ids:
-            scheduler.finish_requests(ids[op[1] % len(ids)], RequestStatus.FINISHED_ABORTED)
-        elif op[0] == "step":
-            for _ in range(op[1]):
-                run_step(scheduler, runner)
-        elif op[0] == "abort_between" and ids:
-            out = scheduler.schedule()
-            scheduler.finish_requests(ids[op[1] % len(ids)], RequestStatus.FINISHED_ABORTED)
-            check_accounting(scheduler)
-            scheduler.update_from_output(out, runner.execute(out))
-        check_accounting(scheduler)
-
-    if drain_by_abort:
-        scheduler.finish_requests(list(ids), RequestStatus.FINISHED_ABORTED)
-    else:
-        run_to_completion(scheduler, runner, max_steps=500)
-    check_accounting(scheduler)
-    assert all_blocks_free(scheduler)

@@ -149,7 +149,10 @@ def test_int8_model_logits_match_the_dequantized_model(tmp_path, variant, kernel
     ours = build_model(folder)
     other = [k for k in INT8_KERNELS if k != kernel][0]
     use_measured_cpu_linears(ours, "int8", timer=fixed_timer({kernel: 1.0, other: 2.0}))
-    assert {layer.kernel_for(1) for layer in ours.modules() if isinstance(layer, CpuLinear)} == {kernel}
+    for name, layer in ours.named_modules():  # W8A8 never takes the head or down_proj (outliers)
+        if isinstance(layer, CpuLinear):
+            kept = kernel == "int8_dynamic" and name.endswith(("lm_head", "down_proj"))
+            assert layer.kernel_for(1) == ("int8_weight_only" if kept else kernel), name
 
     sequences = [[3, 17, 42, 5, 9, 100, 7], [250, 1, 2]]
     with torch.no_grad():
@@ -161,7 +164,7 @@ def test_int8_model_logits_match_the_dequantized_model(tmp_path, variant, kernel
         assert (got - want).abs().max() <= 1e-4 * want.abs().max()
     else:
         # W8A8 rounds each activation row to 8 bits too: ~0.5% relative error per linear,
-        # compounding over 2 layers + the head. Measured ~2%; 5% leaves room for other CPUs.
+        # compounding over 2 layers' q/k/v/o/gate/up. Measured ~2%; 5% leaves room for other CPUs.
         # Greedy answers on the real model: tests/engine_core/test_quantized_smollm2.py.
         assert relative_rms <= 0.05, relative_rms
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from engine_core.sampling_params import SamplingParams
-from engine_core.types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from engine_core.types import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    KVCacheEvents,
+    SchedulerStats,
+)
 from services.engine.messages import ConnectionOutputs, PauseMode
 from services.engine.pause import PauseState
 from services.engine.routing import ConnectionRouter
@@ -35,6 +42,24 @@ def test_two_connections_may_use_the_same_request_id():
     assert router.assign(2, "x") != b  # finished: the id may be used again
     with pytest.raises(ValueError, match="request id 'x' is already in flight"):
         router.assign(1, "x")
+
+
+def test_prefix_cache_changes_reach_every_connection_in_one_message_per_step():
+    router, received = open_router(1, 2)
+    a = router.assign(1, "x")
+    events, stats = KVCacheEvents(stored=[5, 6], removed=[4]), SchedulerStats(num_running_reqs=1)
+    router.route(EngineCoreOutputs(outputs=[EngineCoreOutput(a, [7])], scheduler_stats=stats, timestamp=1.0,
+                                   kv_events=events))
+    [to_1], [to_2] = received[1], received[2]
+    assert to_1.kv_events is events and [o.new_token_ids for o in to_1.outputs] == [[7]]
+    assert to_2.kv_events is events and not to_2.outputs and to_2.scheduler_stats is stats  # idle, but told
+    router.route(step([EngineCoreOutput(a, [8])]))
+    assert len(received[2]) == 1, "no news, no message"
+    router.send_snapshot(2, KVCacheEvents(stored=[5, 6], cleared=True),
+                         SchedulerStats(num_running_reqs=1, prefix_cache_queries=40, num_generation_tokens=3))
+    snapshot = received[2][-1]
+    assert snapshot.kv_events.cleared and snapshot.scheduler_stats.num_running_reqs == 1
+    assert snapshot.scheduler_stats.prefix_cache_queries == 0 and snapshot.scheduler_stats.num_generation_tokens == 0
 
 
 def test_a_client_abort_is_reported_finished_once_and_frees_the_id_at_once():

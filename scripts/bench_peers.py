@@ -1,0 +1,73 @@
+"""The engine's peers in `make bench` (scripts/bench_engine.py): the machine's floor and llama.cpp.
+
+The floor is ../shared/tools/cpu_floor.py (the model's linear layers alone, plain torch); llama.cpp's
+`llama-server` is built and served on the same GGUF by ../shared/tools/llama_server.sh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from clients.bench.backends import LlamaServerBackend
+from clients.bench.loadgen import closed_loop
+from clients.bench.metrics import summarize
+from clients.bench.prompts import BenchPrompt
+from clients.local_stack import free_port
+
+SHARED_TOOLS = Path(__file__).resolve().parents[2] / "shared" / "tools"
+
+
+async def run_closed_loop(backend, prompts: list[BenchPrompt]) -> dict:
+    records, wall = await closed_loop(backend, prompts, len(prompts))
+    return summarize(records, wall)
+
+
+# ---- the machine's floor ------------------------------------------------------------------------
+def run_floor(path: Path, batches: list[int]) -> dict | None:
+    if not path.exists():
+        print(f"floor: {path} not found, skipped", file=sys.stderr)
+        return None
+    cmd = [sys.executable, str(path), "--json", "--batches", *map(str, batches)]
+    return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+
+
+def floor_ms(floor: dict | None, dtype: str, batch: int) -> float | None:
+    for row in (floor or {}).get("linears_only", []):
+        if row["dtype"] == dtype and row["batch"] == batch and "step_ms" in row:
+            return row["step_ms"]
+    return None
+
+
+# ---- llama.cpp's llama-server -------------------------------------------------------------------------
+def run_llama(workloads: dict[int, list[BenchPrompt]]) -> dict[int, dict]:
+    """llama-server with -np N for each workload of N streams, warmed up, then the same prompts."""
+    script = SHARED_TOOLS / "llama_server.sh"
+    subprocess.run(["bash", str(script), "build"], check=True, capture_output=True)
+    results = {}
+    for streams, prompts in workloads.items():
+        port = free_port()
+        server = subprocess.Popen(["bash", str(script), "serve", str(streams), str(port)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                        break
+                except OSError:
+                    if time.monotonic() > deadline or server.poll() is not None:
+                        raise RuntimeError("llama-server did not become healthy") from None
+                    time.sleep(0.5)
+            asyncio.run(run_closed_loop(LlamaServerBackend(url), [BenchPrompt(None, (1, 2, 3, 4), 8)]))
+            results[streams] = asyncio.run(run_closed_loop(LlamaServerBackend(url), prompts))
+        finally:
+            server.terminate()
+            server.wait(30)
+    return results

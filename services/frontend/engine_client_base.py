@@ -1,0 +1,77 @@
+"""The interface AsyncLLM drives engines through: add and abort requests, utility calls, one output queue.
+
+`engine_client.GrpcEngineClient` implements it over gRPC for one or many engines,
+`in_process.InProcessEngineClient` over an engine busy loop of this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+from services.frontend.messages import EngineInfo, EngineOutputs, EngineRequest, EngineStatus, UtilityResult
+
+
+class EngineClient(ABC):
+    """Adds and aborts engine requests, makes utility calls, and queues engine outputs for `get_output()`."""
+
+    def __init__(self) -> None:
+        self._outputs: asyncio.Queue[EngineOutputs] = asyncio.Queue()
+        self._listeners: list[Callable[[], None]] = []
+
+    @abstractmethod
+    async def start(self) -> None: ...
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+    @abstractmethod
+    def add_request(self, request: EngineRequest) -> None:
+        """Send a request to an engine (never blocks); raises EngineUnavailable when none is connected."""
+
+    @abstractmethod
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort engine requests (never blocks; unknown ids are ignored)."""
+
+    @abstractmethod
+    async def call_utility(self, method: str, *, pause_mode: str = "", profile_dir: str = "") -> list[UtilityResult]:
+        """Call `method` (pause, resume, sleep, wake_up, reset_prefix_cache, start_profile, ...) on every engine."""
+
+    @abstractmethod
+    async def wait_for_engine(self) -> EngineInfo:
+        """Wait until an engine is connected; its model info."""
+
+    @property
+    @abstractmethod
+    def is_connected(self) -> bool: ...
+
+    @property
+    @abstractmethod
+    def num_in_flight(self) -> int:
+        """Engine requests sent and not yet finished, aborted or lost."""
+
+    @property
+    @abstractmethod
+    def engine_info(self) -> EngineInfo | None: ...
+
+    @abstractmethod
+    def engines(self) -> list[EngineStatus]: ...
+
+    async def get_output(self) -> EngineOutputs:
+        """The next engine step's outputs, or requests that failed (AsyncLLM's output handler is the reader)."""
+        return await self._outputs.get()
+
+    def _put_output(self, outputs: EngineOutputs) -> None:
+        self._outputs.put_nowait(outputs)
+
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """`callback()` runs whenever an engine connects or disconnects."""
+        self._listeners.append(callback)
+
+    def remove_listener(self, callback: Callable[[], None]) -> None:
+        self._listeners.remove(callback)
+
+    def _notify(self) -> None:
+        for callback in self._listeners:
+            callback()
