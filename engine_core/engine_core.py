@@ -9,7 +9,6 @@ thread only.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,11 +100,8 @@ class EngineCore:
         self.max_model_len = self._resolve_max_model_len(self.arch)
         block_size = config.cache.block_size
         num_blocks = config.cache.num_blocks or self._num_blocks_for_memory(dtype)
-        # masks beside the forward only where it leaves a core idle (engine_core/structured/masks.py)
-        spare_core = device.type == "cuda" or (os.cpu_count() or 1) > torch.get_num_threads()
         self.structured = StructuredOutputs(self._tokenizer_path(), vocab_size=self.arch.vocab_size,
-                                            eos_token_ids=list(self.arch.eos_token_ids), overlap=spare_core,
-                                            num_threads=None if spare_core else torch.get_num_threads())
+                                            eos_token_ids=list(self.arch.eos_token_ids))
         self.runner = ModelRunner(
             self.model, self.arch, self.attention,
             num_blocks=num_blocks, block_size=block_size, device=device, dtype=dtype,

@@ -1,11 +1,12 @@
 """The engine's structured outputs: grammars compiled once per text, a matcher per request, and each
-step's token masks, computed on a worker thread while the forward pass runs where that pays.
+step's token masks, computed on a worker thread while the forward pass runs.
 
 llguidance computes a step's masks for all constrained rows in parallel (its LLExecutor, which
-drops the GIL). Where the forward leaves a core idle (a GPU, or spare CPU cores) they run on the
-worker thread beside it and the sampler waits only for what is left (`MaskTiming.wait_seconds`);
-where torch already uses every core, a thread beside it only slows its thread team down, so they
-are computed right after the forward. torch-free: the masks are numpy.
+drops the GIL), on the worker thread beside the forward; the sampler waits only for what is left
+(`MaskTiming.wait_seconds`). On a GPU the CPU is idle during the forward; on a CPU whose cores
+torch uses, the worker still fills the gaps its thread team leaves while the main thread runs
+Python between ops: measured on a 2-core Zen 4 with SmolLM2 at 32 streams, 0.93 of unconstrained
+throughput beside the forward vs 0.88 after it. torch-free: the masks are numpy.
 """
 
 from __future__ import annotations
@@ -68,9 +69,8 @@ class StructuredOutputs:
                  overlap: bool = True, num_threads: int | None = None,
                  cache_size: int = DEFAULT_GRAMMAR_CACHE_SIZE) -> None:
         """`tokenizer_path`: a .gguf or a folder with tokenizer.json (None: structured requests are refused).
-        `overlap`: compute masks on a worker thread during the forward; worth it only where the forward
-        leaves a CPU core idle (a GPU does the work, or torch has fewer threads than cores); otherwise
-        they are computed right after it. `num_threads`: llguidance's (None: its default)."""
+        `overlap`: compute masks on a worker thread during the forward (False: when the sampler asks,
+        after it). `num_threads`: llguidance's (None: its default)."""
         self.tokenizer_path = tokenizer_path
         self.overlap = overlap
         self.num_threads = num_threads

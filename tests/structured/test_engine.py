@@ -177,7 +177,7 @@ def test_an_engine_without_a_tokenizer_refuses_structured_requests(tiny_model_di
 
 def test_masks_beside_the_forward_or_after_it_give_the_same_outputs(engine, prompt):
     structured = engine.engine_core.structured
-    chosen = structured.overlap  # on a CPU whose cores torch uses, after the forward
+    chosen = structured.overlap  # beside the forward
     params = SamplingParams(temperature=0.9, seed=8, n=3, max_tokens=40,
                             structured=StructuredOutput(json_schema=json.dumps(SCHEMAS["person"])))
     outputs = {}
