@@ -58,13 +58,39 @@ def sampling_parent() -> argparse.ArgumentParser:
     group.add_argument("--stop", action="append", metavar="TEXT", help="stop string; repeatable")
     group.add_argument("--repetition-penalty", type=float, metavar="R", help="(0, 2], 1 = off")
     group.add_argument("--ignore-eos", action="store_true", default=None, help="keep going past end-of-sequence")
+    structured = parent.add_argument_group("structured output (at most one; the server enforces it token by token)")
+    structured.add_argument("--json-schema", metavar="FILE",
+                            help="the output is JSON valid under this JSON Schema file")
+    structured.add_argument("--json-object", action="store_true", default=None, help="the output is a JSON object")
+    structured.add_argument("--regex", metavar="R", help="the whole output matches this regular expression")
+    structured.add_argument("--choice", action="append", metavar="TEXT", help="the output is one of these; repeatable")
+    structured.add_argument("--grammar", metavar="FILE", help="the output parses under this Lark grammar file")
+    structured.add_argument("--whitespace-flexible", action="store_true", default=None,
+                            help="JSON with free whitespace (default: compact JSON)")
     return parent
 
 
 def sampling_from_args(args: argparse.Namespace) -> dict:
+    """Sampling keywords for the client from the flags (the files of --json-schema and --grammar read)."""
     names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "repetition_penalty",
-             "ignore_eos")
-    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+             "ignore_eos", "json_object", "regex", "choice", "whitespace_flexible")
+    sampling = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    kinds = ("json_schema", "json_object", "regex", "choice", "grammar")
+    constraints = [f"--{name.replace('_', '-')}" for name in kinds if getattr(args, name, None) is not None]
+    if len(constraints) > 1:
+        raise ValueError(f"give at most one of {', '.join(constraints)}")
+    for name in ("json_schema", "grammar"):
+        if getattr(args, name, None) is not None:
+            sampling[name] = _read_text(f"--{name.replace('_', '-')}", getattr(args, name))
+    return sampling
+
+
+def _read_text(flag: str, path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot read {path} ({e.strerror})") from None
 
 
 def tls_from_args(args: argparse.Namespace) -> TlsConfig | None:

@@ -8,13 +8,17 @@ ValueError naming the parameter; the server still validates ranges (INVALID_ARGU
 from __future__ import annotations
 
 import difflib
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from grpc_health.v1 import health_pb2
 from tandem.v1 import common_pb2, generation_pb2
 
-SAMPLING_FIELDS = tuple(f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields)
+# Structured output as keywords (json_schema={...}, regex="...", choice=[...]): at most one constraint.
+STRUCTURED_CONSTRAINTS = ("json_schema", "json_object", "regex", "choice", "grammar")
+STRUCTURED_KEYWORDS = (*STRUCTURED_CONSTRAINTS, "whitespace_flexible")
+SAMPLING_FIELDS = tuple(f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields) + STRUCTURED_KEYWORDS
 _OUTPUT_KINDS = {"delta": common_pb2.OUTPUT_KIND_DELTA, "cumulative": common_pb2.OUTPUT_KIND_CUMULATIVE,
                  "final_only": common_pb2.OUTPUT_KIND_FINAL_ONLY}
 _FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
@@ -147,6 +151,11 @@ def sampling_params(**sampling) -> common_pb2.SamplingParams:
     """SamplingParams from keywords (temperature=0, max_tokens=32, stop=["\\n"], output_kind="delta", ...)."""
     _reject_unknown(sampling, SAMPLING_FIELDS, "sampling parameter")
     sampling = {k: v for k, v in sampling.items() if v is not None}
+    structured = {k: sampling.pop(k) for k in STRUCTURED_KEYWORDS if k in sampling}
+    if structured:
+        if "structured" in sampling:
+            raise TypeError(f"give structured or the keywords {', '.join(structured)}, not both")
+        sampling["structured"] = structured_output(**structured)
     if "output_kind" in sampling:
         sampling["output_kind"] = _output_kind(sampling["output_kind"])
     for name in ("stop", "stop_token_ids"):
@@ -156,6 +165,36 @@ def sampling_params(**sampling) -> common_pb2.SamplingParams:
         return common_pb2.SamplingParams(**sampling)
     except (TypeError, ValueError) as e:
         raise TypeError(f"bad sampling parameter value: {e}") from None
+
+
+def structured_output(*, json_schema: Mapping | str | None = None, json_object: bool | None = None,
+                      regex: str | None = None, choice: Sequence[str] | None = None, grammar: str | None = None,
+                      whitespace_flexible: bool | None = None) -> common_pb2.StructuredOutput:
+    """A StructuredOutput with exactly one constraint: json_schema (a dict or JSON text), json_object=True,
+    regex, choice (a list of strings) or grammar (Lark text). The server compiles it (INVALID_ARGUMENT if
+    it does not compile)."""
+    given = {name: value for name, value in (("json_schema", json_schema), ("json_object", json_object),
+                                             ("regex", regex), ("choice", choice), ("grammar", grammar))
+             if value is not None and value is not False}
+    if len(given) != 1:
+        raise ValueError(f"give exactly one of {', '.join(STRUCTURED_CONSTRAINTS)}, got "
+                         f"{', '.join(given) or 'none'}")
+    (kind, value), = given.items()
+    proto = common_pb2.StructuredOutput(whitespace_flexible=bool(whitespace_flexible))
+    if kind == "json_schema" and isinstance(value, Mapping):
+        value = json.dumps(value)
+    if kind == "choice":
+        if isinstance(value, str) or not all(isinstance(option, str) for option in value):
+            raise TypeError("choice must be a list of strings")
+        proto.choice.options.extend(value)
+    elif kind == "json_object":
+        proto.json_object = True
+    elif not isinstance(value, str):
+        raise TypeError(f"{kind} must be a string{' or a dict' if kind == 'json_schema' else ''}, "
+                        f"got {type(value).__name__}")
+    else:
+        setattr(proto, kind, value)
+    return proto
 
 
 def generate_request(prompt: str | Sequence[int], **kwargs) -> generation_pb2.GenerateRequest:

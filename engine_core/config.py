@@ -32,6 +32,9 @@ class ModelConfig:
     quantization: str = "auto"
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
+    # The tokenizer whose vocabulary structured-output masks use: a .gguf or a folder with
+    # tokenizer.json. None: the model's own (its .gguf, or tokenizer.json beside its weights).
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")

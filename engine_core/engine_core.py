@@ -22,6 +22,7 @@ from engine_core.model_runner import ModelRunner, kv_cache_bytes_per_block
 from engine_core.profiler import Profiler
 from engine_core.request import Request, RequestStatus
 from engine_core.scheduler import Scheduler
+from engine_core.structured.masks import StructuredOutputs
 from engine_core.types import EngineCoreOutputs, EngineCoreRequest, KVCacheEvents, SchedulerStats
 from kernels import select_backend
 from kernels.fused_ops import select_fused_ops
@@ -99,10 +100,13 @@ class EngineCore:
         self.max_model_len = self._resolve_max_model_len(self.arch)
         block_size = config.cache.block_size
         num_blocks = config.cache.num_blocks or self._num_blocks_for_memory(dtype)
+        self.structured = StructuredOutputs(self._tokenizer_path(), vocab_size=self.arch.vocab_size,
+                                            eos_token_ids=list(self.arch.eos_token_ids))
         self.runner = ModelRunner(
             self.model, self.arch, self.attention,
             num_blocks=num_blocks, block_size=block_size, device=device, dtype=dtype,
             max_model_len=self.max_model_len, cuda_graph_sizes=self._cuda_graph_sizes(device),
+            structured=self.structured,
         )
         every_layer_slides = all(self.arch.is_sliding(i) for i in range(self.arch.num_hidden_layers))
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len, log_stats=log_stats,
@@ -139,6 +143,13 @@ class EngineCore:
             )
         return wanted
 
+    def _tokenizer_path(self) -> str | None:
+        """The vocabulary for structured output: --tokenizer, else the model's own if it has one."""
+        if self.config.model.tokenizer is not None:
+            return self.config.model.tokenizer
+        path = Path(self.model_path)
+        return str(path) if path.suffix == ".gguf" or (path / "tokenizer.json").is_file() else None
+
     def _cuda_graph_sizes(self, device: torch.device) -> list[int]:
         """Decode batch sizes to capture: none off CUDA, with enforce_eager, or for a backend
         that cannot be captured."""
@@ -174,6 +185,8 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
         )
+        if request.sampling_params.structured is not None:  # compiled once per grammar text, then copied
+            internal.grammar = self.structured.new_matcher(request.sampling_params.structured)
         self.scheduler.add_request(internal)
 
     def validate_request(self, request: EngineCoreRequest) -> None:
@@ -197,6 +210,8 @@ class EngineCore:
                     f"token id {token_id} in stop_token_ids/logit_bias is out of range: "
                     f"the vocabulary has {vocab_size} tokens"
                 )
+        if params.structured is not None:
+            self.structured.new_matcher(params.structured)  # compiles (and caches) or raises
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Idempotent: unknown or finished ids are ignored."""
@@ -215,6 +230,7 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs.timestamp = time.time()
         outputs.kv_events = self._block_pool.take_events()
+        outputs.mask_timing = runner_output.mask_timing
         return outputs
 
     # ---- utilities ----------------------------------------------------------------

@@ -5,7 +5,9 @@ The batch has no padding: B requests contribute their scheduled tokens back to b
 KV cache and one block table per request. Pooling (embedding) requests ride in the same
 batches: their final hidden states are pooled instead of sampled (`_pool`). Pure-decode steps may instead go through a
 `DecodeGraphRunner` (CUDA graphs, padded to a bucket); everything after the forward
-pass (logits, sampling, prompt logprobs) is the same on both paths.
+pass (logits, sampling, prompt logprobs) is the same on both paths. Requests under a
+structured-output constraint get their token masks computed while the forward runs
+(engine_core/structured/masks.py) and applied to their logits before sampling.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from engine_core.cuda_graphs import DecodeGraphRunner
 from engine_core.pooling_params import PoolingType
 from engine_core.request import Request
 from engine_core.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs
+from engine_core.structured.bitmask import apply_token_mask
+from engine_core.structured.masks import StepMasks, StructuredOutputs
 from engine_core.types import ModelRunnerOutput, SchedulerOutput
 from kernels import AttentionBackend, AttentionMetadata
 
@@ -45,9 +49,11 @@ class ModelRunner:
         dtype: torch.dtype,
         max_model_len: int,
         cuda_graph_sizes: Sequence[int] = (),
+        structured: StructuredOutputs | None = None,
     ) -> None:
         """`cuda_graph_sizes`: decode batch buckets (empty: every step runs eagerly). On CUDA
-        each bucket is captured as a graph; elsewhere the padded buckets run eagerly."""
+        each bucket is captured as a graph; elsewhere the padded buckets run eagerly.
+        `structured`: the engine's grammars and masks (None: constrained requests sample freely)."""
         self.model = model
         self.arch = arch
         self.attention = attention
@@ -56,6 +62,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.sampler = Sampler()
+        self.structured = structured
         self.generators: dict[str, torch.Generator] = {}
         self.pooling_state: dict[str, torch.Tensor] = {}  # request id -> running sum (mean) or first row (cls)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -96,10 +103,13 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         batch = self._prepare_batch(scheduler_output)
+        masks = None  # the constrained rows' masks, computed during the forward
+        if self.structured is not None and batch.sampling_requests:
+            masks = self.structured.start_masks(batch.sampling_requests)
         hidden = self._forward(batch)
         output = ModelRunnerOutput(sampled_token_ids={})
         if batch.sampling_requests:
-            self._sample(hidden, batch, output)
+            self._sample(hidden, batch, output, masks)
         if batch.prompt_logprob_spans:
             self._prompt_logprobs(hidden, batch, output)
         if batch.pooling_spans:
@@ -112,9 +122,13 @@ class ModelRunner:
             return self.decode_graphs.run(batch.input_ids, batch.positions, md)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, md)
 
-    def _sample(self, hidden: torch.Tensor, batch: _Batch, output: ModelRunnerOutput) -> None:
+    def _sample(self, hidden: torch.Tensor, batch: _Batch, output: ModelRunnerOutput,
+                masks: StepMasks | None) -> None:
         requests = batch.sampling_requests
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab] fp32
+        if masks is not None:  # before the sampler: logprobs are those of the constrained distribution
+            disallowed, output.mask_timing = masks.result()
+            apply_token_mask(logits, disallowed, masks.rows)
         # creates (once) the generator of each seeded request in self.generators
         metadata = build_sampling_metadata(requests, self.generators, self.device)
         sampled = self.sampler(logits, metadata)

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine_core.block_hash import BlockHash, hash_block_tokens
 from engine_core.pooling_params import PoolingParams
 from engine_core.sampling_params import SamplingParams
 from engine_core.types import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
+
+if TYPE_CHECKING:
+    from engine_core.structured.matcher import GrammarMatcher
+
+logger = logging.getLogger(__name__)
 
 
 class RequestStatus(enum.IntEnum):
@@ -68,6 +75,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.block_hashes: list[BlockHash] = []
         self.events: list[EngineCoreEvent] = []  # recorded only when the scheduler logs stats
+        self.grammar: GrammarMatcher | None = None  # structured output: set by the engine, fed every output token
         self._update_block_hashes()
         # The most tokens this request may produce.
         limit = self.sampling_params.max_tokens
@@ -116,6 +124,9 @@ class Request:
             token_ids = [token_ids]
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
+        if self.grammar is not None:
+            for token_id in token_ids:
+                self.grammar.accept(token_id)
         self._update_block_hashes()
 
     def _update_block_hashes(self) -> None:
@@ -140,6 +151,8 @@ class Request:
         """After a token was appended: set a finished status if the request is done."""
         if self.num_output_tokens == 0:
             return False
+        if self.grammar is not None and self._check_grammar_stop():
+            return True
         params = self.sampling_params
         last = self.output_token_ids[-1]
         if self.num_output_tokens >= params.min_tokens:
@@ -152,5 +165,19 @@ class Request:
                 return True
         if self.max_output_tokens is not None and self.num_output_tokens >= self.max_output_tokens:
             self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def _check_grammar_stop(self) -> bool:
+        """A complete structure ends the request (STOP, even before min_tokens: nothing may follow it);
+        a token the grammar refused (a masking bug, or a grammar past llguidance's limits) aborts it."""
+        grammar = self.grammar
+        if grammar.rejected_token is not None or grammar.matcher.is_error():
+            logger.error("request %s: structured.%s matcher failed after %d tokens (token %s): %s", self.request_id,
+                         grammar.kind, self.num_output_tokens, grammar.rejected_token, grammar.error)
+            self.status = RequestStatus.FINISHED_ABORTED
+            return True
+        if grammar.is_terminated:
+            self.status = RequestStatus.FINISHED_STOPPED
             return True
         return False

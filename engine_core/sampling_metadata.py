@@ -109,7 +109,7 @@ def build_sampling_metadata(
             if req.request_id not in generators:
                 generators[req.request_id] = make_generator(params.seed, device)
             row_generators[row] = generators[req.request_id]
-        if req.num_output_tokens < params.min_tokens:
+        if req.num_output_tokens < params.min_tokens and req.grammar is None:  # a grammar's mask does it
             banned = set(params.stop_token_ids)
             if not params.ignore_eos:
                 banned |= req.eos_token_ids

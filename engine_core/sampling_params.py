@@ -3,7 +3,9 @@ reasons and logprobs, numbered like tandem.v1 (common.proto), so the enums cross
 
 `SamplingParams` only normalises on construction; `validate_sampling_params` checks every range
 once, where a request enters (the frontend's input processor, the engine's gRPC edge, the
-offline `LLMEngine`). What only the engine knows (vocabulary, context length) it checks itself.
+offline `LLMEngine`), and compiles a structured-output constraint (llguidance, no torch) so a bad
+one is refused with the compiler's message. What only the engine knows (vocabulary, context
+length) it checks itself.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field, replace
+
+from engine_core.structured.grammar import check_structured_output
 
 _GREEDY_EPSILON = 1e-5
 MAX_LOGPROBS = 20
@@ -49,6 +53,38 @@ class TokenLogprobs:
 
 
 @dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the whole output (tandem.v1.StructuredOutput): set exactly one of the first five.
+
+    The engine masks every token the constraint cannot continue with (engine_core/structured/).
+    """
+
+    json_schema: str | None = None  # a JSON Schema document as JSON text
+    json_object: bool = False  # any JSON object
+    regex: str | None = None  # the whole output matches it
+    choice: tuple[str, ...] | None = None  # exactly one of these
+    grammar: str | None = None  # a Lark grammar (llguidance's dialect)
+    whitespace_flexible: bool = False  # JSON: free whitespace between tokens (default compact)
+
+    def __post_init__(self) -> None:
+        if self.choice is not None and not isinstance(self.choice, str):
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def constraints(self) -> list[str]:
+        """The names of the constraints that are set (valid: exactly one)."""
+        return [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
+
+    @property
+    def kind(self) -> str:
+        """The one constraint's name (call on validated params)."""
+        return self.constraints[0]
+
+
+CONSTRAINTS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """One request's sampling parameters (vLLM's SamplingParams); defaults are the wire's defaults."""
 
@@ -73,6 +109,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: OutputKind = OutputKind.DELTA
+    structured: StructuredOutput | None = None  # constrain the output (None: free text)
 
     def __post_init__(self) -> None:
         """Normalise containers (never validates: that is validate_sampling_params' job)."""
@@ -138,6 +175,8 @@ def validate_sampling_params(params: SamplingParams, *, vocab_size: int | None =
     if not isinstance(params.output_kind, OutputKind):  # __post_init__ converts every known value
         raise ValueError(f"output_kind must be one of {', '.join(k.name for k in OutputKind)}, "
                          f"got {params.output_kind!r}")
+    if params.structured is not None:
+        check_structured_output(params.structured)
     return params
 
 

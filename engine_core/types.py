@@ -18,6 +18,7 @@ from engine_core.sampling_params import FinishReason, SamplingParams, TokenLogpr
 
 if TYPE_CHECKING:
     from engine_core.request import Request
+    from engine_core.structured.masks import MaskTiming
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class ModelRunnerOutput:
     # request id -> logprobs of the prompt tokens computed this step (position i: token i+1)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     pooled: dict[str, list[float]] = field(default_factory=dict)  # request id -> its pooled vector
+    mask_timing: "MaskTiming | None" = None  # structured-output masks this step, if any row had one
 
 
 # ---- engine core -> frontend ------------------------------------------------------
@@ -125,3 +127,4 @@ class EngineCoreOutputs:
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
     kv_events: KVCacheEvents | None = None  # only when the engine records them
+    mask_timing: "MaskTiming | None" = None  # engine-local (step metrics), never sent

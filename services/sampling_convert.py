@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from tandem.v1 import common_pb2
 
-from engine_core.sampling_params import FinishReason, SamplingParams, TokenLogprobs
+from engine_core.sampling_params import FinishReason, SamplingParams, StructuredOutput, TokenLogprobs
 
 # Optional scalars copied only when set: unset ones take the dataclass defaults.
 _OPTIONAL_SCALARS = (
@@ -26,6 +26,8 @@ def sampling_params_from_proto(proto: common_pb2.SamplingParams | None) -> Sampl
     kwargs: dict = {name: getattr(proto, name) for name in _OPTIONAL_SCALARS if proto.HasField(name)}
     if proto.output_kind:
         kwargs["output_kind"] = proto.output_kind
+    if proto.HasField("structured"):
+        kwargs["structured"] = structured_output_from_proto(proto.structured)
     return SamplingParams(stop_token_ids=tuple(proto.stop_token_ids), logit_bias=dict(proto.logit_bias),
                           stop=tuple(proto.stop), **kwargs)
 
@@ -43,6 +45,28 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
     for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
         if getattr(params, name) is not None:
             setattr(proto, name, getattr(params, name))
+    if params.structured is not None:
+        proto.structured.CopyFrom(structured_output_to_proto(params.structured))
+    return proto
+
+
+def structured_output_from_proto(proto: common_pb2.StructuredOutput) -> StructuredOutput | None:
+    """The oneof's case; None when no case is set or json_object is false (no constraint)."""
+    kind = proto.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not proto.json_object):
+        return None
+    value = tuple(proto.choice.options) if kind == "choice" else getattr(proto, kind)
+    return StructuredOutput(whitespace_flexible=proto.whitespace_flexible, **{kind: value})
+
+
+def structured_output_to_proto(structured: StructuredOutput) -> common_pb2.StructuredOutput:
+    """One constraint on the wire (a oneof holds one; validated params have exactly one)."""
+    proto = common_pb2.StructuredOutput(whitespace_flexible=structured.whitespace_flexible)
+    for kind in structured.constraints[:1]:
+        if kind == "choice":
+            proto.choice.options.extend(structured.choice)
+        else:
+            setattr(proto, kind, getattr(structured, kind))
     return proto
 
 

@@ -86,7 +86,8 @@ def test_clients_import_no_engine_core():
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
-@pytest.mark.parametrize("concept", ["SamplingParams", "FinishReason", "OutputKind", "TokenLogprobs"])
+@pytest.mark.parametrize("concept", ["SamplingParams", "FinishReason", "OutputKind", "TokenLogprobs",
+                                     "StructuredOutput"])
 def test_one_class_per_shared_concept(concept):
     pattern = re.compile(rf"^class {concept}\b", re.MULTILINE)
     defining = [p.relative_to(ROOT).as_posix() for p in python_files(*PACKAGES) if pattern.search(p.read_text())]

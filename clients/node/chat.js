@@ -5,6 +5,8 @@
 //   node chat.js "What is the capital of France?"
 //   node chat.js --address localhost:50051 --max-tokens 64 --temperature 0 --system "Be brief." "Hi!"
 //   node chat.js --tls-ca ca.pem --address tandem.example:443 "Hi!"
+//   node chat.js --json-schema person.schema.json "Describe a person as JSON."
+//   node chat.js --choice yes --choice no "Is water wet?"
 'use strict';
 
 const path = require('path');
@@ -26,6 +28,12 @@ options:
   --temperature T       0 = greedy (default: the server's, 1.0)
   --seed N              seeded sampling
   --ignore-eos          keep going past end-of-sequence
+  --json-schema FILE    the answer is JSON valid under this JSON Schema file
+  --json-object         the answer is a JSON object
+  --regex R             the whole answer matches this regular expression
+  --choice TEXT         the answer is one of these; repeatable
+  --grammar FILE        the answer parses under this Lark grammar file
+  --whitespace-flexible JSON with free whitespace (default: compact)
   --timeout S           deadline in seconds (default: 120)
   --tls-ca PEM          use TLS, verifying the server with this CA
   --token-file PATH     send 'authorization: Bearer <token>' (default: $TANDEM_API_TOKEN)
@@ -56,6 +64,12 @@ function parseArgs(argv) {
       case '--temperature': args.temperature = number(value(++i, flag), flag); break;
       case '--seed': args.seed = number(value(++i, flag), flag); break;
       case '--ignore-eos': args.ignoreEos = true; break;
+      case '--json-schema': constrain(args, 'json_schema', fs.readFileSync(value(++i, flag), 'utf8')); break;
+      case '--json-object': constrain(args, 'json_object', true); break;
+      case '--regex': constrain(args, 'regex', value(++i, flag)); break;
+      case '--choice': constrain(args, 'choice', { options: [...(args.choice ? args.choice.options : []), value(++i, flag)] }); break;
+      case '--grammar': constrain(args, 'grammar', fs.readFileSync(value(++i, flag), 'utf8')); break;
+      case '--whitespace-flexible': args.whitespaceFlexible = true; break;
       case '--timeout': args.timeout = number(value(++i, flag), flag); break;
       case '--tls-ca': args.tlsCa = value(++i, flag); break;
       case '--token-file': args.tokenFile = value(++i, flag); break;
@@ -66,6 +80,13 @@ function parseArgs(argv) {
   }
   if (args.messages.length !== 1) usage(2);
   return args;
+}
+
+// tandem.v1.StructuredOutput's oneof `constraint`: one kind per request (--choice may repeat).
+function constrain(args, kind, value) {
+  if (args.constraint && args.constraint !== kind) fail(`give at most one of --json-schema, --json-object, --regex, --choice, --grammar`);
+  args.constraint = kind;
+  args[kind] = value;
 }
 
 function fail(message) {
@@ -96,6 +117,9 @@ function main() {
   if (args.temperature !== undefined) sampling.temperature = args.temperature;
   if (args.seed !== undefined) sampling.seed = String(args.seed);
   if (args.ignoreEos) sampling.ignore_eos = true;
+  if (args.constraint) {
+    sampling.structured = { [args.constraint]: args[args.constraint], whitespace_flexible: !!args.whitespaceFlexible };
+  }
 
   const metadata = new grpc.Metadata();
   const token = args.tokenFile ? fs.readFileSync(args.tokenFile, 'utf8').split('\n')[0].trim()

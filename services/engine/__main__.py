@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--max-model-len", type=int, default=model.max_model_len,
                    help="longest prompt + output in tokens (default: the model's context length)")
     m.add_argument("--seed", type=int, default=model.seed, help="seed for torch's global generator")
+    m.add_argument("--tokenizer", default=model.tokenizer,
+                   help="the vocabulary for structured output (JSON schema, regex, choice, grammar): a .gguf or a "
+                        "folder with tokenizer.json (default: the model's own)")
 
     c = p.add_argument_group("KV cache")
     c.add_argument("--block-size", type=int, default=cache.block_size, help="tokens per KV block")
@@ -108,9 +111,11 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from parsed flags; ValueError on a bad value or a missing model."""
     if args.model is not None and not Path(args.model).exists():
         raise ValueError(f"model {args.model!r} not found: give a Hugging Face folder or a .gguf file")
+    if args.tokenizer is not None and not Path(args.tokenizer).exists():
+        raise ValueError(f"tokenizer {args.tokenizer!r} not found: give a folder with tokenizer.json or a .gguf file")
     return EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
-                          max_model_len=args.max_model_len, seed=args.seed),
+                          max_model_len=args.max_model_len, seed=args.seed, tokenizer=args.tokenizer),
         cache=CacheConfig(
             block_size=args.block_size, num_blocks=args.num_blocks,
             kv_cache_memory_gib=args.kv_cache_memory_gib, enable_prefix_caching=not args.no_prefix_caching,

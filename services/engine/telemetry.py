@@ -81,6 +81,8 @@ class EngineTelemetry:
         """Metrics for the step; events, first token and finish onto the spans of its requests."""
         if self.metrics is not None and step.scheduler_stats is not None:
             self.metrics.record_step(step.scheduler_stats, step_seconds)
+        if self.metrics is not None and step.mask_timing is not None:
+            self.metrics.record_masks(step.mask_timing)
         if not self._spans:
             return
         timestamp = _ns(step.timestamp)

@@ -1,4 +1,5 @@
-"""Request limits: the caps on n, max_tokens, prompt length and stop strings, in one place.
+"""Request limits: the caps on n, max_tokens, prompt length, stop strings and structured-output
+constraints (schema / grammar size, regex length, choice count), in one place.
 
 Each cap has a flag on tandem-frontend; a request over one gets INVALID_ARGUMENT naming the
 field, its value, the cap and the flag. Caps left unset fall back to the model's max_model_len.
@@ -14,6 +15,9 @@ from engine_core.sampling_params import SamplingParams
 DEFAULT_MAX_N = 16
 DEFAULT_MAX_STOP_STRINGS = 16
 DEFAULT_MAX_STOP_STRING_CHARS = 256
+DEFAULT_MAX_SCHEMA_BYTES = 64 * 1024  # a JSON schema, a grammar, or all choice options together
+DEFAULT_MAX_REGEX_CHARS = 4096
+DEFAULT_MAX_CHOICES = 256
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,9 @@ class RequestLimits:
     max_prompt_tokens: int | None = None  # prompt tokens; None: up to max_model_len - 1
     max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
     max_stop_string_chars: int = DEFAULT_MAX_STOP_STRING_CHARS
+    max_schema_bytes: int = DEFAULT_MAX_SCHEMA_BYTES
+    max_regex_chars: int = DEFAULT_MAX_REGEX_CHARS
+    max_choices: int = DEFAULT_MAX_CHOICES
 
     def check_sampling(self, params: SamplingParams) -> None:
         """The caps on n, max_tokens and stop strings; ValueError naming the field, its value, the cap and
@@ -41,6 +48,27 @@ class RequestLimits:
             if isinstance(stop, str) and len(stop) > self.max_stop_string_chars:
                 raise ValueError(f"stop[{i}] is {len(stop)} characters long; at most {self.max_stop_string_chars} "
                                  "are allowed (the server's --max-stop-string-length)")
+        if params.structured is not None:
+            self._check_structured(params.structured)
+
+    def _check_structured(self, structured) -> None:
+        """The sizes of a constraint (compiling it is validate_sampling_params' job, after this)."""
+        for kind in ("json_schema", "grammar"):
+            text = getattr(structured, kind)
+            if isinstance(text, str) and len(text.encode()) > self.max_schema_bytes:
+                raise ValueError(f"structured.{kind} is {len(text.encode())} bytes; at most {self.max_schema_bytes} "
+                                 "are allowed (the server's --max-schema-bytes)")
+        if isinstance(structured.regex, str) and len(structured.regex) > self.max_regex_chars:
+            raise ValueError(f"structured.regex is {len(structured.regex)} characters long; at most "
+                             f"{self.max_regex_chars} are allowed (the server's --max-regex-length)")
+        options = structured.choice or ()
+        if len(options) > self.max_choices:
+            raise ValueError(f"structured.choice.options has {len(options)} options; at most {self.max_choices} "
+                             "are allowed (the server's --max-choices)")
+        size = sum(len(o.encode()) for o in options if isinstance(o, str))
+        if size > self.max_schema_bytes:
+            raise ValueError(f"structured.choice.options are {size} bytes together; at most {self.max_schema_bytes} "
+                             "are allowed (the server's --max-schema-bytes)")
 
     @staticmethod
     def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -56,11 +84,20 @@ class RequestLimits:
                            help="the most stop strings per request (default: %(default)s)")
         group.add_argument("--max-stop-string-length", type=_positive, default=DEFAULT_MAX_STOP_STRING_CHARS,
                            help="the longest stop string accepted, in characters (default: %(default)s)")
+        group.add_argument("--max-schema-bytes", type=_positive, default=DEFAULT_MAX_SCHEMA_BYTES,
+                           help="the largest structured-output JSON schema or grammar accepted, in bytes "
+                                "(also all choice options together; default: %(default)s)")
+        group.add_argument("--max-regex-length", type=_positive, default=DEFAULT_MAX_REGEX_CHARS,
+                           help="the longest structured-output regex accepted, in characters (default: %(default)s)")
+        group.add_argument("--max-choices", type=_positive, default=DEFAULT_MAX_CHOICES,
+                           help="the most structured-output choice options accepted (default: %(default)s)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RequestLimits:
         return cls(max_n=args.max_n, max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                   max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_length)
+                   max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_length,
+                   max_schema_bytes=args.max_schema_bytes, max_regex_chars=args.max_regex_length,
+                   max_choices=args.max_choices)
 
 
 def _positive(text: str) -> int:

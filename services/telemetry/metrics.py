@@ -21,6 +21,8 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
 REQUEST_LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+MASK_BUCKETS = (0.00001, 0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
+                0.25, 1.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -70,6 +72,14 @@ class EngineMetrics:
         self.step_duration = bind(Histogram("tandem:engine_step_duration_seconds",
                                             "Wall time of one engine step (schedule, forward, update).",
                                             labels, buckets=STEP_BUCKETS, registry=r))
+        self.structured_mask = bind(Histogram(
+            "tandem:structured_mask_seconds",
+            "Structured output: time to compute one constrained token's mask (a step's mask time over its rows).",
+            labels, buckets=MASK_BUCKETS, registry=r))
+        self.structured_mask_wait = bind(Histogram(
+            "tandem:structured_mask_wait_seconds",
+            "Structured output: time a step's sampler waited for its masks after the forward (not hidden by it).",
+            labels, buckets=MASK_BUCKETS, registry=r))
 
     def record_step(self, stats, step_seconds: float) -> None:
         """`stats` is the step's engine_core.types.SchedulerStats (gauges now, counters for this step)."""
@@ -87,6 +97,13 @@ class EngineMetrics:
             self.generation_tokens.inc(stats.num_generation_tokens)
         self.iteration_tokens.observe(stats.num_scheduled_tokens)
         self.step_duration.observe(step_seconds)
+
+    def record_masks(self, timing) -> None:
+        """`timing`: a step's engine_core.structured.masks.MaskTiming; one observation per constrained token."""
+        per_token = timing.compute_seconds / timing.num_rows
+        for _ in range(timing.num_rows):
+            self.structured_mask.observe(per_token)
+        self.structured_mask_wait.observe(timing.wait_seconds)
 
 
 # ---- the frontend's metrics -------------------------------------------------------------------

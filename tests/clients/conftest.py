@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 def live_stack(tmp_path_factory):
     model_dir = write_tiny_model(tmp_path_factory.mktemp("tiny-clients"), vocab_size=VOCAB,
                                  max_position_embeddings=512)
-    services = Services(["--model", str(model_dir), *ENGINE_FLAGS, "--log-level", "WARNING"],
+    services = Services(["--model", str(model_dir), *ENGINE_FLAGS, "--log-level", "WARNING",
+                         "--tokenizer", str(default_model_path())],  # the vocabulary for structured-output masks
                         ["--tokenizer", str(default_model_path()), "--log-level", "WARNING"])
     services.model_dir = model_dir  # for tests that compare with transformers on the same weights
     try:
