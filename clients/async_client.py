@@ -59,6 +59,12 @@ class AsyncTandemClient:
             call.cancel()
 
     # ---- unary calls ----
+    async def embed(self, inputs: str | Sequence[int] | Iterable[str | Sequence[int]], *, pooling: str = "last",
+                    normalize: bool | None = None, timeout: float | None = None, metadata: Metadata = None,
+                    traceparent: str | None = None, **options) -> wire.Embeddings:
+        request = wire.embed_request(inputs, pooling=pooling, normalize=normalize, **options)
+        return wire.embeddings_from_proto(await self._unary(self._stub.Embed, request, timeout, metadata, traceparent))
+
     async def tokenize(self, text: str | None = None, *, messages: Iterable | None = None,
                        add_special_tokens: bool | None = None, timeout: float | None = None,
                        metadata: Metadata = None, traceparent: str | None = None, **chat_options) -> Tokens:

@@ -4,6 +4,7 @@
     tandem generate "Once upon a time" --max-tokens 32 --temperature 0
     tandem chat                               # interactive; streams tokens, keeps the history
     tandem tokenize "Hello world"             tandem info        tandem health
+    tandem embed "first text" "second text" --pooling mean
     tandem bench --concurrency 1 4 16 --num-requests 64 --plot sweep.png
 
 Every command has --help with examples. Errors print "tandem: CODE: message" and exit 1.
@@ -44,6 +45,10 @@ _EXAMPLES = {
   tandem tokenize "Hello world"
   tandem tokenize "Hello world" --chat --json    # as the chat template renders a user message
   tandem tokenize --decode 19556 905""",
+    "embed": """examples:
+  tandem embed "Hello world"                     # JSON: one vector per input, and token usage
+  tandem embed "a cat" "a dog" --pooling mean --no-normalize
+  tandem embed --ids "1 2 3" --ids 42 --pooling cls""",
     "info": """examples:
   tandem info
   tandem info --json --address 10.0.0.5:50051""",
@@ -109,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     tokenize.add_argument("--json", action="store_true", help="print JSON")
     tokenize.set_defaults(run=commands.tokenize)
 
+    embed = _add(subcommands, "embed", "embeddings of texts or token ids", [connection],
+                 "Print, as JSON, one vector per input pooled from the model's final hidden states.")
+    embed.add_argument("texts", nargs="*", metavar="TEXT", help="texts to embed, one vector each")
+    embed.add_argument("--ids", action="append", default=[], metavar="IDS", help="token ids to embed (repeatable)")
+    embed.add_argument("--pooling", choices=("last", "mean", "cls"), default="last", help="which hidden states")
+    embed.add_argument("--no-normalize", action="store_true", help="keep the raw vector (default: unit L2 norm)")
+    embed.set_defaults(run=commands.embed)
     info = _add(subcommands, "info", "the served model and the engines behind the frontend", [connection],
                 "Print the model (name, path, context length, vocabulary) and the server's engines.")
     info.add_argument("--json", action="store_true", help="print JSON")

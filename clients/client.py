@@ -70,6 +70,15 @@ class TandemClient:
             call.cancel()  # a consumer that stops early aborts the request on the server
 
     # ---- unary calls ----
+    def embed(self, inputs: str | Sequence[int] | Iterable[str | Sequence[int]], *, pooling: str = "last",
+              normalize: bool | None = None, timeout: float | None = None, metadata: Metadata = None,
+              traceparent: str | None = None, **options) -> wire.Embeddings:
+        """One vector per input (a text, token ids, or a list of them) from the model's final hidden
+        states; pooling: last | mean | cls; normalize: unit L2 norm (the server's default: true).
+        Options: request_id, priority, add_special_tokens."""
+        request = wire.embed_request(inputs, pooling=pooling, normalize=normalize, **options)
+        return wire.embeddings_from_proto(self._unary(self._stub.Embed, request, timeout, metadata, traceparent))
+
     def tokenize(self, text: str | None = None, *, messages: Iterable | None = None,
                  add_special_tokens: bool | None = None, timeout: float | None = None, metadata: Metadata = None,
                  traceparent: str | None = None, **chat_options) -> Tokens:

@@ -94,6 +94,19 @@ def tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
+def embed(args: argparse.Namespace) -> int:
+    inputs = list(args.texts) + [_parse_ids(ids, "--ids") for ids in args.ids]
+    if not inputs:
+        raise ValueError("give at least one TEXT or --ids to embed")
+    with client_from_args(args) as client:
+        result = client.embed(inputs, pooling=args.pooling, normalize=not args.no_normalize)
+    print(json.dumps({"request_id": result.request_id, "embeddings": [list(v) for v in result.vectors],
+                      "num_prompt_tokens": list(result.num_prompt_tokens),
+                      "usage": {"prompt_tokens": result.usage.prompt_tokens,
+                                "cached_tokens": result.usage.cached_tokens}}))
+    return 0
+
+
 def info(args: argparse.Namespace) -> int:
     with client_from_args(args) as client:
         model, server = client.model_info(), client.server_info()

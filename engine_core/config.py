@@ -119,7 +119,10 @@ class EngineConfig:
 
 @dataclass
 class ModelArchConfig:
-    """Llama-family architecture, read from config.json or GGUF metadata."""
+    """A decoder's architecture, read from config.json or GGUF metadata.
+
+    `name` is the family (engine_core/models/registry.py); the fields after `name` are the
+    few places where the families differ from Llama."""
 
     vocab_size: int
     hidden_size: int
@@ -137,10 +140,25 @@ class ModelArchConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "llama"
+    # per layer "full_attention" | "sliding_attention"; empty: every layer full
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None  # keys a sliding layer sees, its own included
+    rope_local_theta: float | None = None  # sliding layers' rope base when it differs (Gemma 3)
+    qk_norm: bool = False  # RMSNorm per head on q and k before rope (Qwen3, Gemma 3)
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma)
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcap: float | None = None  # the same on the logits (Gemma 2)
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
 
     def __post_init__(self) -> None:
         _require(
             self.num_attention_heads % self.num_key_value_heads == 0,
             f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
             f"num_key_value_heads ({self.num_key_value_heads})",
+        )
+        _require(
+            not self.layer_types or len(self.layer_types) == self.num_hidden_layers,
+            f"layer_types names {len(self.layer_types)} layers, the model has {self.num_hidden_layers}",
         )

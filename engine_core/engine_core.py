@@ -108,8 +108,9 @@ class EngineCore:
             max_model_len=self.max_model_len, cuda_graph_sizes=self._cuda_graph_sizes(device),
             structured=self.structured,
         )
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len,
-                                   log_stats=log_stats)
+        every_layer_slides = all(self.arch.is_sliding(i) for i in range(self.arch.num_hidden_layers))
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len, log_stats=log_stats,
+                                   sliding_window=self.arch.sliding_window if every_layer_slides else None)
         self._block_pool = self.scheduler.kv_cache_manager.block_pool
         self.records_kv_events = kv_events
         if kv_events:

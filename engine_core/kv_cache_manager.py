@@ -5,6 +5,12 @@ cached (`get_computed_blocks`), and whether there is room for the tokens it want
 compute this step (`allocate_slots`). Blocks are cached as soon as they are allocated
 for tokens that will fill them, so a request scheduled later in the same step may
 already hit them (the runner writes a layer's KV for the whole batch before attention).
+
+When every layer attends through a sliding window of W keys, a request's blocks that no
+future query can see (all positions before `num_computed_tokens - W + 1`) go back to the
+pool as it advances, the null block taking their place in its block table. They stay
+indexed by hash until evicted, so a later request with the same prefix still hits them.
+Models that mix sliding and full layers keep every block (the full layers read them).
 """
 
 from __future__ import annotations
@@ -16,13 +22,17 @@ from engine_core.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, sliding_window: int | None = None
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_block_ids: dict[str, list[int]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request already indexed
+        self.num_freed_blocks: dict[str, int] = {}  # leading blocks given back behind the sliding window
         self.prefix_cache_queries = 0  # tokens
         self.prefix_cache_hits = 0  # tokens
 
@@ -43,9 +53,12 @@ class KVCacheManager:
         """The longest cached run of the request's leading full blocks, and its length in tokens.
 
         Never covers the whole request: at least one token is left to compute so the
-        model produces logits for it. Requests that want prompt logprobs compute everything.
+        model produces logits for it. Requests that want prompt logprobs, or pool over every
+        position (mean, cls), compute everything.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        every_position = request.sampling_params.prompt_logprobs is not None or (
+            request.pooling is not None and request.pooling.needs_every_position)
+        if not self.enable_caching or every_position:
             return [], 0
         size = self.block_size
         max_blocks = min((request.num_tokens - 1) // size, len(request.block_hashes))
@@ -81,6 +94,7 @@ class KVCacheManager:
         first. Returns the newly allocated blocks, or None (nothing changed) when
         the pool is short.
         """
+        self._free_behind_window(request, request.num_computed_tokens)
         num_held = len(self.req_to_blocks.get(request.request_id, ()))
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_needed = -(-num_tokens // self.block_size) - num_held - len(new_computed_blocks)
@@ -98,7 +112,24 @@ class KVCacheManager:
             block_ids.append(block.block_id)
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, num_tokens)
+        if new_computed_blocks:
+            self._free_behind_window(request, request.num_computed_tokens + num_new_computed_tokens)
         return new_blocks
+
+    def _free_behind_window(self, request: Request, num_computed_tokens: int) -> None:
+        """Give back the leading blocks no query from position `num_computed_tokens` on can see."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if self.sliding_window is None or not blocks:
+            return
+        start = self.num_freed_blocks.get(request.request_id, 0)
+        end = min(max(num_computed_tokens - self.sliding_window + 1, 0) // self.block_size, len(blocks))
+        if end <= start:
+            return
+        freed = blocks[start:end]
+        blocks[start:end] = [self.block_pool.null_block] * (end - start)
+        self.req_to_block_ids[request.request_id][start:end] = [self.block_pool.null_block.block_id] * (end - start)
+        self.num_freed_blocks[request.request_id] = end
+        self.block_pool.free_blocks(freed)  # oldest first: evicted first
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         size = self.block_size
@@ -114,8 +145,9 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.req_to_block_ids.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
+        num_freed = self.num_freed_blocks.pop(request.request_id, 0)
         if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+            self.block_pool.free_blocks(reversed(blocks[num_freed:]))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's live block table (the same list object while the request holds blocks)."""

@@ -2,7 +2,8 @@
 
 The batch has no padding: B requests contribute their scheduled tokens back to back
 (decodes first, then prefill chunks), with positions, a slot mapping into the paged
-KV cache and one block table per request. Pure-decode steps may instead go through a
+KV cache and one block table per request. Pooling (embedding) requests ride in the same
+batches: their final hidden states are pooled instead of sampled (`_pool`). Pure-decode steps may instead go through a
 `DecodeGraphRunner` (CUDA graphs, padded to a bucket); everything after the forward
 pass (logits, sampling, prompt logprobs) is the same on both paths. Requests under a
 structured-output constraint get their token masks computed while the forward runs
@@ -15,9 +16,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from engine_core.config import ModelArchConfig
 from engine_core.cuda_graphs import DecodeGraphRunner
+from engine_core.pooling_params import PoolingType
 from engine_core.request import Request
 from engine_core.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs
 from engine_core.structured.bitmask import apply_token_mask
@@ -61,6 +64,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.structured = structured
         self.generators: dict[str, torch.Generator] = {}
+        self.pooling_state: dict[str, torch.Tensor] = {}  # request id -> running sum (mean) or first row (cls)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.decode_graphs: DecodeGraphRunner | None = None
         if cuda_graph_sizes:
@@ -95,6 +99,7 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in scheduler_output.finished_request_ids:
             self.generators.pop(request_id, None)
+            self.pooling_state.pop(request_id, None)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         batch = self._prepare_batch(scheduler_output)
@@ -107,6 +112,8 @@ class ModelRunner:
             self._sample(hidden, batch, output, masks)
         if batch.prompt_logprob_spans:
             self._prompt_logprobs(hidden, batch, output)
+        if batch.pooling_spans:
+            self._pool(hidden, batch, output)
         return output
 
     def _forward(self, batch: _Batch) -> torch.Tensor:  # [T, hidden]
@@ -144,6 +151,26 @@ class ModelRunner:
                 logits, targets, request.sampling_params.prompt_logprobs
             )
 
+    def _pool(self, hidden: torch.Tensor, batch: _Batch, output: ModelRunnerOutput) -> None:
+        """Fold each pooling request's chunk into its state; pool the requests whose prompt is done.
+        A chunk from position 0 starts over (the request's first chunk, or after a preemption)."""
+        for request, token_start, start, count in batch.pooling_spans:
+            rows = hidden[token_start:token_start + count].float()  # [count, hidden]
+            kind, request_id = request.pooling.pooling_type, request.request_id
+            if kind == PoolingType.MEAN:
+                previous = self.pooling_state.get(request_id) if start else None
+                self.pooling_state[request_id] = rows.sum(0) + (0 if previous is None else previous)
+            elif kind == PoolingType.CLS and start == 0:
+                self.pooling_state[request_id] = rows[0]
+            if start + count < request.num_tokens:
+                continue
+            vector = rows[-1] if kind == PoolingType.LAST else self.pooling_state.pop(request_id)
+            if kind == PoolingType.MEAN:
+                vector = vector / request.num_tokens
+            if request.pooling.normalize:
+                vector = F.normalize(vector, dim=-1)
+            output.pooled[request_id] = vector.tolist()
+
     # ---- batch preparation ------------------------------------------------------
     def _prepare_batch(self, scheduler_output: SchedulerOutput) -> _Batch:
         num_scheduled = scheduler_output.num_scheduled_tokens
@@ -161,6 +188,7 @@ class ModelRunner:
         logits_indices: list[int] = []
         sampling_requests: list[Request] = []
         prompt_logprob_spans: list[tuple[Request, int, int, int]] = []
+        pooling_spans: list[tuple[Request, int, int, int]] = []
         num_decodes = 0
         for request in requests:
             count = num_scheduled[request.request_id]
@@ -177,7 +205,9 @@ class ModelRunner:
             block_tables.append(block_ids)
             if count == 1:
                 num_decodes += 1
-            if end >= request.num_tokens:  # the whole context is computed: sample the next token
+            if request.pooling is not None:  # pooled, never sampled
+                pooling_spans.append((request, token_start, start, count))
+            elif end >= request.num_tokens:  # the whole context is computed: sample the next token
                 logits_indices.append(len(input_ids) - 1)
                 sampling_requests.append(request)
             if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
@@ -204,6 +234,7 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
             sampling_requests=sampling_requests,
             prompt_logprob_spans=prompt_logprob_spans,
+            pooling_spans=pooling_spans,
         )
 
 
@@ -218,3 +249,4 @@ class _Batch:
     sampling_requests: list[Request]
     # (request, first row in the batch, first position, number of positions)
     prompt_logprob_spans: list[tuple[Request, int, int, int]]
+    pooling_spans: list[tuple[Request, int, int, int]]  # the same, for every chunk of a pooling request

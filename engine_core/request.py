@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine_core.block_hash import BlockHash, hash_block_tokens
+from engine_core.pooling_params import PoolingParams
 from engine_core.sampling_params import SamplingParams
 from engine_core.types import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
 
@@ -58,6 +59,7 @@ class Request:
     arrival_time: float = 0.0
     priority: int = 0
     max_model_len: int | None = None
+    pooling: PoolingParams | None = None  # set: pooled (an embedding), never sampled
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -96,6 +98,7 @@ class Request:
             arrival_time=req.arrival_time,
             priority=req.priority,
             max_model_len=max_model_len,
+            pooling=req.pooling,
         )
 
     # ---- sizes ----------------------------------------------------------------

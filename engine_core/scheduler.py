@@ -27,8 +27,9 @@ from engine_core.types import (
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 max_model_len: int, *, log_stats: bool = False) -> None:
-        """log_stats: record per-request events (queued, scheduled, preempted) for tracing and metrics."""
+                 max_model_len: int, *, log_stats: bool = False, sliding_window: int | None = None) -> None:
+        """log_stats: record per-request events (queued, scheduled, preempted) for tracing and metrics.
+        sliding_window: set when every layer attends through it (blocks behind it are freed)."""
         capacity = (num_blocks - 1) * cache_config.block_size
         if max_model_len > capacity:
             raise ValueError(
@@ -44,7 +45,8 @@ class Scheduler:
         self.log_stats = log_stats
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
-        self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                                               sliding_window)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting = PriorityQueue() if scheduler_config.policy == "priority" else FcfsQueue()
         self.running: list[Request] = []
@@ -219,8 +221,13 @@ class Scheduler:
                     num_prompt_tokens += request.num_prompt_tokens
                 if request.check_stop() or self._check_model_len(request):
                     stopped.add(request_id)
+            embedding = model_runner_output.pooled.get(request_id)
+            if embedding is not None:  # a pooling request is done once its prompt is
+                request.status = RequestStatus.FINISHED_STOPPED
+                stopped.add(request_id)
+                num_prompt_tokens += request.num_prompt_tokens
             prompt_logprobs = self._new_prompt_logprobs(request, scheduler_output, model_runner_output)
-            if not new_token_ids and not prompt_logprobs:
+            if not new_token_ids and not prompt_logprobs and embedding is None:
                 continue
             logprobs = model_runner_output.logprobs.get(request_id) if new_token_ids else None
             outputs.append(EngineCoreOutput(
@@ -232,6 +239,7 @@ class Scheduler:
                 stop_reason=request.stop_reason,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 events=request.take_events() if self.log_stats else None,
+                embedding=embedding,
             ))
         self._num_prompt_tokens = num_prompt_tokens
         self._num_generation_tokens = num_generation_tokens

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 # FinishReason and TokenLogprobs are shared with the frontend, so they live in sampling_params.
+from engine_core.pooling_params import PoolingParams
 from engine_core.sampling_params import FinishReason, SamplingParams, TokenLogprobs  # noqa: F401
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ class EngineCoreRequest:
     arrival_time: float = 0.0
     priority: int = 0  # lower runs first under the priority policy
     trace_headers: dict[str, str] | None = None
+    pooling: PoolingParams | None = None  # set: an embedding request, pooled instead of sampled
 
 
 # ---- scheduler -> model runner ----------------------------------------------------
@@ -57,6 +59,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # request id -> logprobs of the prompt tokens computed this step (position i: token i+1)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    pooled: dict[str, list[float]] = field(default_factory=dict)  # request id -> its pooled vector
     mask_timing: "MaskTiming | None" = None  # structured-output masks this step, if any row had one
 
 
@@ -85,6 +88,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None  # the stop token id that ended it, if any
     num_cached_tokens: int = 0
     events: list[EngineCoreEvent] | None = None  # since the last output; only when the scheduler records them
+    embedding: list[float] | None = None  # a pooling request's vector, in its finishing output
 
     @property
     def finished(self) -> bool:

@@ -41,12 +41,14 @@ def paged_attention(
     value_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [T, H, D]
     if not _supported(query, key_cache) or query.dtype != key_cache.dtype:
-        return reference.paged_attention(query, key_cache, value_cache, metadata, scale)
+        return reference.paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, logit_softcap)
     out = torch.empty(query.shape, dtype=query.dtype)
     torch.ops.tandem.paged_attention(
         out, query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
-        metadata.query_start_loc, scale,
+        metadata.query_start_loc, scale, sliding_window or 0, logit_softcap or 0.0,
     )
     return out

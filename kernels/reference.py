@@ -7,7 +7,11 @@ vLLM's CPU backend), so gathering one (block, kv head) row at a time yields each
 request's context as [Hkv, L, D] with no transposing copy before the matmuls.
 
 Everything that depends only on the batch (gather rows, masks, slot splits) is
-derived once per step and kept in `metadata.scratch`, then reused by every layer.
+derived once per step (per sliding window) and kept in `metadata.scratch`, then reused
+by every layer.
+
+Per layer, `sliding_window` W lets query position i see keys (i - W, i] only, and
+`logit_softcap` c turns scores s (already scaled) into c * tanh(s / c) before the mask.
 """
 
 from __future__ import annotations
@@ -52,8 +56,8 @@ def _split_slots(slot_mapping: torch.Tensor, block_size: int):
     return keep, slot_mapping // block_size, slot_mapping % block_size
 
 
-def _plan(metadata: AttentionMetadata, cache: torch.Tensor) -> _Plan:
-    plan = metadata.scratch.get("torch_reference")
+def _plan(metadata: AttentionMetadata, cache: torch.Tensor, window: int | None = None) -> _Plan:
+    plan = metadata.scratch.get(("torch_reference", window))
     if plan is not None:
         return plan
     _, num_kv_heads, block_size, _ = cache.shape
@@ -66,7 +70,10 @@ def _plan(metadata: AttentionMetadata, cache: torch.Tensor) -> _Plan:
         decode_len = max(metadata.seq_lens_cpu[:num_decodes])
         decode_rows = _context_rows(metadata.block_tables[:num_decodes], decode_len, num_kv_heads, block_size)
         seq_lens = metadata.seq_lens[:num_decodes].to(torch.int64)
-        beyond = torch.arange(decode_len, device=device)[None, :] >= seq_lens[:, None]  # [B, L]
+        key_pos = torch.arange(decode_len, device=device)[None, :]
+        beyond = key_pos >= seq_lens[:, None]  # [B, L]
+        if window is not None:
+            beyond |= key_pos <= seq_lens[:, None] - 1 - window
         if bool(beyond.any()):
             decode_mask = beyond[:, None, None, :]
     prefill_rows, prefill_masks = [], []
@@ -75,13 +82,15 @@ def _plan(metadata: AttentionMetadata, cache: torch.Tensor) -> _Plan:
         seq_len, num_query = metadata.seq_lens_cpu[b], qsl[b + 1] - qsl[b]
         prefill_rows.append(_context_rows(metadata.block_tables[b:b + 1], seq_len, num_kv_heads, block_size))
         mask = None
-        if num_query != seq_len:  # query i sits at position seq_len - Q + i and sees positions <= it
-            q_pos = torch.arange(seq_len - num_query, seq_len, device=device)
-            mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+        windowed = window is not None and window < seq_len
+        if num_query != seq_len or windowed:  # query i sits at position seq_len - Q + i, sees <= it
+            q_pos = torch.arange(seq_len - num_query, seq_len, device=device)[:, None]
+            key_pos = torch.arange(seq_len, device=device)[None, :]
+            mask = (key_pos <= q_pos) & (key_pos > q_pos - window) if windowed else key_pos <= q_pos
         prefill_masks.append(mask)
     plan = _Plan(write_blocks, write_offsets, write_keep, decode_rows, decode_len, decode_mask,
                  prefill_rows, prefill_masks)
-    metadata.scratch["torch_reference"] = plan
+    metadata.scratch[("torch_reference", window)] = plan
     return plan
 
 
@@ -128,25 +137,27 @@ def paged_attention(
     value_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [T, H, D]
-    plan = _plan(metadata, key_cache)
-    num_decodes = metadata.num_decodes
+    plan = _plan(metadata, key_cache, sliding_window)
+    num_decodes, cap = metadata.num_decodes, logit_softcap
     if num_decodes == metadata.num_reqs == query.shape[0]:  # decode-only, no padding rows
-        return _decode_attention(query, key_cache, value_cache, metadata, plan, scale)
+        return _decode_attention(query, key_cache, value_cache, metadata, plan, scale, cap)
     out = torch.empty_like(query)
     if num_decodes:
-        out[:num_decodes] = _decode_attention(query[:num_decodes], key_cache, value_cache, metadata, plan, scale)
+        out[:num_decodes] = _decode_attention(query[:num_decodes], key_cache, value_cache, metadata, plan, scale, cap)
     qsl = metadata.query_start_loc_cpu
     for i, b in enumerate(range(num_decodes, metadata.num_reqs)):
         start, end = qsl[b], qsl[b + 1]
         out[start:end] = _prefill_attention(
             query[start:end], key_cache, value_cache, metadata.block_tables[b:b + 1], metadata.seq_lens_cpu[b],
-            plan.prefill_rows[i], plan.prefill_masks[i], scale,
+            plan.prefill_rows[i], plan.prefill_masks[i], scale, cap,
         )
     return out
 
 
-def _decode_attention(query, key_cache, value_cache, metadata, plan: _Plan, scale):
+def _decode_attention(query, key_cache, value_cache, metadata, plan: _Plan, scale, softcap=None):
     """One query token per request, batched: contexts padded to the longest and masked.
 
     Plain matmuls with the query heads of one kv head grouped (GQA), softmax in fp32.
@@ -157,18 +168,30 @@ def _decode_attention(query, key_cache, value_cache, metadata, plan: _Plan, scal
     k = gather_context(key_cache, block_tables, plan.decode_len, plan.decode_rows)  # [B, Hkv, L, D]
     v = gather_context(value_cache, block_tables, plan.decode_len, plan.decode_rows)
     q = query.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
-    scores = torch.matmul(q, k.to(q.dtype).transpose(-1, -2)).float() * scale  # [B, Hkv, G, L]
+    scores = _softcap(torch.matmul(q, k.to(q.dtype).transpose(-1, -2)).float() * scale, softcap)  # [B, Hkv, G, L]
     if plan.decode_mask is not None:
         scores.masked_fill_(plan.decode_mask, float("-inf"))
     probs = scores.softmax(dim=-1).to(q.dtype)
     return torch.matmul(probs, v.to(q.dtype)).view(num_decodes, num_heads, head_dim)
 
 
-def _prefill_attention(query, key_cache, value_cache, block_table, seq_len, rows, mask, scale):
+def _softcap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return scores if cap is None else torch.tanh(scores / cap) * cap
+
+
+def _prefill_attention(query, key_cache, value_cache, block_table, seq_len, rows, mask, scale, softcap=None):
     """A chunk of Q query tokens at the end of a context of seq_len tokens."""
     k = gather_context(key_cache, block_table, seq_len, rows)[0]  # [Hkv, L, D]
     v = gather_context(value_cache, block_table, seq_len, rows)[0]
     q = query.transpose(0, 1)  # [H, Q, D]
+    if softcap is not None:  # no fused kernel caps scores: plain matmuls, softmax in fp32
+        group = q.shape[0] // k.shape[0]
+        k, v = k.to(q.dtype).repeat_interleave(group, 0), v.to(q.dtype).repeat_interleave(group, 0)
+        scores = _softcap(torch.matmul(q, k.transpose(-1, -2)).float() * scale, softcap)  # [H, Q, L]
+        if mask is None:
+            mask = torch.ones(q.shape[1], seq_len, dtype=torch.bool, device=q.device).tril(seq_len - q.shape[1])
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(q.dtype)
+        return torch.matmul(probs, v).transpose(0, 1)  # [Q, H, D]
     out = F.scaled_dot_product_attention(
         q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=mask is None, scale=scale,
         enable_gqa=q.shape[0] != k.shape[0],

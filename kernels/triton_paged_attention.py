@@ -18,6 +18,9 @@ triton `unified_attention`):
   (query block, kv head) are divided over NUM_SPLITS programs, each writing an
   unnormalised partial (acc, running max, running sum); a small reduce kernel
   combines them. With NUM_SPLITS == 1 the attention kernel writes the output.
+- Per layer, a sliding window W hides keys at or before `query_pos - W` (tiles wholly
+  before the block's first window are skipped), and a logit soft-cap c turns each
+  scaled score s into c * tanh(s / c) before the mask.
 
 Every loop bound comes from device tensors (`seq_lens`, `query_start_loc`), so
 the split count and block sizes picked on the host from metadata are performance
@@ -71,6 +74,8 @@ def _attention_kernel(
     num_reqs,
     num_heads,
     scale,
+    window,  # keys a query sees, its own included (2**30: no window)
+    softcap,  # used when SOFTCAP
     stride_qt, stride_qh,
     stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch,
@@ -85,6 +90,7 @@ def _attention_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # operand type of both dots: the query dtype (see the wrapper)
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One (query block, kv head, context split): flash attention over paged K/V."""
     q_block = tl.program_id(0)
@@ -119,8 +125,9 @@ def _attention_kernel(
     # --- this split's share of the context tiles (causal: stop at the last row's position)
     kv_len = tl.minimum(seq_len, context_len + local_start + BLOCK_Q)
     num_tiles = tl.cdiv(kv_len, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_begin = split * tiles_per_split
+    first_tile = tl.maximum(context_len + local_start - window + 1, 0) // TILE_N  # the window's start
+    tiles_per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+    tile_begin = first_tile + split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (log2 units)
@@ -143,8 +150,12 @@ def _attention_kernel(
         v = v.to(DOT_DTYPE)
 
         # scores in log2 units, so the recurrence can use exp2: [BLOCK_M, TILE_N]
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (scale * LOG2E)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        if SOFTCAP:  # c * tanh(s / c), tanh through exp (the interpreter has no tanh)
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+        s = s * LOG2E
         visible = (key_pos[None, :] <= query_pos[:, None]) & key_valid[None, :]
+        visible = visible & (key_pos[None, :] > query_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
 
         # online softmax; a row with nothing visible yet keeps m = -inf, so shift by 0
@@ -226,6 +237,8 @@ def paged_attention(
     value_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
     num_splits: int | None = None,  # None: choose from metadata; tests force it
 ) -> torch.Tensor:  # [T, H, D]
     """Causal paged attention for every token of the batch, decodes and prefill chunks alike."""
@@ -263,7 +276,7 @@ def paged_attention(
     _attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
         out, acc, m, sums, query, key_cache, value_cache,
         metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
-        metadata.num_reqs, num_heads, scale,
+        metadata.num_reqs, num_heads, scale, sliding_window or 1 << 30, logit_softcap or 0.0,
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(2), key_cache.stride(1),  # block, slot, head
@@ -274,6 +287,7 @@ def paged_attention(
         NUM_SPLITS=num_splits,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+        SOFTCAP=logit_softcap is not None,
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](

@@ -19,8 +19,8 @@ from gguf.quants import dequantize
 from engine_core.config import ModelArchConfig
 from engine_core.gguf_metadata import read_gguf_header
 from engine_core.models.llama import packed_groups
+from engine_core.models.registry import family_of_gguf
 
-_SUPPORTED_ARCHS = ("llama", "qwen2")
 # Tokens that end a turn, added to eos like llama.cpp's end-of-generation set.
 _EOG_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>", "<end_of_turn>")
 
@@ -28,9 +28,17 @@ _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"
 _BLOCK_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# where a family's llama.cpp names mean something else (Gemma's ffn_norm is its pre-MLP norm)
+_GEMMA_NAMES = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+_FAMILY_BLOCK_NAMES = {
+    "gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES,
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused in the file
+}
+_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's LongRoPE, as tensors
 
 
 @dataclass(frozen=True)
@@ -71,8 +79,7 @@ def arch_config(gguf: GGUFFile) -> ModelArchConfig:
     """Read `{arch}.*` and `tokenizer.ggml.*` keys into a ModelArchConfig."""
     meta = gguf.metadata
     arch = meta.get("general.architecture")
-    if arch not in _SUPPORTED_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {_SUPPORTED_ARCHS})")
+    family = family_of_gguf(arch)
     if "rope_freqs.weight" in gguf.tensors:
         raise ValueError("GGUF rope_freqs (Llama 3.1-style rope scaling as a tensor) is not supported yet")
 
@@ -84,25 +91,63 @@ def arch_config(gguf: GGUFFile) -> ModelArchConfig:
         return default
 
     tokens = meta.get("tokenizer.ggml.tokens", [])
-    hidden, heads = get("embedding_length"), get("attention.head_count")
+    hidden, heads, layers = get("embedding_length"), get("attention.head_count"), get("block_count")
+    head_dim = get("attention.key_length", hidden // heads)
+    if get("rope.dimension_count", head_dim) != head_dim:
+        raise ValueError("partial rotary embeddings (rope.dimension_count < head_dim) are not supported")
     return ModelArchConfig(
         vocab_size=get("vocab_size", len(tokens)),
         hidden_size=hidden,
         intermediate_size=get("feed_forward_length"),
-        num_hidden_layers=get("block_count"),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=get("attention.head_count_kv", heads),
-        head_dim=get("attention.key_length", hidden // heads),
+        head_dim=head_dim,
         max_position_embeddings=get("context_length"),
         rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
         rope_theta=get("rope.freq_base", 10000.0),
-        rope_scaling=_rope_scaling(get("rope.scaling.type", None), get("rope.scaling.factor", None)),
+        rope_scaling=_longrope(gguf, get) or _rope_scaling(get("rope.scaling.type", None),
+                                                           get("rope.scaling.factor", None)),
         tie_word_embeddings="output.weight" not in gguf.tensors,
         attention_bias="blk.0.attn_q.bias" in gguf.tensors,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_eos_token_ids(meta, tokens),
-        name=arch,
+        name=family,
+        qk_norm="blk.0.attn_q_norm.weight" in gguf.tensors,
+        **_window_fields(family, get, layers, hidden // heads, head_dim),
     )
+
+
+def _window_fields(family: str, get, layers: int, hidden_per_head: int, head_dim: int) -> dict:
+    """Sliding layers, Gemma's soft-caps and attention scale, as llama.cpp derives them: Gemma 2
+    slides on every other layer, Gemma 3 on five of six, Phi-3 on all (window 0: none); the
+    27B Gemmas (46 / 62 layers) scale by hidden / heads, the others by head_dim."""
+    fields: dict = {}
+    window = get("attention.sliding_window", 0)
+    if window and family in ("gemma2", "gemma3", "phi3"):
+        pattern = get("attention.sliding_window_pattern", {"gemma2": 2, "gemma3": 6, "phi3": 1}[family])
+        sliding = ([bool(s) for s in pattern] if isinstance(pattern, list)
+                   else [pattern == 1 or i % pattern < pattern - 1 for i in range(layers)])
+        fields.update(sliding_window=window,
+                      layer_types=tuple("sliding_attention" if s else "full_attention" for s in sliding))
+    if family.startswith("gemma"):
+        big = (family, layers) in (("gemma2", 46), ("gemma3", 62))
+        fields.update(query_pre_attn_scalar=hidden_per_head if big else head_dim,
+                      attn_logit_softcap=get("attn_logit_softcapping", None),
+                      final_logit_softcap=get("final_logit_softcapping", None))
+    if family == "gemma3":
+        fields["rope_local_theta"] = get("rope.freq_base_swa", 10000.0)  # llama.cpp's default for local layers
+    return fields
+
+
+def _longrope(gguf: GGUFFile, get) -> dict | None:
+    """Phi-3's LongRoPE: the factors are tensors, the rest metadata."""
+    if _ROPE_FACTORS[0] not in gguf.tensors:
+        return None
+    long, short = (dequantize(gguf.tensors[name].data, gguf.tensors[name].qtype).tolist() for name in _ROPE_FACTORS)
+    return {"rope_type": "longrope", "long_factor": long, "short_factor": short,
+            "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+            "max_position_embeddings": get("context_length"), "attention_factor": get("rope.scaling.attn_factor", None)}
 
 
 def _rope_scaling(kind: str | None, factor: float | None) -> dict | None:
@@ -133,7 +178,8 @@ def load_gguf(path: str | Path) -> tuple[ModelArchConfig, Iterator[tuple[str, to
 def _iter_weights(gguf: GGUFFile, config: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Model-named fp32 tensors. Fused groups (q/k/v, gate/up) are stacked as raw quantized
     rows and dequantized once, straight into the fused tensor."""
-    by_hf_name = {hf_name(name): tensor for name, tensor in gguf.tensors.items()}
+    by_hf_name = {hf_name(name, config.name): tensor for name, tensor in gguf.tensors.items()
+                  if name not in _ROPE_FACTORS}
 
     def convert(item: tuple[str, list[str]]) -> tuple[str, torch.Tensor]:
         param, names = item
@@ -146,6 +192,8 @@ def _iter_weights(gguf: GGUFFile, config: ModelArchConfig) -> Iterator[tuple[str
             weight = np.concatenate(
                 [_unpermute(name, dequantize(tensor.data, tensor.qtype), config) for name, tensor in shards]
             )
+        if config.name.startswith("gemma") and param.endswith("norm.weight"):
+            weight = weight - 1.0  # llama.cpp's convert stores Gemma's 1 + w; the model adds the 1 itself
         return param, torch.from_numpy(weight)  # concatenate copied: writable, off the mapped file
 
     groups = packed_groups(by_hf_name)
@@ -165,11 +213,12 @@ def _unpermute(name: str, rows: np.ndarray, config: ModelArchConfig) -> np.ndarr
     return rows.reshape(n_head, n // n_head // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, family: str = "llama") -> str:
     """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'."""
     parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    names = {**_BLOCK_NAMES, **_FAMILY_BLOCK_NAMES.get(family, {})}
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[parts[0]]}.{parts[1]}"
     raise KeyError(f"unexpected GGUF tensor {gguf_name!r}")

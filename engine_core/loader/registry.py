@@ -11,6 +11,7 @@ from engine_core.config import ModelArchConfig
 from engine_core.loader.gguf import load_gguf
 from engine_core.loader.safetensors import load_hf
 from engine_core.models.llama import LlamaForCausalLM
+from engine_core.models.registry import model_class
 from kernels import AttentionBackend
 from kernels.fused_ops import FusedOps
 from kernels.cpu_linear import Timer, use_measured_linears
@@ -50,7 +51,7 @@ def load_model(
     else:
         raise ValueError(f"{model_path}: expected a Hugging Face folder or a .gguf file")
     with torch.device("meta"):  # no memory and no random init until the weights arrive
-        model = LlamaForCausalLM(config, attention, fused)
+        model = model_class(config.name)(config, attention, fused)
     model.load_weights(weights, torch.device(device), dtype)
     if torch.device(device).type == "cpu":
         use_measured_cpu_linears(model, quantization)

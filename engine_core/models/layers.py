@@ -1,4 +1,4 @@
-"""Building blocks of Llama-family decoders: RMSNorm, rotary embedding, SiluAndMul.
+"""Building blocks of the decoders: RMSNorm, rotary embedding, SiluAndMul, GeluAndMul.
 
 Every layer works on one flattened ragged batch: tensors are [T, ...] with no batch
 dimension, and token t's position comes from a flat `positions` tensor. The rotary
@@ -66,6 +66,14 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
+class GeluAndMul(nn.Module):
+    """gelu_tanh(gate) * up (Gemma's GeGLU): [T, 2I] -> [T, I]."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
 class RotaryEmbedding(nn.Module):
     """NeoX / Hugging Face "rotate_half" rotary embedding over a precomputed cos/sin cache.
 
@@ -78,10 +86,12 @@ class RotaryEmbedding(nn.Module):
         self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None
     ) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, base, rope_scaling)
         t = torch.arange(max_position, dtype=torch.float32, device="cpu")
-        freqs = torch.outer(t, inv_freq)  # [P, D/2]
-        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, D]
+        if (rope_scaling or {}).get("rope_type") == "longrope":
+            freqs, factor = _longrope_freqs(t, head_dim, base, rope_scaling)
+        else:
+            freqs, factor = torch.outer(t, rope_inv_freq(head_dim, base, rope_scaling)), 1.0  # [P, D/2]
+        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * factor  # [P, D]
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +117,23 @@ def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torc
         return inv_freq / rope_scaling["factor"]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope_scaling)
-    raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: linear, llama3)")
+    raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: linear, llama3, longrope)")
+
+
+def _longrope_freqs(t: torch.Tensor, head_dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """Phi-3 LongRoPE: frequencies divided by `short_factor` per dimension within the original
+    context and by `long_factor` beyond it, cos/sin scaled by the attention factor. Chosen per
+    position, as vLLM does (transformers switches a whole sequence to the long factors once
+    it grows past the original context)."""
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or scaling["max_position_embeddings"] / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    inv_freq = rope_inv_freq(head_dim, base, None)
+    short = torch.outer(t, inv_freq / torch.tensor(scaling["short_factor"], device="cpu"))
+    long = torch.outer(t, inv_freq / torch.tensor(scaling["long_factor"], device="cpu"))
+    return torch.where(t[:, None] < original, short, long), attention_factor
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

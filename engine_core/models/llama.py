@@ -1,4 +1,10 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2) over paged KV.
+"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2/2.5, Qwen3, Phi-3)
+over paged KV.
+
+The families differ from Llama in a few places, each read from ModelArchConfig: q/k/v
+biases (Qwen2), per-head q/k RMSNorm (Qwen3), sliding-window layers (Mistral, Qwen2 when
+on, Phi-3), LongRoPE (Phi-3, whose checkpoints already hold qkv_proj and gate_up_proj).
+Gemma (engine_core/models/gemma.py) reuses the attention and the model with its own layer.
 
 One forward runs one flattened ragged batch: T tokens of many requests, no batch
 dimension and no padding. Attention goes through an `AttentionBackend`, which writes
@@ -36,11 +42,19 @@ _PACKED_SIZES = {"qkv_proj": 3, "gate_up_proj": 2}
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelArchConfig, attention: AttentionBackend, fused: FusedOps | None = None):
+    def __init__(
+        self, config: ModelArchConfig, attention: AttentionBackend, fused: FusedOps | None = None, layer: int = 0
+    ):
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.window = config.sliding_window if config.is_sliding(layer) else None
+        self.softcap = config.attn_logit_softcap
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:  # over each head's D values, before rope
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, fused)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, fused)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qk_size, self.v_size = q_size + kv_size, kv_size
         # Llama's attention_bias covers o_proj too; Qwen2 biases q/k/v only
@@ -53,12 +67,20 @@ class LlamaAttention(nn.Module):
     def forward(self, rope: Rope, x, kv_cache: KVCache, md: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.qk_size, self.v_size], dim=-1)
-        qk = self.rotate(qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
+        qk = qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            qk = self.rotate(qk, *rope)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
+        else:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            q = self.rotate(self.q_norm(q.reshape(-1, self.head_dim)).view(T, self.num_heads, -1), *rope)
+            k = self.rotate(self.k_norm(k.reshape(-1, self.head_dim)).view(T, self.num_kv_heads, -1), *rope)
         v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         key_cache, value_cache = kv_cache
         self.attention.write_kv_cache(k, v, key_cache, value_cache, md.slot_mapping, md)
-        o = self.attention.paged_attention(q, key_cache, value_cache, md, self.scale)  # [T, H, D]
+        o = self.attention.paged_attention(
+            q, key_cache, value_cache, md, self.scale, sliding_window=self.window, logit_softcap=self.softcap
+        )  # [T, H, D]
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
 
@@ -74,10 +96,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelArchConfig, attention: AttentionBackend, fused: FusedOps | None = None):
+    def __init__(
+        self, config: ModelArchConfig, attention: AttentionBackend, fused: FusedOps | None = None, layer: int = 0
+    ):
         super().__init__()
+        self.sliding = config.is_sliding(layer)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
-        self.self_attn = LlamaAttention(config, attention, fused)
+        self.self_attn = LlamaAttention(config, attention, fused, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.mlp = LlamaMLP(config, fused)
 
@@ -95,25 +120,36 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelArchConfig, attention: AttentionBackend, fused: FusedOps | None = None):
+    def __init__(
+        self, config: ModelArchConfig, attention: AttentionBackend, fused: FusedOps | None = None,
+        layer_cls: type[nn.Module] = LlamaDecoderLayer,
+    ):
         super().__init__()
+        self.embed_scale: float | None = None  # Gemma: sqrt(hidden), rounded to the activations' dtype
         # an explicit weight skips the random init, which on the meta device imports torch._dynamo
         weight = torch.empty(config.vocab_size, config.hidden_size)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
+        self.local_rotary_emb = None  # sliding layers' own rope base (Gemma 3)
+        if config.rope_local_theta is not None:
+            self.local_rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                                    config.rope_local_theta)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attention, fused) for _ in range(config.num_hidden_layers)
+            layer_cls(config, attention, fused, layer) for layer in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], md: AttentionMetadata):
         h = self.embed_tokens(input_ids)  # [T, hidden]
+        if self.embed_scale is not None:
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         rope = self.rotary_emb(positions, h.dtype)
+        local_rope = rope if self.local_rotary_emb is None else self.local_rotary_emb(positions, h.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h, residual = layer(rope, h, residual, kv_cache, md)
+            h, residual = layer(local_rope if layer.sliding else rope, h, residual, kv_cache, md)
         return self.norm(h, residual)[0]
 
 
@@ -122,10 +158,12 @@ class LlamaForCausalLM(nn.Module):
 
     `fused`: the C++ elementwise ops (kernels.fused_ops) for the layers, or None for torch."""
 
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
+
     def __init__(self, config: ModelArchConfig, attention: AttentionBackend, fused: FusedOps | None = None):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, attention, fused)
+        self.model = LlamaModel(config, attention, fused, self.layer_cls)
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -143,8 +181,12 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32."""
         if self.lm_head is None:  # tied; on CPU the loader gives the head its own measured linear
-            return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            logits = torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
+        else:
+            logits = self.lm_head(hidden).float()
+        if (cap := self.config.final_logit_softcap) is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     @torch.no_grad()
     def load_weights(
@@ -167,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
                 expected = tuple(params[name].shape)
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {expected}")
             module_name, _, attr = name.rpartition(".")
-            weight = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
+            weight = nn.Parameter(self.adapt_weight(name, tensor).to(device=device, dtype=dtype), requires_grad=False)
             setattr(self.get_submodule(module_name), attr, weight)
             loaded.add(name)
         missing = sorted(set(params) - loaded)
@@ -175,6 +217,11 @@ class LlamaForCausalLM(nn.Module):
             more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
             raise KeyError(f"checkpoint is missing tensors for: {', '.join(missing[:8])}{more}")
         self.to(device)  # buffers (the rotary cache) follow the weights
+
+
+    def adapt_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A family's change to a checkpoint tensor before it is cast (Gemma's norms)."""
+        return tensor
 
 
 def packed_groups(names: Iterable[str]) -> dict[str, list[str]]:

@@ -81,16 +81,18 @@ inline void score_chunk(const float* q, const T* const* q_rows, float scale, int
   }
 }
 
-// One online-softmax step of a row whose chunk of n keys shows it `visible` of them
-// (0 <= visible <= n): updates max and sum, turns the scores into weights, zero from
-// `visible` up to n's next multiple of 16, and returns the old accumulator's rescale.
-inline float softmax_step(float* scores, int64_t visible, int64_t n, float& max, float& sum) {
+// One online-softmax step of a row whose chunk of n keys shows it keys [first, visible)
+// (0 <= visible <= n; keys before `first` lie outside a sliding window): updates max and
+// sum, turns the scores into weights, zero outside [first, visible) up to n's next multiple
+// of 16, and returns the old accumulator's rescale.
+inline float softmax_step(float* scores, int64_t first, int64_t visible, int64_t n, float& max, float& sum) {
   const int64_t padded = (visible + 15) / 16 * 16, chunk = (n + 15) / 16 * 16;
   std::fill(scores + padded, scores + chunk, 0.0f);
-  if (visible == 0) {
+  if (visible <= first) {
     std::fill(scores, scores + padded, 0.0f);
     return 1.0f;
   }
+  std::fill(scores, scores + first, -std::numeric_limits<float>::infinity());
   std::fill(scores + visible, scores + padded, -std::numeric_limits<float>::infinity());
   f32x16 top = load<f32x16>(scores);
   for (int64_t c = 16; c < padded; c += 16) {

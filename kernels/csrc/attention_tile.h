@@ -25,6 +25,8 @@ struct Layout {
   const int32_t* seq_lens;
   const int32_t* query_start_loc;
   float scale;
+  int64_t window;  // keys a query sees, its own included (sliding window; huge: none)
+  float softcap;   // scores s -> softcap * tanh(s / softcap) when > 0
 };
 
 struct WorkItem {
@@ -40,7 +42,7 @@ inline int64_t partial_floats(const Layout& L) { return L.group * (L.head_dim + 
 
 struct Scratch {  // per thread, reused by its items
   std::vector<float> q, acc, scores, max, sum, correction;
-  std::vector<int64_t> last_pos, visible;
+  std::vector<int64_t> last_pos, visible, first;
   std::vector<const void*> query_rows, key_rows, value_rows;
 };
 
@@ -88,10 +90,12 @@ void attend(const Layout& L, const WorkItem& w, const WorkItem* next, const T* q
   s.correction.resize(rows);
   s.last_pos.resize(rows);
   s.visible.resize(rows);
+  s.first.resize(rows);
   s.query_rows.resize(rows);
   s.key_rows.resize(kChunk);
   s.value_rows.resize(kChunk);
   int64_t* visible = s.visible.data();
+  int64_t* first = s.first.data();
   float* correction = s.correction.data();
 
   // the tile's query rows, scaled, in fp32 (split lane order for bf16 vectors):
@@ -129,11 +133,18 @@ void attend(const Layout& L, const WorkItem& w, const WorkItem* next, const T* q
         values[c] = value_cache + offset + i * D;
       }
     });
-    for (int64_t r = 0; r < rows; ++r) visible[r] = std::max<int64_t>(0, std::min(n, s.last_pos[r] + 1 - begin));
+    for (int64_t r = 0; r < rows; ++r) {
+      visible[r] = std::max<int64_t>(0, std::min(n, s.last_pos[r] + 1 - begin));
+      first[r] = std::max<int64_t>(0, s.last_pos[r] + 1 - L.window - begin);  // keys before it: out of window
+    }
     score_chunk<T, kD>(s.q.data(), reinterpret_cast<const T* const*>(s.query_rows.data()), L.scale, rows, visible,
                        keys, D, s.scores.data());
     for (int64_t r = 0; r < rows; ++r) {
-      correction[r] = softmax_step(s.scores.data() + r * kChunk, visible[r], n, s.max[r], s.sum[r]);
+      float* scores = s.scores.data() + r * kChunk;
+      if (L.softcap > 0.0f) {
+        for (int64_t c = 0; c < visible[r]; ++c) scores[c] = L.softcap * std::tanh(scores[c] / L.softcap);
+      }
+      correction[r] = softmax_step(scores, first[r], visible[r], n, s.max[r], s.sum[r]);
     }
     accumulate_chunk<T, kD>(s.acc.data(), rows, visible, s.scores.data(), correction, values, n, D);
   }

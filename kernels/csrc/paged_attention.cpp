@@ -48,9 +48,11 @@ Plan plan(const Layout& L, int64_t num_reqs, int64_t threads) {
     for (int64_t t = begin; t < end; t += tile_tokens) {
       const int64_t t_end = std::min(end, t + tile_tokens);
       const int64_t keys = seq_len - (end - t_end);  // keys visible to the tile's last token
+      // the first token's window start: keys before it are hidden from every row of the tile
+      const int64_t key_begin = std::max<int64_t>(0, seq_len - (end - t) - L.window + 1);
       for (int64_t h = 0; h < L.num_kv_heads; ++h) {
-        const int64_t cost = (t_end - t) * L.group * keys;
-        p.items.push_back({int32_t(b), int32_t(h), int32_t(t), int32_t(t_end), 0, keys, cost, -1});
+        const int64_t cost = (t_end - t) * L.group * (keys - key_begin);
+        p.items.push_back({int32_t(b), int32_t(h), int32_t(t), int32_t(t_end), key_begin, keys, cost, -1});
         p.work += cost;
       }
     }
@@ -59,7 +61,7 @@ Plan plan(const Layout& L, int64_t num_reqs, int64_t threads) {
   if (threads > 1 && p.work >= kSerialWork && have < wanted) {
     std::vector<WorkItem> items;
     for (const WorkItem& w : p.items) {
-      const int64_t chunks = (w.keys + kChunk - 1) / kChunk;
+      const int64_t chunks = (w.keys - w.key_begin + kChunk - 1) / kChunk;
       const int64_t parts = std::min((wanted + have - 1) / have, chunks / kMinSplitChunks);
       if (w.token_end - w.token_begin != 1 || parts < 2) {
         items.push_back(w);
@@ -68,8 +70,8 @@ Plan plan(const Layout& L, int64_t num_reqs, int64_t threads) {
       p.splits.push_back({w, p.partial_floats, parts});
       for (int64_t i = 0; i < parts; ++i) {
         WorkItem part = w;
-        part.key_begin = chunks * i / parts * kChunk;
-        part.keys = std::min(w.keys, chunks * (i + 1) / parts * kChunk);
+        part.key_begin = w.key_begin + chunks * i / parts * kChunk;
+        part.keys = std::min(w.keys, w.key_begin + chunks * (i + 1) / parts * kChunk);
         part.cost = L.group * (part.keys - part.key_begin);
         part.partial = p.partial_floats;
         p.partial_floats += partial_floats(L);
@@ -84,7 +86,7 @@ Plan plan(const Layout& L, int64_t num_reqs, int64_t threads) {
 }
 
 void paged_attention(Tensor out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables,
-                     Tensor seq_lens, Tensor query_start_loc, double scale) {
+                     Tensor seq_lens, Tensor query_start_loc, double scale, int64_t window, double softcap) {
   const ScalarType dtype = query.scalar_type();
   check_rows(query, 3, "query");
   check_rows(out, 3, "out");
@@ -119,6 +121,8 @@ void paged_attention(Tensor out, Tensor query, Tensor key_cache, Tensor value_ca
   L.seq_lens = ptr<int32_t>(seq_lens);
   L.query_start_loc = ptr<int32_t>(query_start_loc);
   L.scale = float(scale);
+  L.window = window > 0 ? window : int64_t(1) << 40;
+  L.softcap = float(softcap);
   const int64_t num_tokens = query.size(0), num_real = L.query_start_loc[num_reqs];
   TANDEM_CHECK(num_real <= num_tokens && out.size(0) == num_tokens, "query_start_loc runs past the query rows");
 
@@ -208,7 +212,8 @@ void write_kv_cache(Tensor key, Tensor value, Tensor key_cache, Tensor value_cac
 STABLE_TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
+      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int window, "
+      "float softcap) -> ()");
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping) -> ()");
 }

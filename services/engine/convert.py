@@ -12,6 +12,7 @@ from tandem.v1 import common_pb2, engine_core_pb2
 
 from engine_core.config import EngineConfig
 from engine_core.engine_core import EngineInfo
+from engine_core.pooling_params import PoolingParams, PoolingType
 from engine_core.sampling_params import SamplingParams, validate_sampling_params
 from engine_core.types import EngineCoreEventType, EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from services import sampling_convert
@@ -80,7 +81,14 @@ def request_from_proto(request: engine_core_pb2.EngineCoreRequest) -> EngineCore
         arrival_time=request.arrival_time,
         priority=request.priority,
         trace_headers=dict(request.trace_headers) or None,
+        pooling=pooling_from_proto(request.pooling) if request.HasField("pooling") else None,
     )
+
+
+def pooling_from_proto(params: engine_core_pb2.PoolingParams) -> PoolingParams:
+    if params.type not in (0, *PoolingType):
+        raise ValueError(f"unknown pooling type {params.type}")
+    return PoolingParams(PoolingType(params.type or PoolingType.LAST), normalize=params.normalize)
 
 
 def sampling_params_from_proto(params: common_pb2.SamplingParams) -> SamplingParams:
@@ -130,6 +138,8 @@ def output_to_proto(output: EngineCoreOutput) -> engine_core_pb2.EngineCoreOutpu
         proto.finish_reason = sampling_convert.finish_reason_to_proto(output.finish_reason)
     if isinstance(output.stop_reason, int):
         proto.stop_token_id = output.stop_reason
+    if output.embedding is not None:
+        proto.embedding.extend(output.embedding)
     if output.events:
         proto.events.extend(engine_core_pb2.EngineCoreEvent(type=_EVENT_TYPES[e.type], timestamp=e.timestamp)
                             for e in output.events)

@@ -13,12 +13,14 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from engine_core.sampling_params import SamplingParams
+from engine_core.sampling_params import OutputKind, SamplingParams
 from services.frontend.engine_client import EngineClient
-from services.frontend.errors import DuplicateRequest, EngineUnavailable, TooManyRequests
-from services.frontend.input_processor import InputProcessor, Prompt
+from services.frontend.errors import DuplicateRequest, EngineUnavailable, InvalidRequest, TooManyRequests
+from services.frontend.input_processor import InputProcessor, Prompt, new_request_id
 from services.frontend.limits import RequestLimits
-from services.frontend.messages import EngineInfo, EngineOutputs, EngineRequest, RequestOutput, UtilityResult
+from services.frontend.messages import (
+    EmbedResult, EngineInfo, EngineOutputs, EngineRequest, PoolingParams, RequestOutput, Usage, UtilityResult,
+)
 from services.frontend.output_processor import DEFAULT_MAX_UNSENT_TOKENS, OutputProcessor, RequestOutputCollector
 from services.frontend.telemetry import FrontendTelemetry
 from services.frontend.tokenizer import TokenizerBundle
@@ -82,9 +84,37 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
+    async def embed(self, prompts: list[Prompt], pooling: PoolingParams, request_id: str = "", *, priority: int = 0,
+                    trace_headers: dict[str, str] | None = None) -> EmbedResult:
+        """One vector per prompt: each prompt is an engine request that is prefilled and pooled, in the
+        same batches as generation. Validation errors raise InvalidRequest; cancelling aborts them all."""
+        if not prompts:
+            raise InvalidRequest("inputs is empty; send at least one text or token-id input")
+        request_id = request_id or new_request_id()
+        params = SamplingParams(max_tokens=1, output_kind=OutputKind.FINAL_ONLY)
+        ids, collectors = [], []
+        try:
+            for i, prompt in enumerate(prompts):
+                if prompt is None:
+                    raise InvalidRequest(f"inputs[{i}] is empty: set text or token_ids")
+                child_id, collector = self.add_request(prompt, params, f"{request_id}-{i}", priority=priority,
+                                                       trace_headers=trace_headers, pooling=pooling)
+                ids.append(child_id)
+                collectors.append(collector)
+            outputs = [await collector.get() for collector in collectors]
+        except BaseException:
+            self.abort(ids)
+            raise
+        if any(o.completions[0].embedding is None for o in outputs):  # aborted (an Abort call, a pause)
+            raise EngineUnavailable(f"embedding request {request_id!r} was aborted before it finished")
+        return EmbedResult(
+            request_id, [o.completions[0].embedding for o in outputs], [o.num_prompt_tokens for o in outputs],
+            Usage(sum(o.usage.prompt_tokens for o in outputs), 0, sum(o.usage.cached_tokens for o in outputs)),
+        )
+
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str = "", *,
                     priority: int = 0, trace_headers: dict[str, str] | None = None,
-                    ) -> tuple[str, RequestOutputCollector]:
+                    pooling: PoolingParams | None = None) -> tuple[str, RequestOutputCollector]:
         """Validate, admit and send a request (fanned out when n > 1); its id and collector."""
         if self.draining:
             raise EngineUnavailable("the server is draining and admits no new requests; use another replica")
@@ -93,7 +123,7 @@ class AsyncLLM:
         if not self.engine_client.is_connected:
             raise EngineUnavailable("no engine is connected; it may be starting or down, retry shortly")
         request = self.input_processor.process(request_id, prompt, sampling_params, priority=priority,
-                                               trace_headers=trace_headers)
+                                               trace_headers=trace_headers, pooling=pooling)
         n = request.sampling_params.n
         in_flight = self.num_in_flight
         if in_flight + n > self.max_waiting_requests:

@@ -9,6 +9,7 @@ from services import sampling_convert
 from services.frontend.errors import InvalidRequest
 from services.frontend.input_processor import ChatPrompt, Prompt, TextPrompt, TokensPrompt
 from services.frontend.messages import (
+    EmbedResult,
     EngineEvent,
     EngineEventType,
     EngineInfo,
@@ -18,6 +19,8 @@ from services.frontend.messages import (
     EngineStatus,
     FinishReason,
     KVCacheEvents,
+    PoolingParams,
+    PoolingType,
     RequestError,
     RequestOutput,
     SchedulerStats,
@@ -49,6 +52,21 @@ def prompt_from_chat(request: generation_pb2.ChatRequest) -> ChatPrompt:
     )
 
 
+def embed_from_proto(request: generation_pb2.EmbedRequest) -> tuple[list[Prompt | None], PoolingParams]:
+    """The inputs (None: an input with neither text nor token ids) and how to pool them."""
+    add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+    prompts: list[Prompt | None] = []
+    for item in request.inputs:
+        kind = item.WhichOneof("input")
+        prompts.append(TextPrompt(item.text, add_special_tokens=add_special) if kind == "text"
+                       else TokensPrompt(list(item.token_ids.ids)) if kind == "token_ids" else None)
+    if request.pooling not in (0, *PoolingType):
+        raise InvalidRequest(f"pooling must be one of LAST, MEAN, CLS, got {request.pooling}")
+    pooling = PoolingParams(PoolingType(request.pooling or PoolingType.LAST),
+                            normalize=request.normalize if request.HasField("normalize") else True)
+    return prompts, pooling
+
+
 # ---- frontend -> public API ------------------------------------------------------
 StreamResponse = generation_pb2.GenerateResponse | generation_pb2.ChatResponse
 
@@ -69,6 +87,14 @@ def response_from_output(output: RequestOutput, response_type: type[StreamRespon
         response.usage.prompt_tokens = output.usage.prompt_tokens
         response.usage.completion_tokens = output.usage.completion_tokens
         response.usage.cached_tokens = output.usage.cached_tokens
+    return response
+
+
+def embed_response(result: EmbedResult) -> generation_pb2.EmbedResponse:
+    response = generation_pb2.EmbedResponse(request_id=result.request_id, usage=generation_pb2.Usage(
+        prompt_tokens=result.usage.prompt_tokens, cached_tokens=result.usage.cached_tokens))
+    for index, (values, num_tokens) in enumerate(zip(result.embeddings, result.num_prompt_tokens)):
+        response.embeddings.add(index=index, values=values, num_prompt_tokens=num_tokens)
     return response
 
 
@@ -137,6 +163,8 @@ def request_to_proto(request: EngineRequest) -> engine_core_pb2.EngineCoreInput:
         request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
         sampling_params=sampling_convert.sampling_params_to_proto(request.sampling_params),
         arrival_time=request.arrival_time, priority=request.priority, trace_headers=request.trace_headers,
+        pooling=None if request.pooling is None else engine_core_pb2.PoolingParams(
+            type=int(request.pooling.pooling_type), normalize=request.pooling.normalize),
     ))
 
 
@@ -177,6 +205,7 @@ def outputs_from_proto(batch: engine_core_pb2.EngineCoreOutputs) -> list[EngineO
             num_cached_tokens=o.num_cached_tokens,
             events=[EngineEvent(EngineEventType(e.type), e.timestamp) for e in o.events],
             timestamp=batch.timestamp,
+            embedding=list(o.embedding) or None,
         )
         for o in batch.outputs
     ]

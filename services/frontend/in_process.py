@@ -178,7 +178,8 @@ def _core_request(request: EngineRequest):
 
     return EngineCoreRequest(request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
                              sampling_params=request.sampling_params, arrival_time=request.arrival_time,
-                             priority=request.priority, trace_headers=dict(request.trace_headers) or None)
+                             priority=request.priority, trace_headers=dict(request.trace_headers) or None,
+                             pooling=request.pooling)
 
 
 def _outputs_from_core(message) -> list[EngineOutput]:
@@ -192,6 +193,7 @@ def _outputs_from_core(message) -> list[EngineOutput]:
             num_cached_tokens=o.num_cached_tokens,
             events=[EngineEvent(EngineEventType(int(e.type)), e.timestamp) for e in o.events or ()],
             timestamp=message.timestamp,
+            embedding=o.embedding,
         )
         for o in message.outputs
     ]

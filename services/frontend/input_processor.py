@@ -10,7 +10,7 @@ from engine_core.sampling_params import SamplingParams, validate_sampling_params
 from services.frontend.chat_template import ChatTemplateError, render_chat
 from services.frontend.errors import InvalidRequest
 from services.frontend.limits import RequestLimits
-from services.frontend.messages import EngineRequest
+from services.frontend.messages import EngineRequest, PoolingParams
 from services.frontend.tokenizer import TokenizerBundle
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -55,9 +55,9 @@ class InputProcessor:
 
     # ---- the whole request ---------------------------------------------------------
     def process(self, request_id: str, prompt: Prompt, params: SamplingParams | None, *, priority: int = 0,
-                trace_headers: dict[str, str] | None = None) -> EngineRequest:
+                trace_headers: dict[str, str] | None = None, pooling: PoolingParams | None = None) -> EngineRequest:
         """Validate and tokenize; fill in max_tokens when unset (the room left in the context, at most
-        the server's --max-tokens)."""
+        the server's --max-tokens). `pooling`: an embedding request, under the same prompt caps."""
         params = self.validate_sampling(params or SamplingParams())
         token_ids = self.tokenize(prompt)
         room = self._check_length(len(token_ids))
@@ -67,7 +67,7 @@ class InputProcessor:
         params = replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
         return EngineRequest(
             request_id=request_id or new_request_id(), prompt_token_ids=token_ids, sampling_params=params,
-            arrival_time=time.time(), priority=priority, trace_headers=dict(trace_headers or {}),
+            arrival_time=time.time(), priority=priority, trace_headers=dict(trace_headers or {}), pooling=pooling,
         )
 
     def validate_sampling(self, params: SamplingParams) -> SamplingParams:

@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 
 # Shared with the engine core (one definition each, numbered like tandem.v1).
+from engine_core.pooling_params import PoolingParams, PoolingType  # noqa: F401
 from engine_core.sampling_params import FinishReason, SamplingParams, TokenLogprobs  # noqa: F401
 from engine_core.types import KVCacheEvents, SchedulerStats  # noqa: F401
 
@@ -53,6 +54,7 @@ class EngineRequest:
     arrival_time: float
     priority: int = 0
     trace_headers: dict[str, str] = field(default_factory=dict)
+    pooling: PoolingParams | None = None  # set: an embedding request (pooled, never sampled)
 
 
 # ---- engine -> frontend -----------------------------------------------------------
@@ -83,6 +85,7 @@ class EngineOutput:
     num_cached_tokens: int = 0
     events: list[EngineEvent] = field(default_factory=list)  # since the request's last output
     timestamp: float = 0.0  # the engine step's time (engine clock)
+    embedding: list[float] | None = None  # a pooling request's vector, when it finishes
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,7 @@ class CompletionOutput:
     finish_reason: FinishReason | None = None
     stop_string: str | None = None
     stop_token_id: int | None = None
+    embedding: list[float] | None = None  # an embedding request's vector (its only message)
 
 
 @dataclass
@@ -172,3 +176,13 @@ class RequestOutput:
         self.prompt_logprobs = self.prompt_logprobs or newer.prompt_logprobs
         self.usage = newer.usage or self.usage
         self.finished = newer.finished
+
+
+@dataclass
+class EmbedResult:
+    """What `AsyncLLM.embed()` returns: one vector per input, in input order."""
+
+    request_id: str
+    embeddings: list[list[float]]
+    num_prompt_tokens: list[int]
+    usage: Usage

@@ -116,6 +116,7 @@ class RequestState:
             logprobs=new_logprobs if delta else list(self.logprobs),
             finish_reason=finish, stop_string=stop_string,
             stop_token_id=new.stop_token_id if finish == FinishReason.STOP and not stop_string else None,
+            embedding=new.embedding,
         )
 
 

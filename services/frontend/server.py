@@ -62,6 +62,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                                            request.priority, generation_pb2.ChatResponse):
             yield response
 
+    async def Embed(self, request, context):
+        trace_headers = None if self.llm.telemetry.tracing else {
+            k: v for k, v in (context.invocation_metadata() or ()) if k in _TRACE_KEYS}
+        try:
+            prompts, pooling = convert.embed_from_proto(request)
+            result = await self.llm.embed(prompts, pooling, request.request_id, priority=request.priority,
+                                          trace_headers=trace_headers)
+        except Exception as e:  # noqa: BLE001 - mapped to a status code
+            self.llm.telemetry.count_error(status_for(e) if isinstance(e, FrontendError) else grpc.StatusCode.INTERNAL)
+            await _abort(context, e)
+        return convert.embed_response(result)
+
     async def _stream(self, context, request_id, prompt, sampling_proto, priority, response_type):
         # Tracing on: the OpenTelemetry interceptor already made the client's context current.
         trace_headers = None if self.llm.telemetry.tracing else {

@@ -26,6 +26,7 @@ def live_stack(tmp_path_factory):
     services = Services(["--model", str(model_dir), *ENGINE_FLAGS, "--log-level", "WARNING",
                          "--tokenizer", str(default_model_path())],  # the vocabulary for structured-output masks
                         ["--tokenizer", str(default_model_path()), "--log-level", "WARNING"])
+    services.model_dir = model_dir  # for tests that compare with transformers on the same weights
     try:
         yield services
     finally:

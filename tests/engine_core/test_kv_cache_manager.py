@@ -126,3 +126,41 @@ def test_reset_prefix_cache():
     manager.free(a)
     assert manager.reset_prefix_cache() is True
     assert manager.get_computed_blocks(make_request("b", range(9)))[1] == 0
+
+
+# ---- sliding window ---------------------------------------------------------------------------
+def test_blocks_behind_the_sliding_window_go_back_to_the_pool():
+    manager = KVCacheManager(num_blocks=20, block_size=BLOCK, sliding_window=6)
+    request = make_request("a", range(22))
+    admit(manager, request)  # 22 tokens computed: the next query (position 22) sees keys 17..22
+    table = manager.get_block_ids("a")
+    assert len(table) == 6 and manager.num_free_blocks == 13
+    request.append_output_token_ids([100])
+    manager.allocate_slots(request, 1)  # frees blocks 0..3 (positions 0..15), before any new room
+    assert table[:4] == [0, 0, 0, 0] and 0 not in table[4:]
+    assert manager.num_free_blocks == 13 + 4
+    manager.free(request)
+    assert manager.num_free_blocks == 19  # every block back once, the null block never
+
+
+def test_freed_window_blocks_still_serve_prefix_hits():
+    manager = KVCacheManager(num_blocks=20, block_size=BLOCK, sliding_window=6)
+    first = make_request("a", range(22))
+    admit(manager, first)
+    first.append_output_token_ids([100])
+    manager.allocate_slots(first, 1)
+    second = make_request("b", range(21))
+    assert admit(manager, second) == 20  # blocks 0..3 were freed by "a" but are still indexed
+    assert manager.get_block_ids("b")[:3] == [0, 0, 0]  # and go back at once: "b" is past them too
+    manager.free(first)
+    manager.free(second)
+    assert manager.num_free_blocks == 19
+
+
+def test_models_with_full_layers_keep_every_block():
+    manager = KVCacheManager(num_blocks=20, block_size=BLOCK)
+    request = make_request("a", range(22))
+    admit(manager, request)
+    request.append_output_token_ids([100])
+    manager.allocate_slots(request, 1)
+    assert 0 not in manager.get_block_ids("a")

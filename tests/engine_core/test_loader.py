@@ -87,8 +87,8 @@ def test_hf_config_v5_layout_and_qwen2(tmp_path):
 
 
 def test_hf_config_unsupported_architecture(tmp_path):
-    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
-        read_hf_config(_write_config(tmp_path, model_type="gpt2"))
+    with pytest.raises(ValueError, match=r"'gpt2'.*'GPT2LMHeadModel'.*not supported.*Qwen3ForCausalLM.*Phi3ForCausalLM"):
+        read_hf_config(_write_config(tmp_path, model_type="gpt2", architectures=["GPT2LMHeadModel"]))
 
 
 # ---- load errors --------------------------------------------------------------------------
@@ -170,3 +170,49 @@ def test_smollm2_gguf_matches_transformers():
     # (summation order over 30 layers) differs: measured 7.8e-5; 1e-3 leaves headroom.
     assert diff < 1e-3
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
+# ---- the families' config.json layouts ---------------------------------------------------
+
+
+def test_gemma3_v4_layout_local_rope_and_linear_global_scaling(tmp_path):
+    config = read_hf_config(_write_config(
+        tmp_path, model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], num_hidden_layers=7,
+        num_key_value_heads=2, head_dim=32, rope_theta=1e6, rope_local_base_freq=10000.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0}, sliding_window=512, sliding_window_pattern=6,
+        query_pre_attn_scalar=32, hidden_activation="gelu_pytorch_tanh",
+    ))
+    assert config.name == "gemma3" and config.qk_norm and config.tie_word_embeddings
+    assert config.rope_theta == 1e6 and config.rope_local_theta == 10000.0
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert [config.is_sliding(i) for i in range(7)] == [True] * 5 + [False, True]
+    assert config.sliding_window == 512 and config.query_pre_attn_scalar == 32
+    assert config.attn_logit_softcap is None and config.final_logit_softcap is None
+
+
+def test_gemma2_phi3_qwen2_windows_and_softcaps(tmp_path):
+    gemma2 = read_hf_config(_write_config(
+        tmp_path, model_type="gemma2", architectures=["Gemma2ForCausalLM"], sliding_window=4096,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256,
+    ))
+    assert gemma2.layer_types == ("sliding_attention", "full_attention") and gemma2.attn_logit_softcap == 50.0
+    phi3 = read_hf_config(_write_config(
+        tmp_path, model_type="phi3", architectures=["Phi3ForCausalLM"], sliding_window=2047,
+        max_position_embeddings=131072, original_max_position_embeddings=4096,
+        rope_scaling={"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
+    ))
+    assert phi3.rope_scaling["rope_type"] == "longrope" and phi3.is_sliding(1) and phi3.sliding_window == 2047
+    assert phi3.rope_scaling["original_max_position_embeddings"] == 4096
+    qwen2 = read_hf_config(_write_config(
+        tmp_path, model_type="qwen2", sliding_window=64, use_sliding_window=True, max_window_layers=1,
+    ))
+    assert [qwen2.is_sliding(i) for i in range(2)] == [False, True] and qwen2.attention_bias
+    off = read_hf_config(_write_config(tmp_path, model_type="qwen2", sliding_window=64, use_sliding_window=False))
+    assert off.layer_types == () and off.sliding_window is None
+
+
+def test_unsupported_variants_say_why(tmp_path):
+    with pytest.raises(ValueError, match="partial rotary"):
+        read_hf_config(_write_config(tmp_path, model_type="phi3", partial_rotary_factor=0.75))
+    with pytest.raises(ValueError, match="activation 'gelu' is not supported for llama"):
+        read_hf_config(_write_config(tmp_path, hidden_act="gelu"))

@@ -1,6 +1,6 @@
 """Test helpers: tiny random-weight Hugging Face checkpoints and hand-built paged batches.
 
-`write_tiny_model` saves a Llama (or Qwen2) with transformers' own classes as fp32
+`write_tiny_model` saves a model of any supported family with transformers' own classes as fp32
 safetensors, so tests can load it with our loader and use transformers as the reference.
 `PagedBatch` plays the model runner's part by hand: shuffled block ids per request, slot
 mapping, block tables and `AttentionMetadata` for one flattened ragged step at a time;
@@ -17,6 +17,17 @@ import torch
 from engine_core.config import ModelArchConfig
 from kernels import AttentionMetadata
 
+# model_type -> transformers (config class, causal-LM class)
+FAMILY_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+}
+
 
 def write_tiny_model(
     folder: str | Path,
@@ -32,12 +43,16 @@ def write_tiny_model(
     tie_word_embeddings: bool = False,
     rope_scaling: dict | None = None,
     seed: int = 0,
+    **family_options,
 ) -> Path:
-    """Write config.json + model.safetensors of a random tiny model; returns the folder."""
+    """Write config.json + model.safetensors of a random tiny model; returns the folder.
+    `family_options` go to the family's transformers config as they are."""
     import transformers
 
-    config_cls = transformers.Qwen2Config if model_type == "qwen2" else transformers.LlamaConfig
-    model_cls = transformers.Qwen2ForCausalLM if model_type == "qwen2" else transformers.LlamaForCausalLM
+    config_name, model_name = FAMILY_CLASSES[model_type]
+    config_cls, model_cls = getattr(transformers, config_name), getattr(transformers, model_name)
+    if rope_scaling is not None:
+        family_options["rope_scaling"] = rope_scaling
     config = config_cls(
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -47,10 +62,10 @@ def write_tiny_model(
         vocab_size=vocab_size,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings,
-        rope_scaling=rope_scaling,
         initializer_range=0.1,  # larger than the default 0.02, so logits are far from zero
         bos_token_id=1,
         eos_token_id=[2, 3],
+        **family_options,
     )
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)

@@ -11,6 +11,7 @@ import asyncio
 import threading
 
 import pytest
+import torch
 
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine_core.engine_core import EngineCore
@@ -174,3 +175,28 @@ def test_run_beside_engine_steps_on_the_main_thread(engine_config, tokenizer):
     assert len(tokens) == 6
     assert step_threads and all(t is threading.main_thread() for t in step_threads)
     assert not busy_loop.alive  # stopped once main() returned
+
+
+def test_embed_over_the_in_process_client_and_its_validation(engine, tokenizer):
+    from services.frontend.errors import InvalidRequest
+    from services.frontend.messages import PoolingParams, PoolingType
+
+    core, _ = engine
+
+    async def body(llm):
+        mean = PoolingParams(PoolingType.MEAN, normalize=False)
+        together = await llm.embed([TokensPrompt(p) for p in PROMPTS], mean, "e")
+        alone = [await llm.embed([TokensPrompt(p)], mean) for p in PROMPTS]
+        with pytest.raises(InvalidRequest, match="inputs\\[1\\] is empty"):
+            await llm.embed([TokensPrompt(PROMPTS[0]), None], mean)
+        with pytest.raises(InvalidRequest, match="too long"):
+            await llm.embed([TokensPrompt([5] * 128)], mean)
+        return together, alone
+
+    together, alone = run_with_llm(engine, tokenizer, body)
+    assert together.request_id == "e" and together.num_prompt_tokens == [len(p) for p in PROMPTS]
+    assert together.usage.prompt_tokens == sum(len(p) for p in PROMPTS) and together.usage.completion_tokens == 0
+    for vector, single in zip(together.embeddings, alone):  # batched with each other or alone: the same
+        torch.testing.assert_close(torch.tensor(vector), torch.tensor(single.embeddings[0]), atol=1e-5, rtol=0)
+    assert len(together.embeddings[0]) == core.arch.hidden_size
+    assert core.scheduler.kv_cache_manager.num_free_blocks == core.info.num_blocks - 1

@@ -133,9 +133,9 @@ def test_detokenize_servicer(generation_server, tokenizer):
 # ---- import hygiene -----------------------------------------------------------------
 # engine_core's torch-free protocol modules, the only part of engine_core the frontend may import (DESIGN)
 # (plus the model's tokenizer loader, and the structured-output constraint's llguidance check)
-TORCH_FREE_ENGINE_CORE = ("engine_core", "engine_core.gguf_metadata", "engine_core.sampling_params",
-                          "engine_core.types", "engine_core.block_hash", "engine_core.tokenizer",
-                          "engine_core.structured", "engine_core.structured.grammar")
+TORCH_FREE_ENGINE_CORE = ("engine_core", "engine_core.gguf_metadata", "engine_core.pooling_params",
+                          "engine_core.sampling_params", "engine_core.types", "engine_core.block_hash",
+                          "engine_core.tokenizer", "engine_core.structured", "engine_core.structured.grammar")
 
 
 def test_frontend_never_imports_torch():

@@ -125,8 +125,11 @@ def ragged_batches(draw, max_decodes=3, max_prefills=2, max_context=70, max_chun
     return query_lens, seq_lens
 
 
-def dense_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
-    """Per-request attention in float64 from the dense K/V, no paging involved: [T, H, D]."""
+def dense_attention(
+    batch: PagedBatch, scale: float, window: int | None = None, softcap: float | None = None
+) -> torch.Tensor:
+    """Per-request attention in float64 from the dense K/V, no paging involved: [T, H, D].
+    `window`: query i sees keys (i - window, i]; `softcap`: scores -> c * tanh(scores / c)."""
     md = batch.metadata
     out = torch.zeros(batch.query.shape, dtype=torch.float64)
     group = batch.query.shape[1] // batch.dense_keys[0].shape[1]
@@ -137,8 +140,12 @@ def dense_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
         k = batch.dense_keys[b].double().repeat_interleave(group, 1).transpose(0, 1)  # [H, L, D]
         v = batch.dense_values[b].double().repeat_interleave(group, 1).transpose(0, 1)
         scores = q @ k.transpose(1, 2) * scale  # [H, Q, L]
-        q_pos = torch.arange(seq_len - (end - start), seq_len)
-        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > q_pos[:, None], float("-inf"))
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        q_pos = torch.arange(seq_len - (end - start), seq_len)[:, None]
+        key_pos = torch.arange(seq_len)[None, :]
+        hidden = (key_pos > q_pos) | (key_pos <= q_pos - (window or seq_len + 1))
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[start:end] = (scores.softmax(-1) @ v).transpose(0, 1)
     return out
 
