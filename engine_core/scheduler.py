@@ -32,15 +32,11 @@ class Scheduler:
         sliding_window: set when every layer attends through it (blocks behind it are freed)."""
         capacity = (num_blocks - 1) * cache_config.block_size
         if max_model_len > capacity:
-            raise ValueError(
-                f"max_model_len ({max_model_len}) is larger than the KV cache holds "
-                f"({num_blocks - 1} blocks of {cache_config.block_size} tokens = {capacity})"
-            )
+            raise ValueError(f"max_model_len ({max_model_len}) is larger than the KV cache holds "
+                             f"({num_blocks - 1} blocks of {cache_config.block_size} tokens = {capacity})")
         if not scheduler_config.enable_chunked_prefill and scheduler_config.max_num_batched_tokens < max_model_len:
-            raise ValueError(
-                f"without chunked prefill max_num_batched_tokens ({scheduler_config.max_num_batched_tokens}) "
-                f"must be >= max_model_len ({max_model_len})"
-            )
+            raise ValueError(f"without chunked prefill max_num_batched_tokens "
+                             f"({scheduler_config.max_num_batched_tokens}) must be >= max_model_len ({max_model_len})")
         self.config = scheduler_config
         self.log_stats = log_stats
         self.block_size = cache_config.block_size

@@ -24,6 +24,7 @@ MESSAGE_MODULES = {
     "services/engine/convert.py",
     "services/frontend/convert.py",
     "clients/messages.py",
+    "clients/embeddings.py",
     "services/engine/server.py",  # servicers (request/response types in signatures, reflection names)
     "services/frontend/server.py",
     "services/engine/health.py",  # the grpc.health.v1 servicer
