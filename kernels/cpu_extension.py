@@ -60,13 +60,18 @@ def _put_ninja_on_path() -> bool:
     return shutil.which("ninja") is not None
 
 
+def cache_root() -> Path:
+    """Where Tandem keeps what it builds or measures per machine (`TANDEM_CACHE_DIR` moves it)."""
+    return Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem")
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem"
-    return Path(root) / "torch_extensions"
+    return cache_root() / "torch_extensions"
 
 
-def _cpu_signature() -> str:
-    """What -march=native depends on: the model name and feature flags of this CPU."""
+@functools.cache
+def cpu_signature() -> str:
+    """What -march=native (and any kernel timing) depends on: this CPU's model name and feature flags."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
@@ -81,7 +86,7 @@ def _build_name() -> str:
         digest.update(path.name.encode() + path.read_bytes())
     digest.update(" ".join(cflags()).encode())
     digest.update(torch.__version__.encode())
-    digest.update(_cpu_signature().encode())
+    digest.update(cpu_signature().encode())
     return f"tandem_cpu_kernels_{digest.hexdigest()[:16]}"
 
 

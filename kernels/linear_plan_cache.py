@@ -14,10 +14,11 @@ import hashlib
 import json
 import logging
 import os
-import platform
 from pathlib import Path
 
 import torch
+
+from kernels.cpu_extension import cache_root, cpu_signature
 
 logger = logging.getLogger(__name__)
 
@@ -26,21 +27,13 @@ _ENV_THAT_CHANGES_KERNELS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_E
 
 
 def cache_path() -> Path:
-    root = os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem"
-    return Path(root) / "linear_plans.json"
+    return cache_root() / "linear_plans.json"
 
 
 def machine_key() -> str:
     """The CPU model and flags, torch's version and threads, and the env that steers kernels."""
-    cpu = ""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
-        cpu = "\n".join(dict.fromkeys(lines))  # one model line and one flags line
-    except OSError:
-        cpu = platform.processor()
     env = {name: os.environ.get(name, "") for name in _ENV_THAT_CHANGES_KERNELS}
-    text = json.dumps([cpu, torch.__version__, torch.get_num_threads(), env], sort_keys=True)
+    text = json.dumps([cpu_signature(), torch.__version__, torch.get_num_threads(), env], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
