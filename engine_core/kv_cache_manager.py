@@ -69,10 +69,15 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        num_computed_tokens = len(blocks) * size
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += num_computed_tokens
-        return blocks, num_computed_tokens
+        return blocks, len(blocks) * size
+
+    def record_prefix_lookup(self, request: Request, num_computed_tokens: int) -> None:
+        """Count a lookup whose request was admitted (the scheduler calls this once it is): a request
+        waiting for blocks is looked up again each step but counts once, and a preempted request
+        counts again when it resumes (its recompute is work the cache did not save)."""
+        if self.enable_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_computed_tokens
 
     def take_prefix_cache_stats(self) -> tuple[int, int]:
         """(queries, hits) in tokens since the last call."""

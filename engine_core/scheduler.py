@@ -164,6 +164,7 @@ class Scheduler:
                 num_new = budget
             if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks, num_computed) is None:
                 break
+            self.kv_cache_manager.record_prefix_lookup(request, num_computed)
             self.waiting.pop()
             self.running.append(request)
             request.status = RequestStatus.RUNNING

@@ -102,7 +102,7 @@ class SchedulerStats:
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
     num_free_blocks: int = 0
     num_total_blocks: int = 0
-    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache this step
+    prefix_cache_queries: int = 0  # prompt tokens of the requests admitted this step (resumed ones too)
     prefix_cache_hits: int = 0  # of which found
     num_preemptions: int = 0  # this step
     num_scheduled_tokens: int = 0  # this step

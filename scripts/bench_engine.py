@@ -10,7 +10,8 @@ generated, greedy, EOS ignored), at 1 and 32 concurrent streams:
   grpc         `tandem serve`'s two processes (engine + frontend) over loopback, the public API
   llama.cpp    llama.cpp's llama-server (../shared/tools/llama_server.sh) on the same GGUF, -np N
 
-It prints two tables and writes JSON: end-to-end throughput and TTFT with ratios, and the engine's
+It prints two tables and writes JSON: end-to-end throughput and TTFT with ratios (TTFT added: gRPC's
+TTFT p50 less the in-process transport's), and the engine's
 step time inside the server (its own `tandem:engine_step_duration_seconds`) next to the same
 workload's in-process step and the pure-decode step against the floor. Both Tandem sides get the
 same engine flags (parsed by tandem-engine's own parser). The machine is noisy: quote ratios.
@@ -45,40 +46,44 @@ STEP_METRIC = "tandem:engine_step_duration_seconds"
 
 
 # ---- in-process: LLMEngine on the main thread ------------------------------------------------------
-def run_in_process(engine, prompts: list[BenchPrompt]) -> dict:
-    """Every prompt added at once (as a closed loop of len(prompts) streams starts), stepped here."""
+def run_in_process(engine, prompts: list[BenchPrompt], streams: int) -> dict:
+    """A closed loop of `streams`, stepped here: the requests are all the same length, so it runs
+    in rounds of `streams` prompts added at once, each round stepped until it finishes."""
     from engine_core.sampling_params import SamplingParams
 
     core = engine.engine_core
     steps: list[tuple[float, object]] = []  # (seconds, scheduler stats)
     records: dict[str, RequestRecord] = {}
-    started = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        request_id = f"bench-{i}"
-        records[request_id] = RequestRecord(start=time.perf_counter(), prompt_tokens=len(prompt.token_ids))
-        engine.add_request(request_id, list(prompt.token_ids),
-                           SamplingParams(temperature=0.0, max_tokens=prompt.max_tokens, ignore_eos=True))
     step = core.step
+
+    def timed_step():
+        t = time.perf_counter()
+        out = step()
+        steps.append((time.perf_counter() - t, out.scheduler_stats))
+        return out
+
+    started = time.perf_counter()
+    core.step = timed_step
     try:
-        def timed_step():
-            t = time.perf_counter()
-            out = step()
-            steps.append((time.perf_counter() - t, out.scheduler_stats))
-            return out
-        core.step = timed_step
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                now = time.perf_counter()
-                record = records[output.request_id]
-                record.add_tokens(len(output.outputs[0].new_token_ids), now)
-                if output.finished:
-                    record.end = now
+        for first in range(0, len(prompts), streams):
+            for i, prompt in enumerate(prompts[first:first + streams], start=first):
+                request_id = f"bench-{i}"
+                records[request_id] = RequestRecord(start=time.perf_counter(), prompt_tokens=len(prompt.token_ids))
+                engine.add_request(request_id, list(prompt.token_ids),
+                                   SamplingParams(temperature=0.0, max_tokens=prompt.max_tokens, ignore_eos=True))
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    now = time.perf_counter()
+                    record = records[output.request_id]
+                    record.add_tokens(len(output.outputs[0].new_token_ids), now)
+                    if output.finished:
+                        record.end = now
     finally:
         core.step = step
     summary = summarize(list(records.values()), time.perf_counter() - started)
     decode = [s for s, stats in steps
               if stats.num_prompt_tokens == 0 and stats.num_scheduled_tokens == stats.num_generation_tokens
-              == len(prompts)]
+              == streams]
     summary["step_mean_ms"] = 1000 * sum(s for s, _ in steps) / len(steps)
     summary["decode_step_ms"] = 1000 * statistics.median(decode) if decode else None
     return summary
@@ -112,7 +117,7 @@ def run_transport(config, tokenizer_path: str, workloads: dict[int, list[BenchPr
             results = {}
             for streams, prompts in workloads.items():
                 first = len(steps)
-                results[streams] = await run_closed_loop(backend, prompts)
+                results[streams] = await run_closed_loop(backend, prompts, streams)
                 results[streams]["step_mean_ms"] = 1000 * statistics.fmean(steps[first:])
             return results
         finally:
@@ -141,17 +146,17 @@ def run_grpc(engine_args: list[str], workloads: dict[int, list[BenchPrompt]]) ->
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     results = {}
     with stack:
-        async def one(prompts):
+        async def one(prompts, streams=1):
             backend = TandemBackend(AsyncTandemClient(stack.frontend_address, timeout=600))
             try:
-                return await run_closed_loop(backend, prompts)
+                return await run_closed_loop(backend, prompts, streams)
             finally:
                 await backend.close()
 
         asyncio.run(one([BenchPrompt(None, (1, 2, 3, 4), 8)]))  # warm up
         for streams, prompts in workloads.items():
             before = scrape_step_metric(metrics_url)
-            summary = asyncio.run(one(prompts))
+            summary = asyncio.run(one(prompts, streams))
             after = scrape_step_metric(metrics_url)
             summary["step_mean_ms"] = 1000 * (after[0] - before[0]) / max(after[1] - before[1], 1)
             results[streams] = summary
@@ -173,7 +178,7 @@ def print_report(result: dict) -> None:
              ("in_process", "LLMEngine"))
     print("generated tok/s end to end (TTFT p50 s):")
     print(f"{'streams':>7} | " + " | ".join(f"{label:>22}" for _, label in sides)
-          + f" | {'gRPC/llama':>10} {'gRPC/transport':>14} {'gRPC/LLMEngine':>14}")
+          + f" | {'gRPC/llama':>10} {'gRPC/transport':>14} {'gRPC/LLMEngine':>14} {'TTFT added ms':>13}")
     for streams, row in result["streams"].items():
         cells = []
         for side, _ in sides:
@@ -183,7 +188,7 @@ def print_report(result: dict) -> None:
         r = row["ratios"]
         print(f"{streams:>7} | " + " | ".join(f"{c:>22}" for c in cells)
               + f" | {fmt(r['grpc_over_llama'], 2):>10} {fmt(r['grpc_over_transport'], 2):>14}"
-              f" {fmt(r['grpc_over_in_process'], 2):>14}")
+              f" {fmt(r['grpc_over_in_process'], 2):>14} {fmt(r['grpc_ttft_added_ms'], 1):>13}")
     print(f"\n{'streams':>7} | {'server step ms':>14} {'transport ms':>12} {'in-proc step ms':>15} {'ratio':>6} | "
           f"{'decode step ms':>14} {'floor ms':>8} {'ratio':>6} (ratio: server / LLMEngine; floor: dtype used)")
     for streams, row in result["streams"].items():
@@ -200,6 +205,8 @@ def main() -> int:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 32], help="concurrent streams per point")
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens")
     parser.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
+    parser.add_argument("--min-requests", type=int, default=6,
+                        help="at least this many requests per point, so one stream's TTFT p50 is not one sample")
     parser.add_argument("--no-llama", action="store_true", help="skip llama-server")
     parser.add_argument("--no-floor", action="store_true", help="skip cpu_floor.py")
     parser.add_argument("--floor-script", type=Path, default=SHARED_TOOLS / "cpu_floor.py")
@@ -217,10 +224,15 @@ def main() -> int:
     config = config_from_args(build_parser().parse_args(engine_args))
     model_path = config.model.model or str(default_model_path())
     tokenizer = load_tokenizer(model_path)
-    prompts = synthetic_prompts(max(args.streams), args.input_len, args.output_len, seed=0,
+    # Each point sends max(streams, --min-requests) requests, a closed loop of `streams`; the points'
+    # prompts are disjoint, so no point finds another's prompts in the prefix cache.
+    counts = {n: max(n, args.min_requests) for n in args.streams}
+    prompts = synthetic_prompts(sum(counts.values()), args.input_len, args.output_len, seed=0,
                                 tokenize=lambda t: tokenizer.encode(t, add_special_tokens=False),
                                 detokenize=tokenizer.decode)
-    workloads = {n: prompts[:n] for n in args.streams}
+    workloads, first = {}, 0
+    for n, count in counts.items():
+        workloads[n], first = prompts[first:first + count], first + count
     result = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
               "input_len": args.input_len, "output_len": args.output_len, "engine_args": engine_args}
     try:
@@ -232,8 +244,8 @@ def main() -> int:
     floor = None if args.no_floor else run_floor(args.floor_script, args.streams)
     engine = LLMEngine(config)
     result["engine_dtype"] = str(engine.engine_core.runner.dtype).removeprefix("torch.")
-    run_in_process(engine, [BenchPrompt(None, (1, 2, 3, 4), 8)])  # warm up
-    in_process = {n: run_in_process(engine, p) for n, p in workloads.items()}
+    run_in_process(engine, [BenchPrompt(None, (1, 2, 3, 4), 8)], 1)  # warm up
+    in_process = {n: run_in_process(engine, p, n) for n, p in workloads.items()}
     del engine
     transport = run_transport(config, model_path, workloads)
     grpc = run_grpc(engine_args, workloads)

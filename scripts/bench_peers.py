@@ -23,8 +23,9 @@ from clients.local_stack import free_port
 SHARED_TOOLS = Path(__file__).resolve().parents[2] / "shared" / "tools"
 
 
-async def run_closed_loop(backend, prompts: list[BenchPrompt]) -> dict:
-    records, wall = await closed_loop(backend, prompts, len(prompts))
+async def run_closed_loop(backend, prompts: list[BenchPrompt], streams: int = 1) -> dict:
+    """`prompts` sent by `streams` concurrent streams (closed loop), summarized."""
+    records, wall = await closed_loop(backend, prompts, streams)
     return summarize(records, wall)
 
 
@@ -66,7 +67,7 @@ def run_llama(workloads: dict[int, list[BenchPrompt]]) -> dict[int, dict]:
                         raise RuntimeError("llama-server did not become healthy") from None
                     time.sleep(0.5)
             asyncio.run(run_closed_loop(LlamaServerBackend(url), [BenchPrompt(None, (1, 2, 3, 4), 8)]))
-            results[streams] = asyncio.run(run_closed_loop(LlamaServerBackend(url), prompts))
+            results[streams] = asyncio.run(run_closed_loop(LlamaServerBackend(url), prompts, streams))
         finally:
             server.terminate()
             server.wait(30)

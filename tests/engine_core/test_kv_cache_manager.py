@@ -16,6 +16,7 @@ def admit(manager, request):
     blocks, num_computed = manager.get_computed_blocks(request)
     new = manager.allocate_slots(request, request.num_tokens - num_computed, blocks, num_computed)
     assert new is not None
+    manager.record_prefix_lookup(request, num_computed)
     request.num_computed_tokens = request.num_tokens
     return num_computed
 
@@ -43,6 +44,9 @@ def test_prefix_hit_is_capped_below_the_whole_prompt():
     assert num_computed == 4 and len(blocks) == 1  # the last token must be computed
     longer = make_request("c", range(9))
     assert manager.get_computed_blocks(longer)[1] == 8
+    assert manager.take_prefix_cache_stats() == (0, 0)  # looked up, not admitted: not counted yet
+    manager.record_prefix_lookup(same, 4)
+    manager.record_prefix_lookup(longer, 8)
     assert manager.take_prefix_cache_stats() == (17, 12)
     assert manager.take_prefix_cache_stats() == (0, 0)
 

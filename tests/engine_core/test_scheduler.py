@@ -156,6 +156,22 @@ def test_stats_between_steps_do_not_take_the_steps_prefix_counts():
     assert (between.prefix_cache_queries, between.prefix_cache_hits) == (2 * BLOCK + 1, 2 * BLOCK)
 
 
+def test_a_request_waiting_for_blocks_is_one_prefix_lookup():
+    """The hit rate counts admitted lookups: a request left waiting for KV blocks for several steps
+    is looked up each step but counted once, when it is admitted."""
+    scheduler = make_scheduler(num_blocks=9, max_model_len=8 * BLOCK)  # 8 usable blocks
+    runner = FakeRunner(BLOCK)
+    scheduler.add_request(make_request("big", range(7 * BLOCK), max_tokens=BLOCK))  # 7 blocks, then 8
+    scheduler.add_request(make_request("late", range(1000, 1000 + 2 * BLOCK), max_tokens=1))
+    queries = steps_waited = 0
+    while scheduler.has_unfinished_requests():
+        stats = run_step(scheduler, runner).scheduler_stats
+        queries += stats.prefix_cache_queries
+        steps_waited += len(scheduler.waiting) == 1  # "late", behind "big"
+    assert steps_waited > 1  # it really waited
+    assert queries == 7 * BLOCK + 2 * BLOCK
+
+
 def test_reset_prefix_cache_waits_for_idle():
     scheduler = make_scheduler()
     scheduler.add_request(make_request("a", range(10)))
