@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import statistics
 import sys
@@ -138,6 +139,16 @@ def scrape_step_metric(url: str) -> tuple[float, float]:
     return values["_sum"], values["_count"]
 
 
+def cpu_seconds(pids: list[int | None]) -> list[float]:
+    """User + system CPU seconds of each process (from /proc), then of this one (the client)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    seconds = []
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        seconds.append((int(fields[11]) + int(fields[12])) / ticks)  # utime, stime
+    return [*seconds, time.process_time()]
+
+
 def run_grpc(engine_args: list[str], workloads: dict[int, list[BenchPrompt]]) -> dict[int, dict]:
     metrics_port = free_port()
     stack = LocalStack(frontend_port=free_port(), engine_port=free_port(),
@@ -155,10 +166,13 @@ def run_grpc(engine_args: list[str], workloads: dict[int, list[BenchPrompt]]) ->
 
         asyncio.run(one([BenchPrompt(None, (1, 2, 3, 4), 8)]))  # warm up
         for streams, prompts in workloads.items():
-            before = scrape_step_metric(metrics_url)
+            before, cpu_before = scrape_step_metric(metrics_url), cpu_seconds(stack.pids)
             summary = asyncio.run(one(prompts, streams))
-            after = scrape_step_metric(metrics_url)
+            after, cpu_after = scrape_step_metric(metrics_url), cpu_seconds(stack.pids)
             summary["step_mean_ms"] = 1000 * (after[0] - before[0]) / max(after[1] - before[1], 1)
+            summary["cpu_ms_per_token"] = {  # the three processes share the cores: what each took
+                name: round(1000 * (cpu_after[i] - cpu_before[i]) / summary["output_tokens"], 3)
+                for i, name in enumerate(("engine", "frontend", "client"))}
             results[streams] = summary
     return results
 
@@ -197,6 +211,10 @@ def print_report(result: dict) -> None:
               f"{fmt(step['in_process_ms'], 2):>15} "
               f"{fmt(step['server_over_in_process'], 2):>6} | {fmt(step['decode_ms'], 2):>14} "
               f"{fmt(step['floor_ms'], 2):>8} {fmt(step['decode_over_floor'], 2):>6}")
+    print("\nCPU ms per generated token over gRPC (the processes share the machine's cores):")
+    for streams, row in result["streams"].items():
+        cpu = row["grpc"]["cpu_ms_per_token"]
+        print(f"{streams:>7} | " + "  ".join(f"{name} {ms:.2f}" for name, ms in cpu.items()))
 
 
 def main() -> int:
