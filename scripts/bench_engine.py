@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import platform
 import statistics
 import sys
@@ -36,12 +35,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from engine_core.openmp_env import limit_openmp_spinning  # noqa: E402
+
+limit_openmp_spinning()  # as tandem-engine does, before torch loads: the in-process sides run as the server does
+
 from clients.async_client import AsyncTandemClient  # noqa: E402
 from clients.bench.backends import TandemBackend  # noqa: E402
 from clients.bench.metrics import RequestRecord, summarize  # noqa: E402
 from clients.bench.prompts import BenchPrompt, synthetic_prompts  # noqa: E402
 from clients.local_stack import LocalStack, free_port  # noqa: E402
-from scripts.bench_peers import SHARED_TOOLS, floor_ms, run_closed_loop, run_floor, run_llama  # noqa: E402
+from scripts.bench_peers import SHARED_TOOLS, cpu_seconds, floor_ms, run_closed_loop, run_floor, run_llama  # noqa: E402
 
 STEP_METRIC = "tandem:engine_step_duration_seconds"
 
@@ -137,16 +140,6 @@ def scrape_step_metric(url: str) -> tuple[float, float]:
             if line.startswith(STEP_METRIC + suffix):
                 values[suffix] = float(line.split()[-1])
     return values["_sum"], values["_count"]
-
-
-def cpu_seconds(pids: list[int | None]) -> list[float]:
-    """User + system CPU seconds of each process (from /proc), then of this one (the client)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    seconds = []
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        seconds.append((int(fields[11]) + int(fields[12])) / ticks)  # utime, stime
-    return [*seconds, time.process_time()]
 
 
 def run_grpc(engine_args: list[str], workloads: dict[int, list[BenchPrompt]]) -> dict[int, dict]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -27,6 +28,16 @@ async def run_closed_loop(backend, prompts: list[BenchPrompt], streams: int = 1)
     """`prompts` sent by `streams` concurrent streams (closed loop), summarized."""
     records, wall = await closed_loop(backend, prompts, streams)
     return summarize(records, wall)
+
+
+def cpu_seconds(pids: list[int | None]) -> list[float]:
+    """User + system CPU seconds of each process (from /proc), then of this one (the client)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    seconds = []
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        seconds.append((int(fields[11]) + int(fields[12])) / ticks)  # utime, stime
+    return [*seconds, time.process_time()]
 
 
 # ---- the machine's floor ------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine_core.openmp_env import limit_openmp_spinning
 from services.engine.outbox import DEFAULT_MAX_PENDING_OUTPUTS
 from services.security import flags as security_flags
 from services.security.transport import ENGINE_LINK_MAX_MESSAGE_BYTES
@@ -138,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, "tandem-engine: error: the engine core needs torch, which this install lacks "
                        "(the client and frontend only); install the engine with: pip install 'tandem[engine]'\n")
     configure_logging(args.log_level, args.log_format)
+    limit_openmp_spinning()  # before torch loads: idle OpenMP workers must leave the cores to others
     tracer_provider = None
     try:
         config = config_from_args(args)
