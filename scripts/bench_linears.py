@@ -24,11 +24,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
-from torch import nn
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from engine_core.openmp_env import limit_openmp_spinning  # noqa: E402
+
+limit_openmp_spinning()  # as tandem-engine does, before torch loads
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 from kernels.cpu_linear import KERNELS, CpuLinear, kernel_fits, use_measured_linears  # noqa: E402
 from kernels.int4_linear import dequantize_int4, quantize_int4  # noqa: E402
@@ -120,8 +124,8 @@ def decode_steps(flag_sets: list[str]) -> dict[str, dict]:
     results = {}
     for flags in flag_sets:
         engine = LLMEngine(config_from_args(build_parser().parse_args(shlex.split(flags))))
-        run_in_process(engine, [BenchPrompt(None, (1, 2, 3, 4), 8)])  # warm up
-        results[flags] = {n: run_in_process(engine, prompts[:n])["decode_step_ms"] for n in (1, 32)}
+        run_in_process(engine, [BenchPrompt(None, (1, 2, 3, 4), 8)], 1)  # warm up
+        results[flags] = {n: run_in_process(engine, prompts[:n], n)["decode_step_ms"] for n in (1, 32)}
         del engine
     return results
 
