@@ -1,7 +1,8 @@
 """The engine side by side with its peers and the machine's floor, in one run (`make bench`).
 
 On the same prompts (SmolLM2-135M, synthetic prompts of --input-len tokens, exactly --output-len
-generated, greedy, EOS ignored), at 1 and 32 concurrent streams:
+generated, greedy, EOS ignored), at 1 and 32 concurrent streams; Tandem's three sides alternate in
+--rounds rounds (scripts/bench_sides.py), the peers run after them:
 
   floor        ../shared/tools/cpu_floor.py --json: the model's linear layers alone, plain torch
   in-process   LLMEngine stepped on this process's main thread (no transport, no frontend)
@@ -23,13 +24,9 @@ same engine flags (parsed by tandem-engine's own parser). The machine is noisy: 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import platform
-import statistics
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,135 +36,9 @@ from engine_core.openmp_env import limit_openmp_spinning  # noqa: E402
 
 limit_openmp_spinning()  # as tandem-engine does, before torch loads: the in-process sides run as the server does
 
-from clients.async_client import AsyncTandemClient  # noqa: E402
-from clients.bench.backends import TandemBackend  # noqa: E402
-from clients.bench.metrics import RequestRecord, summarize  # noqa: E402
-from clients.bench.prompts import BenchPrompt, synthetic_prompts  # noqa: E402
-from clients.local_stack import LocalStack, free_port  # noqa: E402
-from scripts.bench_peers import SHARED_TOOLS, cpu_seconds, floor_ms, run_closed_loop, run_floor, run_llama  # noqa: E402
-
-STEP_METRIC = "tandem:engine_step_duration_seconds"
-
-
-# ---- in-process: LLMEngine on the main thread ------------------------------------------------------
-def run_in_process(engine, prompts: list[BenchPrompt], streams: int) -> dict:
-    """A closed loop of `streams`, stepped here: the requests are all the same length, so it runs
-    in rounds of `streams` prompts added at once, each round stepped until it finishes."""
-    from engine_core.sampling_params import SamplingParams
-
-    core = engine.engine_core
-    steps: list[tuple[float, object]] = []  # (seconds, scheduler stats)
-    records: dict[str, RequestRecord] = {}
-    step = core.step
-
-    def timed_step():
-        t = time.perf_counter()
-        out = step()
-        steps.append((time.perf_counter() - t, out.scheduler_stats))
-        return out
-
-    started = time.perf_counter()
-    core.step = timed_step
-    try:
-        for first in range(0, len(prompts), streams):
-            for i, prompt in enumerate(prompts[first:first + streams], start=first):
-                request_id = f"bench-{i}"
-                records[request_id] = RequestRecord(start=time.perf_counter(), prompt_tokens=len(prompt.token_ids))
-                engine.add_request(request_id, list(prompt.token_ids),
-                                   SamplingParams(temperature=0.0, max_tokens=prompt.max_tokens, ignore_eos=True))
-            while engine.has_unfinished_requests():
-                for output in engine.step():
-                    now = time.perf_counter()
-                    record = records[output.request_id]
-                    record.add_tokens(len(output.outputs[0].new_token_ids), now)
-                    if output.finished:
-                        record.end = now
-    finally:
-        core.step = step
-    summary = summarize(list(records.values()), time.perf_counter() - started)
-    decode = [s for s, stats in steps
-              if stats.num_prompt_tokens == 0 and stats.num_scheduled_tokens == stats.num_generation_tokens
-              == streams]
-    summary["step_mean_ms"] = 1000 * sum(s for s, _ in steps) / len(steps)
-    summary["decode_step_ms"] = 1000 * statistics.median(decode) if decode else None
-    return summary
-
-
-# ---- the in-process transport: the same frontend core, no gRPC ---------------------------------
-def run_transport(config, tokenizer_path: str, workloads: dict[int, list[BenchPrompt]]) -> dict[int, dict]:
-    from clients.bench.backends import InProcessBackend
-    from engine_core.engine_core import EngineCore
-    from services.engine.busy_loop import EngineBusyLoop
-    from services.engine.process import run_beside_engine
-    from services.frontend.in_process import engine_info_from_core
-
-    core = EngineCore(config, log_stats=True)
-    busy_loop = EngineBusyLoop(core)
-    steps: list[float] = []
-    step = core.step
-
-    def timed_step():
-        t = time.perf_counter()
-        out = step()
-        steps.append(time.perf_counter() - t)
-        return out
-    core.step = timed_step
-
-    async def main() -> dict[int, dict]:
-        backend = InProcessBackend(config.model.model, tokenizer_path,
-                                   engine=(busy_loop, engine_info_from_core(core.info)))
-        try:
-            await run_closed_loop(backend, [BenchPrompt(None, (1, 2, 3, 4), 8)])  # warm up
-            results = {}
-            for streams, prompts in workloads.items():
-                first = len(steps)
-                results[streams] = await run_closed_loop(backend, prompts, streams)
-                results[streams]["step_mean_ms"] = 1000 * statistics.fmean(steps[first:])
-            return results
-        finally:
-            await backend.close()
-
-    return run_beside_engine(busy_loop, main)
-
-
-# ---- over gRPC: the two-service stack ----------------------------------------------------------------
-def scrape_step_metric(url: str) -> tuple[float, float]:
-    """(sum of seconds, count) of the engine's step histogram."""
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    values = {}
-    for line in text.splitlines():
-        for suffix in ("_sum", "_count"):
-            if line.startswith(STEP_METRIC + suffix):
-                values[suffix] = float(line.split()[-1])
-    return values["_sum"], values["_count"]
-
-
-def run_grpc(engine_args: list[str], workloads: dict[int, list[BenchPrompt]]) -> dict[int, dict]:
-    metrics_port = free_port()
-    stack = LocalStack(frontend_port=free_port(), engine_port=free_port(),
-                       engine_args=[*engine_args, "--metrics-port", str(metrics_port), "--log-level", "WARNING"],
-                       frontend_args=["--log-level", "WARNING"])
-    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-    results = {}
-    with stack:
-        async def one(prompts, streams=1):
-            backend = TandemBackend(AsyncTandemClient(stack.frontend_address, timeout=600))
-            try:
-                return await run_closed_loop(backend, prompts, streams)
-            finally:
-                await backend.close()
-
-        asyncio.run(one([BenchPrompt(None, (1, 2, 3, 4), 8)]))  # warm up
-        for streams, prompts in workloads.items():
-            before, cpu_before = scrape_step_metric(metrics_url), cpu_seconds(stack.pids)
-            summary = asyncio.run(one(prompts, streams))
-            after, cpu_after = scrape_step_metric(metrics_url), cpu_seconds(stack.pids)
-            summary["step_mean_ms"] = 1000 * (after[0] - before[0]) / max(after[1] - before[1], 1)
-            summary["cpu_ms_per_token"] = {  # the three processes share the cores: what each took
-                name: round(1000 * (cpu_after[i] - cpu_before[i]) / summary["output_tokens"], 3)
-                for i, name in enumerate(("engine", "frontend", "client"))}
-            results[streams] = summary
-    return results
+from clients.bench.prompts import synthetic_prompts  # noqa: E402
+from scripts.bench_peers import SHARED_TOOLS, floor_ms, run_floor, run_llama  # noqa: E402
+from scripts.bench_sides import WARM_UP, GrpcSide, combine, in_process_round, transport_round  # noqa: E402
 
 
 # ---- report -----------------------------------------------------------------------------------------------
@@ -207,7 +78,8 @@ def print_report(result: dict) -> None:
     print("\nCPU ms per generated token over gRPC (the processes share the machine's cores):")
     for streams, row in result["streams"].items():
         cpu = row["grpc"]["cpu_ms_per_token"]
-        print(f"{streams:>7} | " + "  ".join(f"{name} {ms:.2f}" for name, ms in cpu.items()))
+        print(f"{streams:>7} | " + "  ".join(f"{name} {ms:.2f}" for name, ms in cpu.items())
+              + f"   (gRPC/LLMEngine by round: {row['ratios']['grpc_over_in_process_by_round']})")
 
 
 def main() -> int:
@@ -216,8 +88,9 @@ def main() -> int:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 32], help="concurrent streams per point")
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens")
     parser.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, the sides alternating within each")
     parser.add_argument("--min-requests", type=int, default=6,
-                        help="at least this many requests per point, so one stream's TTFT p50 is not one sample")
+                        help="at least this many requests per point and side (one stream's TTFT p50: not one sample)")
     parser.add_argument("--no-llama", action="store_true", help="skip llama-server")
     parser.add_argument("--no-floor", action="store_true", help="skip cpu_floor.py")
     parser.add_argument("--floor-script", type=Path, default=SHARED_TOOLS / "cpu_floor.py")
@@ -235,9 +108,9 @@ def main() -> int:
     config = config_from_args(build_parser().parse_args(engine_args))
     model_path = config.model.model or str(default_model_path())
     tokenizer = load_tokenizer(model_path)
-    # Each point sends max(streams, --min-requests) requests, a closed loop of `streams`; the points'
-    # prompts are disjoint, so no point finds another's prompts in the prefix cache.
-    counts = {n: max(n, args.min_requests) for n in args.streams}
+    # Each side sends each point max(streams, --min-requests) requests per round, a closed loop of
+    # `streams`; all prompts are distinct, so none finds another's in the prefix cache.
+    counts = {n: args.rounds * max(n, args.min_requests // args.rounds) for n in args.streams}
     prompts = synthetic_prompts(sum(counts.values()), args.input_len, args.output_len, seed=0,
                                 tokenize=lambda t: tokenizer.encode(t, add_special_tokens=False),
                                 detokenize=tokenizer.decode)
@@ -255,24 +128,35 @@ def main() -> int:
     floor = None if args.no_floor else run_floor(args.floor_script, args.streams)
     engine = LLMEngine(config)
     result["engine_dtype"] = str(engine.engine_core.runner.dtype).removeprefix("torch.")
-    run_in_process(engine, [BenchPrompt(None, (1, 2, 3, 4), 8)], 1)  # warm up
-    in_process = {n: run_in_process(engine, p, n) for n, p in workloads.items()}
+    in_process_round(engine, WARM_UP, 1)
+    rounds: dict[int, dict[str, list]] = {n: {"in_process": [], "transport": [], "grpc": []} for n in args.streams}
+    with GrpcSide(engine_args) as grpc_side:
+        for r in range(args.rounds):  # the sides alternate, so a drifting machine weighs on each alike
+            for n, prompts in workloads.items():
+                part = prompts[r::args.rounds]
+                engine.engine_core.reset_prefix_cache()  # the two in-process sides share the core: cold for each
+                rounds[n]["in_process"].append(in_process_round(engine, part, n))
+                engine.engine_core.reset_prefix_cache()
+                rounds[n]["transport"].append(transport_round(engine, model_path, model_path, part, n))
+                rounds[n]["grpc"].append(grpc_side.round(part, n))
+                print(f"round {r + 1}/{args.rounds}, {n} streams: done", file=sys.stderr, flush=True)
     del engine
-    transport = run_transport(config, model_path, workloads)
-    grpc = run_grpc(engine_args, workloads)
-    llama = {} if args.no_llama else run_llama(workloads)
+    llama = {} if args.no_llama else run_llama({n: p[:max(n, args.min_requests)] for n, p in workloads.items()})
 
     floor_dtype = {"float32": "float32", "bfloat16": "bfloat16"}.get(result["engine_dtype"], result["engine_dtype"])
     result["floor"] = floor
     result["streams"] = {}
     for n in args.streams:
-        ip, tr, g, ll = in_process[n], transport[n], grpc[n], llama.get(n)
+        ip, tr, g = (combine(rounds[n][side]) for side in ("in_process", "transport", "grpc"))
+        ll = llama.get(n)
         f = floor_ms(floor, floor_dtype, n)
         result["streams"][n] = {
             "in_process": ip, "transport": tr, "grpc": g, "llama.cpp": ll,
             "ratios": {"grpc_over_llama": ratio(g["output_token_throughput"], ll and ll["output_token_throughput"]),
                        "grpc_over_in_process": ratio(g["output_token_throughput"], ip["output_token_throughput"]),
                        "grpc_over_transport": ratio(g["output_token_throughput"], tr["output_token_throughput"]),
+                       "grpc_over_in_process_by_round": [ratio(a, b) for a, b in zip(g["rounds_tok_per_s"],
+                                                                                    ip["rounds_tok_per_s"])],
                        "grpc_ttft_added_ms": g["ttft"]["p50_ms"] - tr["ttft"]["p50_ms"]},
             "step": {"server_ms": g["step_mean_ms"], "in_process_ms": ip["step_mean_ms"],
                      "transport_ms": tr["step_mean_ms"],

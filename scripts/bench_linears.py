@@ -111,10 +111,10 @@ def linears(args, dtype: torch.dtype) -> tuple[dict, dict]:
 
 def decode_steps(flag_sets: list[str]) -> dict[str, dict]:
     """Pure-decode step (ms, median) at 1 and 32 streams, stepped here, for each engine flag set."""
-    from clients.bench.prompts import BenchPrompt, synthetic_prompts
+    from clients.bench.prompts import synthetic_prompts
     from engine_core.llm_engine import LLMEngine
     from engine_core.loader import default_model_path
-    from scripts.bench_engine import run_in_process
+    from scripts.bench_sides import WARM_UP, combine, in_process_round
     from services.engine.__main__ import build_parser, config_from_args
     from services.frontend.tokenizer import load_tokenizer
 
@@ -124,8 +124,8 @@ def decode_steps(flag_sets: list[str]) -> dict[str, dict]:
     results = {}
     for flags in flag_sets:
         engine = LLMEngine(config_from_args(build_parser().parse_args(shlex.split(flags))))
-        run_in_process(engine, [BenchPrompt(None, (1, 2, 3, 4), 8)], 1)  # warm up
-        results[flags] = {n: run_in_process(engine, prompts[:n], n)["decode_step_ms"] for n in (1, 32)}
+        in_process_round(engine, WARM_UP, 1)
+        results[flags] = {n: combine([in_process_round(engine, prompts[:n], n)])["decode_step_ms"] for n in (1, 32)}
         del engine
     return results
 

@@ -1,0 +1,184 @@
+"""Tandem's three sides in `make bench` (scripts/bench_engine.py), one round of one workload at a time.
+
+bench_engine.py alternates them round by round (in-process, transport, gRPC, in-process, ...) so a
+machine whose speed drifts during the run (these shared hosts do, by 1.5x within minutes) weighs on
+every side alike; `combine` pools a side's rounds. One EngineCore serves the first two sides (the
+LLMEngine's, each transport round wrapping it in a fresh busy loop); the gRPC stack stays up.
+
+  in-process   LLMEngine stepped on this process's main thread (no transport, no frontend)
+  transport    the frontend core (AsyncLLM) over InProcessEngineClient, the engine stepping on the main
+               thread (run_beside_engine): the gRPC path less its two gRPC hops and two processes
+  grpc         `tandem serve`'s two processes (engine + frontend) over loopback, the public API
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import statistics
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+from clients.async_client import AsyncTandemClient
+from clients.bench.backends import TandemBackend
+from clients.bench.loadgen import closed_loop
+from clients.bench.metrics import RequestRecord, summarize
+from clients.bench.prompts import BenchPrompt
+from clients.local_stack import LocalStack, free_port
+from scripts.bench_peers import cpu_seconds
+
+STEP_METRIC = "tandem:engine_step_duration_seconds"
+WARM_UP = [BenchPrompt(None, (1, 2, 3, 4), 8)]
+PROCESSES = ("engine", "frontend", "client")
+_request_ids = itertools.count()
+
+
+@dataclass
+class Round:
+    records: list[RequestRecord]
+    wall_s: float
+    step_s: float = 0.0  # the engine's steps, in seconds, all together
+    steps: int = 0
+    decode_steps_s: list[float] = field(default_factory=list)  # pure-decode steps with every stream running
+    cpu_s: dict[str, float] = field(default_factory=dict)  # gRPC: CPU seconds per process
+
+
+def combine(rounds: list[Round]) -> dict:
+    """One side's rounds pooled: the summary of all its requests over the sum of the rounds' walls."""
+    summary = summarize([r for one in rounds for r in one.records], sum(one.wall_s for one in rounds))
+    summary["rounds_tok_per_s"] = [round(summarize(one.records, one.wall_s)["output_token_throughput"], 1)
+                                   for one in rounds]
+    summary["step_mean_ms"] = 1000 * sum(one.step_s for one in rounds) / max(sum(one.steps for one in rounds), 1)
+    decode = [s for one in rounds for s in one.decode_steps_s]
+    summary["decode_step_ms"] = 1000 * statistics.median(decode) if decode else None
+    if rounds[0].cpu_s:
+        summary["cpu_ms_per_token"] = {  # the processes share the cores: what each took
+            name: round(1000 * sum(one.cpu_s[name] for one in rounds) / max(summary["output_tokens"], 1), 3)
+            for name in PROCESSES}
+    return summary
+
+
+class _TimedSteps:
+    """Wraps `core.step` while in use: each step's seconds and scheduler stats."""
+
+    def __init__(self, core) -> None:
+        self.core, self.steps = core, []
+
+    def __enter__(self) -> "_TimedSteps":
+        step = self.original = self.core.step
+
+        def timed():
+            t = time.perf_counter()
+            out = step()
+            self.steps.append((time.perf_counter() - t, out.scheduler_stats))
+            return out
+        self.core.step = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.core.step = self.original
+
+    def round(self, records, wall_s: float, streams: int) -> Round:
+        decode = [s for s, stats in self.steps if stats is not None and stats.num_prompt_tokens == 0
+                  and stats.num_scheduled_tokens == stats.num_generation_tokens == streams]
+        return Round(records, wall_s, sum(s for s, _ in self.steps), len(self.steps), decode)
+
+
+# ---- in-process: LLMEngine on the main thread ------------------------------------------------------
+def in_process_round(engine, prompts: list[BenchPrompt], streams: int) -> Round:
+    """A closed loop of `streams`, stepped here: the requests are all the same length, so it runs
+    in batches of `streams` prompts added at once, each stepped until it finishes."""
+    from engine_core.sampling_params import SamplingParams
+
+    records: dict[str, RequestRecord] = {}
+    started = time.perf_counter()
+    with _TimedSteps(engine.engine_core) as timed:
+        for first in range(0, len(prompts), streams):
+            for prompt in prompts[first:first + streams]:
+                request_id = f"bench-{next(_request_ids)}"
+                records[request_id] = RequestRecord(start=time.perf_counter(), prompt_tokens=len(prompt.token_ids))
+                engine.add_request(request_id, list(prompt.token_ids),
+                                   SamplingParams(temperature=0.0, max_tokens=prompt.max_tokens, ignore_eos=True))
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    now = time.perf_counter()
+                    record = records[output.request_id]
+                    record.add_tokens(len(output.outputs[0].new_token_ids), now)
+                    if output.finished:
+                        record.end = now
+    return timed.round(list(records.values()), time.perf_counter() - started, streams)
+
+
+# ---- the in-process transport: the same frontend core, no gRPC ---------------------------------
+def transport_round(engine, model: str, tokenizer_path: str, prompts: list[BenchPrompt], streams: int) -> Round:
+    """The LLMEngine's core under a fresh busy loop stepping on the main thread, the frontend beside it."""
+    from clients.bench.backends import InProcessBackend
+    from services.engine.busy_loop import EngineBusyLoop
+    from services.engine.process import run_beside_engine
+    from services.frontend.in_process import engine_info_from_core
+
+    core = engine.engine_core
+    busy_loop = EngineBusyLoop(core)
+
+    async def main() -> tuple[list[RequestRecord], float]:
+        backend = InProcessBackend(model, tokenizer_path, engine=(busy_loop, engine_info_from_core(core.info)))
+        try:
+            await closed_loop(backend, WARM_UP, 1)
+            timed.steps.clear()
+            return await closed_loop(backend, prompts, streams)
+        finally:
+            await backend.close()
+
+    with _TimedSteps(core) as timed:
+        records, wall = run_beside_engine(busy_loop, main)
+    return timed.round(records, wall, streams)
+
+
+# ---- over gRPC: the two-service stack ----------------------------------------------------------------
+class GrpcSide:
+    """`tandem serve`'s stack, up from `with` to its end; `round()` runs one workload through it."""
+
+    def __init__(self, engine_args: list[str]) -> None:
+        metrics_port = free_port()
+        self.stack = LocalStack(
+            frontend_port=free_port(), engine_port=free_port(),
+            engine_args=[*engine_args, "--metrics-port", str(metrics_port), "--log-level", "WARNING"],
+            frontend_args=["--log-level", "WARNING"])
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+
+    def __enter__(self) -> "GrpcSide":
+        self.stack.start()
+        try:
+            asyncio.run(self._closed_loop(WARM_UP, 1))
+        except BaseException:
+            self.stack.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stack.stop()
+
+    async def _closed_loop(self, prompts, streams):
+        backend = TandemBackend(AsyncTandemClient(self.stack.frontend_address, timeout=600))
+        try:
+            return await closed_loop(backend, prompts, streams)
+        finally:
+            await backend.close()
+
+    def round(self, prompts: list[BenchPrompt], streams: int) -> Round:
+        before, cpu_before = self._step_metric(), cpu_seconds(self.stack.pids)
+        records, wall = asyncio.run(self._closed_loop(prompts, streams))
+        after, cpu_after = self._step_metric(), cpu_seconds(self.stack.pids)
+        cpu = {name: cpu_after[i] - cpu_before[i] for i, name in enumerate(PROCESSES)}
+        return Round(records, wall, after[0] - before[0], int(after[1] - before[1]), cpu_s=cpu)
+
+    def _step_metric(self) -> tuple[float, float]:
+        """(sum of seconds, count) of the engine's own step histogram."""
+        text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
+        values = {}
+        for line in text.splitlines():
+            for suffix in ("_sum", "_count"):
+                if line.startswith(STEP_METRIC + suffix):
+                    values[suffix] = float(line.split()[-1])
+        return values["_sum"], values["_count"]
