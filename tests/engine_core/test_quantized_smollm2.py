@@ -15,6 +15,26 @@ from tests.engine_core.test_loader import CHAT_PROMPT
 
 pytestmark = pytest.mark.slow  # loads the real SmolLM2 (make test-slow)
 
+ANSWER = "The capital of France is Paris."
+# SmolLM2's first answer tokens win by about one bf16 step of the logits (0.125 near 20): other
+# kernels (ATen's scalar ones, an AVX2 build) may round a near-tie the other way. A greedy answer
+# other than ANSWER passes only if, teacher-forced, every ANSWER token is the top one or within
+# this many nats of it: the quantized model still ranks the answer as the float one does.
+NEAR_TIE_NATS = 0.15
+
+
+def assert_keeps_the_answer(engine: LLMEngine) -> None:
+    tokenizer = load_tokenizer(default_model_path())
+    output = engine.generate([CHAT_PROMPT], SamplingParams(temperature=0.0, max_tokens=32))[0]
+    answer = tokenizer.decode(output.outputs[0].token_ids)
+    if answer == ANSWER:
+        return
+    answer_ids = tokenizer.encode(ANSWER, add_special_tokens=False)
+    forced = engine.generate([CHAT_PROMPT + answer_ids], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    positions = forced.prompt_logprobs[len(CHAT_PROMPT) - 1:]  # entry i: prompt token i + 1
+    gaps = [lp.logprobs[1] - lp.logprobs[0] if lp.rank > 1 else 0.0 for lp in positions]
+    assert len(gaps) == len(answer_ids) and max(gaps) <= NEAR_TIE_NATS, (answer, gaps)
+
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kernel", cpu_linear.INT8_KERNELS)
@@ -29,9 +49,7 @@ def test_int8_greedy_chat_answer_is_unchanged(monkeypatch, kernel, dtype):
         if isinstance(layer, cpu_linear.CpuLinear):
             kept = kernel == "int8_dynamic" and layer_name.endswith(("lm_head", "down_proj"))
             assert all(name == ("int8_weight_only" if kept else kernel) for _, name in layer.plan), layer_name
-    output = engine.generate([CHAT_PROMPT], SamplingParams(temperature=0.0, max_tokens=32))[0]
-    answer = load_tokenizer(default_model_path()).decode(output.outputs[0].token_ids)
-    assert answer == "The capital of France is Paris.", answer
+    assert_keeps_the_answer(engine)
 
 
 @pytest.mark.parametrize("dtype, quantization", [("bfloat16", "auto"), ("float32", "int4")])
@@ -46,6 +64,4 @@ def test_int4_greedy_chat_answer_is_unchanged(monkeypatch, dtype, quantization):
     layers = [m for m in model.model.layers.modules() if isinstance(m, cpu_linear.CpuLinear)]
     assert layers and all(name == "int4" for layer in layers for _, name in layer.plan)
     assert all(name != "int4" for _, name in model.lm_head.plan)
-    output = engine.generate([CHAT_PROMPT], SamplingParams(temperature=0.0, max_tokens=32))[0]
-    answer = load_tokenizer(default_model_path()).decode(output.outputs[0].token_ids)
-    assert answer == "The capital of France is Paris.", answer
+    assert_keeps_the_answer(engine)
