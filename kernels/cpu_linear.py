@@ -24,8 +24,8 @@ from torch import nn
 from kernels import linear_plan_cache, linear_timing
 from kernels.int4_linear import GROUP_SIZE, dequantize_int4, int4_supported, prepare_int4, quantize_int4, run_int4
 from kernels.int8_linear import (  # noqa: F401 (quantize_int8 / dequantize_int8 re-exported)
-    dequantize_int8, prepare_int8_dynamic, prepare_int8_weight_only, quantize_int8, run_int8_dynamic,
-    run_int8_weight_only,
+    dequantize_int8, int_mm_is_exact, prepare_int8_dynamic, prepare_int8_weight_only, quantize_int8,
+    run_int8_dynamic, run_int8_weight_only,
 )
 from kernels.linear_timing import Timer, fastest_uncontended, one_thread, rotating
 from kernels.linear_timing import wall_timer as _wall_timer  # a module global: tests swap the clock here
@@ -76,12 +76,14 @@ KERNELS = {
 
 
 def kernel_fits(kernel: str, weight: torch.Tensor) -> bool:
-    """Whether `kernel` can hold this weight: torch packs int4 only for some shapes, and oneDNN
-    only the float types this build and CPU support."""
+    """Whether `kernel` can hold this weight: torch packs int4 only for some shapes, oneDNN only
+    the float types this build and CPU support, and W8A8 needs an int8 GEMM that does not saturate."""
     if kernel == "int4":
         return int4_supported(*weight.shape)
     if kernel == "linear_onednn":
         return onednn_supported(weight.dtype)
+    if kernel == "int8_dynamic":
+        return int_mm_is_exact()
     return True
 
 

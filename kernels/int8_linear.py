@@ -8,6 +8,8 @@ Each kernel is prepare(weight, bias) -> state, run(state, x [N, in]) -> [N, out]
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -21,6 +23,23 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[:, None]
+
+
+@functools.cache
+def int_mm_is_exact() -> bool:
+    """Whether `torch._int_mm` sums int8 products exactly on this machine. Without VNNI, oneDNN's
+    AVX2 path adds pairs of u8 x s8 products in saturating 16-bit lanes (vpmaddubsw), so large
+    activations clip: an output 4.9 off on a spread of 31 under an AVX2-only oneDNN. Probed once,
+    with the worst case (every product at full scale); W8A8 is not a candidate where it fails."""
+    a = torch.full((32, 64), 127, dtype=torch.int8)
+    a[1::2] = -127
+    b = torch.full((64, 32), 127, dtype=torch.int8)
+    b[:, 1::2] = -127
+    try:
+        got = torch._int_mm(a, b)
+    except RuntimeError:  # no int8 GEMM in this build
+        return False
+    return torch.equal(got, (a.double() @ b.double()).to(torch.int32))
 
 
 # ---- the kernels ----

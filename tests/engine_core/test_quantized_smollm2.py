@@ -39,6 +39,8 @@ def assert_keeps_the_answer(engine: LLMEngine) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kernel", cpu_linear.INT8_KERNELS)
 def test_int8_greedy_chat_answer_is_unchanged(monkeypatch, kernel, dtype):
+    if kernel == "int8_dynamic" and not cpu_linear.int_mm_is_exact():
+        pytest.skip("this machine's int8 GEMM saturates (no VNNI): W8A8 is never a candidate here")
     def prefer(name, rows, fn):  # every bucket of every layer takes `kernel`
         return 1.0 if name == kernel else 2.0
     monkeypatch.setattr(cpu_linear, "_wall_timer", prefer)

@@ -13,7 +13,7 @@ from engine_core.models.llama import LlamaForCausalLM
 from kernels import select_backend
 from kernels.cpu_linear import (
     FLOAT_KERNELS, INT8_KERNELS, KERNELS, CpuLinear, allowed_kernels, choose_plan, dequantize_int8,
-    fastest_float_dtype, kernel_fits, quantize_int8, use_measured_linears,
+    fastest_float_dtype, int_mm_is_exact, kernel_fits, quantize_int8, use_measured_linears,
 )
 from kernels.int4_linear import dequantize_int4, quantize_int4
 from kernels.linear_timing import fastest
@@ -88,7 +88,10 @@ def test_fastest_takes_each_candidate_minimum_across_interleaved_rounds():
     assert best == {"a": 1.0, "b": 2.0}
 
 
-def test_choose_plan_keeps_the_fastest_kernel_per_bucket():
+def test_choose_plan_keeps_the_fastest_kernel_per_bucket(monkeypatch):
+    import kernels.cpu_linear as cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "int_mm_is_exact", lambda: True)  # a candidate even where it saturates
     weights = [(torch.randn(32, 16), None) for _ in range(3)]
     # costs scale with rows except int8_dynamic, flat: it loses at 1 row and wins from 8 on
     costs = {"linear": 1.0, "linear_colmajor": 2.0, "linear_onednn": 1.5, "int8_weight_only": 0.5}
@@ -144,6 +147,8 @@ def build_model(folder, dequantized: bool = False) -> LlamaForCausalLM:
 @pytest.mark.parametrize("variant", [dict(), dict(model_type="qwen2", tie_word_embeddings=True)])
 @pytest.mark.parametrize("kernel", INT8_KERNELS)
 def test_int8_model_logits_match_the_dequantized_model(tmp_path, variant, kernel):
+    if kernel == "int8_dynamic" and not int_mm_is_exact():
+        pytest.skip("this machine's int8 GEMM saturates (no VNNI): W8A8 is never a candidate here")
     folder = write_tiny_model(tmp_path, **variant)
     reference = build_model(folder, dequantized=True)
     ours = build_model(folder)
@@ -181,3 +186,25 @@ def test_dtype_auto_keeps_the_flags_choice_unless_the_other_dtype_is_clearly_fas
     clear = fastest_float_dtype(hidden=64, intermediate=128, native_bf16=native_bf16,
                                 timer=timer({expected: 4.0, other: 1.0}))
     assert (str(close), str(clear)) == (f"torch.{expected}", f"torch.{other}")
+
+
+def test_w8a8_is_never_planned_where_the_int8_gemm_saturates(tmp_path, monkeypatch):
+    """int_mm_is_exact() False (oneDNN's AVX2 path without VNNI sums u8 x s8 pairs in saturating
+    16-bit lanes): --quantization int8 keeps every layer on weight-only int8."""
+    import kernels.cpu_linear as cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "int_mm_is_exact", lambda: False)
+    model = build_model(write_tiny_model(tmp_path))
+    use_measured_cpu_linears(model, "int8", timer=fixed_timer({"int8_dynamic": 1.0, "int8_weight_only": 2.0}))
+    layers = [m for m in model.modules() if isinstance(m, CpuLinear)]
+    assert layers and all(name == "int8_weight_only" for m in layers for _, name in m.plan)
+
+
+def test_the_int8_gemm_probe_agrees_with_an_exact_product():
+    """Where the probe says exact, a full-scale random int8 product is exact too (and W8A8 may run)."""
+    if not int_mm_is_exact():
+        pytest.skip("this machine's int8 GEMM saturates: the probe already excludes W8A8")
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-127, 128, (33, 96), dtype=torch.int8, generator=g)
+    b = torch.randint(-127, 128, (96, 40), dtype=torch.int8, generator=g)
+    assert torch.equal(torch._int_mm(a, b), (a.double() @ b.double()).to(torch.int32))
