@@ -143,13 +143,12 @@ def main() -> int:
     del engine
     llama = {} if args.no_llama else run_llama({n: p[:max(n, args.min_requests)] for n, p in workloads.items()})
 
-    floor_dtype = {"float32": "float32", "bfloat16": "bfloat16"}.get(result["engine_dtype"], result["engine_dtype"])
     result["floor"] = floor
     result["streams"] = {}
     for n in args.streams:
         ip, tr, g = (combine(rounds[n][side]) for side in ("in_process", "transport", "grpc"))
         ll = llama.get(n)
-        f = floor_ms(floor, floor_dtype, n)
+        f = floor_ms(floor, result["engine_dtype"], n)
         result["streams"][n] = {
             "in_process": ip, "transport": tr, "grpc": g, "llama.cpp": ll,
             "ratios": {"grpc_over_llama": ratio(g["output_token_throughput"], ll and ll["output_token_throughput"]),

@@ -120,17 +120,18 @@ def transport_round(engine, model: str, tokenizer_path: str, prompts: list[Bench
 
     core = engine.engine_core
     busy_loop = EngineBusyLoop(core)
+    timed = _TimedSteps(core)
 
     async def main() -> tuple[list[RequestRecord], float]:
         backend = InProcessBackend(model, tokenizer_path, engine=(busy_loop, engine_info_from_core(core.info)))
         try:
             await closed_loop(backend, WARM_UP, 1)
-            timed.steps.clear()
+            timed.steps.clear()  # the warm-up's steps are not the round's
             return await closed_loop(backend, prompts, streams)
         finally:
             await backend.close()
 
-    with _TimedSteps(core) as timed:
+    with timed:
         records, wall = run_beside_engine(busy_loop, main)
     return timed.round(records, wall, streams)
 
