@@ -26,7 +26,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "argmax.cpp")
+SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "argmax.cpp", "int8_rows.cpp")
 CFLAGS = (
     "-O3",
     "-ffp-contract=fast",  # fused multiply-adds (C++ standard modes turn them off)
@@ -80,7 +80,8 @@ def cpu_signature() -> str:
     return "\n".join(wanted)
 
 
-def _build_name() -> str:
+def build_name() -> str:
+    """The library's name: a digest of the sources, flags, torch version and CPU it is built for."""
     digest = hashlib.sha256()
     for path in sorted(SOURCE_DIR.iterdir()):  # sources and headers
         digest.update(path.name.encode() + path.read_bytes())
@@ -101,7 +102,7 @@ def load() -> bool:
         return False
     from torch.utils import cpp_extension
 
-    name = _build_name()
+    name = build_name()
     build_dir = cache_dir() / name
     try:
         build_dir.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,8 @@ import functools
 
 import torch
 
+from kernels import cpu_extension
+
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [out, in] float -> (int8 [out, in], fp32 scale [out]) with weight ≈ q * scale[:, None]."""
@@ -57,17 +59,38 @@ def run_int8_weight_only(state, x):
 
 def prepare_int8_dynamic(w, b):
     q, scale = quantize_int8(w)
-    return q.t(), scale, None if b is None else b.float(), w.dtype
+    fused = cpu_extension.load()  # the C++ passes around the GEMM (kernels/csrc/int8_rows.cpp)
+    return q.t(), scale, None if b is None else b.float(), w.dtype, fused
 
 
 def run_int8_dynamic(state, x):
     """W8A8: each row of x quantized on the fly to int8 with its own scale (per token, as torchao's
     int8 dynamic-activation config does), int8 x int8 -> int32 on VNNI/AMX, then rescaled.
 
+    The quantize and rescale passes are C++ where the kernels are built: in torch they are ten
+    ops that cost more than the GEMM at decode batch sizes (`_run_int8_dynamic_torch` is the
+    same arithmetic, and the fallback).
+
     torch's fbgemm `quantized.linear_dynamic` is not used: its one activation scale for the whole
     batch lets one outlier token crush the others' precision, which changed SmolLM2's greedy answer.
     """
-    qt, w_scale, b, dtype = state
+    qt, w_scale, b, dtype, fused = state
+    if not fused or x.dtype not in (torch.float32, torch.bfloat16):
+        return _run_int8_dynamic_torch(state, x)
+    rows = x.shape[0]
+    xq = torch.empty(x.shape, dtype=torch.int8)
+    x_scale = torch.empty(rows, dtype=torch.float32)
+    torch.ops.tandem.quantize_rows_int8(xq, x_scale, x if x.stride(-1) == 1 else x.contiguous())
+    y = torch.empty((rows, qt.shape[1]), dtype=dtype)
+    torch.ops.tandem.scale_int32_rows(y, torch._int_mm(xq, qt), x_scale, w_scale, _NO_BIAS if b is None else b)
+    return y
+
+
+_NO_BIAS = torch.empty(0)
+
+
+def _run_int8_dynamic_torch(state, x):
+    qt, w_scale, b, dtype, _ = state
     xf = x.float()
     x_scale = (xf.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12)
     xq = torch.round(xf / x_scale).to(torch.int8)

@@ -75,7 +75,7 @@ def test_kernel_matches_linear_on_its_own_weights(kernel, rows, dtype):
 def test_allowed_kernels_follow_the_quantization_setting():
     assert allowed_kernels("none") == FLOAT_KERNELS
     assert allowed_kernels("int8") == INT8_KERNELS
-    assert allowed_kernels("auto") == FLOAT_KERNELS + ("int8_weight_only",)  # W8A8 only when asked for
+    assert allowed_kernels("auto") == FLOAT_KERNELS + INT8_KERNELS  # each timed; int4 added where exact
     assert allowed_kernels("int4") == ("int4",) + INT8_KERNELS  # int8 for shapes int4 cannot pack
     with pytest.raises(ValueError, match="quantization must be one of"):
         allowed_kernels("int3")
