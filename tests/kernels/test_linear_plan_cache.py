@@ -1,6 +1,6 @@
 """Load-time linear plans and the dtype=auto answer are measured once per machine and read back
-(kernels/linear_plan_cache.py); TANDEM_REMEASURE, another machine or a kernel no longer allowed
-measure again."""
+(kernels/linear_plan_cache.py); TANDEM_REMEASURE, another machine, changed kernel code or a kernel
+no longer allowed measure again."""
 
 from __future__ import annotations
 
@@ -56,9 +56,12 @@ def test_remeasure_other_machine_or_other_kernels_time_again(monkeypatch):
     monkeypatch.delenv("TANDEM_REMEASURE")
     use_measured_linears(tiny_mlp(), "int8", buckets=(1, 8))  # another candidate set: its own entry
     assert len(calls) == 6
-    monkeypatch.setattr(linear_plan_cache, "machine_key", lambda: "another-cpu")
+    monkeypatch.setattr(linear_plan_cache, "kernels_digest", lambda: "edited-kernels")  # a kernel's code changed
     use_measured_linears(tiny_mlp(), "none", buckets=(1, 8))
     assert len(calls) == 8
+    monkeypatch.setattr(linear_plan_cache, "machine_key", lambda: "another-cpu")
+    use_measured_linears(tiny_mlp(), "none", buckets=(1, 8))
+    assert len(calls) == 10
 
 
 def test_injected_timer_never_reads_or_writes_the_cache(monkeypatch):
