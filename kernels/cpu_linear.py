@@ -3,11 +3,12 @@
 CPUs differ (Intel with AMX, Intel without bf16, AMD with AVX512-BF16) and so does the fastest
 way to multiply by a weight: row-major `F.linear` (oneDNN/MKL), a column-major `mm`, weights
 prepacked once for oneDNN (kernels/onednn_linear.py), int8 weight-only (`torch._weight_int8pack_mm`,
-memory-bound decode), int8 dynamic W8A8 (per-token int8 activations x int8 weights through
-`torch._int_mm`, VNNI/AMX, compute-bound batches) or int4 in GGUF's 4-bit blocks
-(kernels/int4_linear.py). The loader times each allowed kernel on the model's real shapes per
-batch bucket (`choose_plan`) and swaps every `nn.Linear` for a `CpuLinear` that dispatches on the
-number of rows (`use_measured_linears`).
+memory-bound decode), the same int8 weights through Tandem's C++ GEMV for a few rows (`int8_gemv`,
+streaming the weight at close to memory speed), int8 dynamic W8A8 (per-token int8 activations x
+int8 weights through `torch._int_mm`, VNNI/AMX, compute-bound batches) or int4 in GGUF's 4-bit
+blocks (kernels/int4_linear.py). The loader times each allowed kernel on the model's real shapes
+per batch bucket (`choose_plan`) and swaps every `nn.Linear` for a `CpuLinear` that dispatches on
+the number of rows (`use_measured_linears`).
 
 Quantized weights are made on load from the float ones: int8 in kernels/int8_linear.py, int4 in
 kernels/int4_linear.py (tests/kernels/test_cpu_linear.py states the tolerances and why).
@@ -21,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import linear_plan_cache, linear_timing
+from kernels import cpu_extension, linear_plan_cache, linear_timing
 from kernels.int4_linear import GROUP_SIZE, dequantize_int4, int4_supported, prepare_int4, quantize_int4, run_int4
 from kernels.int8_linear import (  # noqa: F401 (quantize_int8 / dequantize_int8 re-exported)
-    dequantize_int8, int_mm_is_exact, prepare_int8_dynamic, prepare_int8_weight_only, quantize_int8,
-    run_int8_dynamic, run_int8_weight_only,
+    dequantize_int8, int_mm_is_exact, prepare_int8_dynamic, prepare_int8_gemv, prepare_int8_weight_only,
+    quantize_int8, run_int8_dynamic, run_int8_gemv, run_int8_weight_only,
 )
 from kernels.linear_timing import Timer, fastest_uncontended, one_thread, rotating
 from kernels.linear_timing import wall_timer as _wall_timer  # a module global: tests swap the clock here
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 BUCKETS = (1, 8, 32, 128)  # rows timed at load; a call takes the smallest bucket >= its rows, else the last
 FLOAT_KERNELS = ("linear", "linear_colmajor", "linear_onednn")
-INT8_KERNELS = ("int8_weight_only", "int8_dynamic")
+INT8_KERNELS = ("int8_weight_only", "int8_dynamic", "int8_gemv")
 QUANTIZATIONS = ("auto", "int8", "int4", "none")
 _TIMING_BYTES = 64 * 2**20  # weights timed in turn: enough to leave the caches, as a real step does
 _MIN_CALLS = 8  # timed calls per kernel and bucket at least (more while under _BUDGET_S)
@@ -70,6 +71,7 @@ KERNELS = {
     "linear_colmajor": (_prep_colmajor, _run_colmajor),
     "int8_weight_only": (prepare_int8_weight_only, run_int8_weight_only),
     "int8_dynamic": (prepare_int8_dynamic, run_int8_dynamic),
+    "int8_gemv": (prepare_int8_gemv, run_int8_gemv),
     "linear_onednn": (prepare_onednn, run_onednn),
     "int4": (prepare_int4, run_int4),
 }
@@ -77,13 +79,16 @@ KERNELS = {
 
 def kernel_fits(kernel: str, weight: torch.Tensor) -> bool:
     """Whether `kernel` can hold this weight: torch packs int4 only for some shapes, oneDNN only
-    the float types this build and CPU support, and W8A8 needs an int8 GEMM that does not saturate."""
+    the float types this build and CPU support, W8A8 needs an int8 GEMM that does not saturate and
+    the int8 GEMV Tandem's C++ kernels."""
     if kernel == "int4":
         return int4_supported(*weight.shape)
     if kernel == "linear_onednn":
         return onednn_supported(weight.dtype)
     if kernel == "int8_dynamic":
         return int_mm_is_exact()
+    if kernel == "int8_gemv":
+        return weight.dtype in (torch.float32, torch.bfloat16) and cpu_extension.load()
     return True
 
 

@@ -1,8 +1,10 @@
 """Int8 weights for CPU linear layers: symmetric, one scale per output channel (absmax / 127).
 
-Two kernels over them: weight-only (`torch._weight_int8pack_mm`: float activations, int8
-weights dequantized on the fly; memory-bound decode) and dynamic W8A8 (activations rounded to
-int8 per token, int8 x int8 -> int32 through `torch._int_mm` on VNNI/AMX; compute-bound batches).
+Three kernels over them: weight-only (`torch._weight_int8pack_mm`: float activations, int8
+weights dequantized on the fly; memory-bound decode), weight-only for a few rows through
+Tandem's C++ GEMV (`int8_gemv`, where the C++ kernels are built) and dynamic W8A8 (activations
+rounded to int8 per token, int8 x int8 -> int32 through `torch._int_mm` on VNNI/AMX;
+compute-bound batches).
 Each kernel is prepare(weight, bias) -> state, run(state, x [N, in]) -> [N, out].
 """
 
@@ -54,6 +56,30 @@ def prepare_int8_weight_only(w, b):
 def run_int8_weight_only(state, x):
     q, scale, b = state
     y = torch._weight_int8pack_mm(x.contiguous(), q, scale)
+    return y if b is None else y + b
+
+
+GEMV_COLUMNS = 16  # output columns per packed block of int8_gemv (kernels/csrc/int8_gemv.cpp)
+
+
+def prepare_int8_gemv(w, b):
+    """The int8 weight as int8_gemv reads it: blocks of 16 output columns, [ceil(N/16), K, 16]."""
+    if not cpu_extension.load():
+        raise RuntimeError("int8_gemv needs Tandem's C++ CPU kernels (see kernels/cpu_extension.py)")
+    q, scale = quantize_int8(w)
+    out_f, in_f = q.shape
+    padded = -(-out_f // GEMV_COLUMNS) * GEMV_COLUMNS
+    q = torch.cat([q, q.new_zeros(padded - out_f, in_f)]) if padded > out_f else q
+    packed = q.reshape(padded // GEMV_COLUMNS, GEMV_COLUMNS, in_f).transpose(1, 2).contiguous()
+    return packed, scale, b, out_f
+
+
+def run_int8_gemv(state, x):
+    """Weight-only int8 for a few rows (decode): fp32 sums of x times the int8 weight, scaled per
+    output column; the C++ kernel streams the weight at close to the memory's speed."""
+    packed, scale, b, out_f = state
+    y = torch.empty((x.shape[0], out_f), dtype=x.dtype)
+    torch.ops.tandem.int8_gemv(y, x if x.stride(-1) == 1 else x.contiguous(), packed, scale)
     return y if b is None else y + b
 
 
