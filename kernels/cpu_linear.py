@@ -116,12 +116,12 @@ class CpuLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.plan = list(plan)
-        self._runs = {name: KERNELS[name][1] for _, name in self.plan}
         prepared = prepared or {}
         self._states = {name: prepared[name] if name in prepared else
                         KERNELS[name][0](weight.detach(), None if bias is None else bias.detach())
-                        for name in self._runs}
-        self._steps = [(limit, self._runs[name], self._states[name]) for limit, name in self.plan]
+                        for name in dict.fromkeys(name for _, name in self.plan)}
+        # (max rows, run, state) per bucket: all forward looks at
+        self._steps = [(limit, KERNELS[name][1], self._states[name]) for limit, name in self.plan]
 
     def kernel_for(self, rows: int) -> str:
         for limit, name in self.plan:
@@ -137,7 +137,8 @@ class CpuLinear(nn.Module):
         for limit, run, state in self._steps:
             if rows <= limit:
                 return run(state, x)
-        return run(state, x)  # larger than every bucket: the last kernel
+        _, run, state = self._steps[-1]  # larger than every bucket: the last kernel
+        return run(state, x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, plan={self.plan}"

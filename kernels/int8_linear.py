@@ -13,8 +13,11 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from kernels import cpu_extension
+
+_NO_BIAS = torch.empty(0)  # the C++ rescale's "no bias"
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +72,7 @@ def prepare_int8_gemv(w, b):
     q, scale = quantize_int8(w)
     out_f, in_f = q.shape
     padded = -(-out_f // GEMV_COLUMNS) * GEMV_COLUMNS
-    q = torch.cat([q, q.new_zeros(padded - out_f, in_f)]) if padded > out_f else q
+    q = F.pad(q, (0, 0, 0, padded - out_f))  # zero columns up to a whole block
     packed = q.reshape(padded // GEMV_COLUMNS, GEMV_COLUMNS, in_f).transpose(1, 2).contiguous()
     return packed, scale, b, out_f
 
@@ -110,9 +113,6 @@ def run_int8_dynamic(state, x):
     y = torch.empty((rows, qt.shape[1]), dtype=dtype)
     torch.ops.tandem.scale_int32_rows(y, torch._int_mm(xq, qt), x_scale, w_scale, _NO_BIAS if b is None else b)
     return y
-
-
-_NO_BIAS = torch.empty(0)
 
 
 def _run_int8_dynamic_torch(state, x):

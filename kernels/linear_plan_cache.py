@@ -4,8 +4,9 @@
 SmolLM2) and `dtype=auto` races bf16 against fp32. Both answers depend only on the machine, the
 torch build, the thread count, the kernels' own code and the shapes, so they are written to
 `~/.cache/tandem/linear_plans.json` (`TANDEM_CACHE_DIR` moves it) under a key naming all of
-those (a changed kernel is timed again rather than judged by its old speed), and read back by the next load with the same key. `TANDEM_REMEASURE=1` times again and
-overwrites (after a noisy first load, or to see the timings in the log).
+those (a changed kernel is timed again rather than judged by its old speed), and read back by
+the next load with the same key. `TANDEM_REMEASURE=1` times again and overwrites (after a noisy
+first load, or to see the timings in the log).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def machine_key() -> str:
 
 @functools.cache
 def kernels_digest() -> str:
+    """A digest of the linear kernels' Python modules and the C++ library's build name."""
     here = Path(__file__).resolve().parent
     digest = hashlib.sha256(build_name().encode())
     for name in _KERNEL_SOURCES:

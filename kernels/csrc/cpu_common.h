@@ -33,6 +33,7 @@ typedef float f32x4 __attribute__((vector_size(16), aligned(4)));
 typedef int32_t i32x16 __attribute__((vector_size(64), aligned(4)));
 typedef uint32_t u32x16 __attribute__((vector_size(64), aligned(4)));
 typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
+typedef int8_t i8x16 __attribute__((vector_size(16), aligned(1)));
 
 template <typename V>
 constexpr bool is_vector = std::is_same_v<V, f32x16>;
@@ -135,6 +136,12 @@ inline V exp_nonpositive(V x) {
   p = p * r * r + r + 1.0f;
   return small ? V{} : p * exp2_whole(n);
 }
+
+// ---- parallel grain -------------------------------------------------------------------
+constexpr int64_t kGrainElems = 1 << 15;  // elements per thread at least (ATen's grain size)
+
+// rows per parallel_for task for rows of `row_elems` elements
+inline int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, row_elems)); }
 
 // ---- dispatch and checks ------------------------------------------------------------
 #define TANDEM_CHECK(cond, ...) STD_TORCH_CHECK(cond, "tandem CPU kernel: ", __VA_ARGS__)

@@ -13,10 +13,6 @@
 namespace tandem {
 namespace {
 
-constexpr int64_t kParallelElems = 1 << 15;  // elements per thread at least (ATen's grain size)
-
-int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, kParallelElems / std::max<int64_t>(1, row_elems)); }
-
 // out = round(round(h / rms(h)) * weight): h is one fp32 row (already rounded to T)
 template <typename T>
 void normalize_row(T* out, const float* h, const T* weight, int64_t n, float eps) {

@@ -23,8 +23,6 @@ constexpr int kRows = 4;     // rows of x sharing one read of the weight
 constexpr int kUnroll = 4;   // independent partial sums per row (FMA latency)
 constexpr int64_t kBlocksPerTask = 8;
 
-typedef int8_t i8x16 __attribute__((vector_size(16), aligned(1)));
-
 // 16 int8 weights as fp32 lanes. GCC widens int8 vectors a lane at a time, so the x86 sign
 // extensions are named where the target has them (the f32x16 is one zmm, or two ymm halves).
 inline f32x16 widen(const int8_t* p) {

@@ -15,10 +15,6 @@
 namespace tandem {
 namespace {
 
-constexpr int64_t kParallelElems = 1 << 15;  // elements per thread at least (ATen's grain size)
-
-int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, kParallelElems / std::max<int64_t>(1, row_elems)); }
-
 template <typename V>
 inline V abs_lanes(V x) { return x < 0.0f ? -x : x; }
 
@@ -42,7 +38,6 @@ void quantize_row(int8_t* q, float* scale, const T* x, int64_t n) {
     using V = decltype(lanes);
     const V r = round_even(load<V>(x + i) / s);  // |r| <= 127: no clamp needed
     if constexpr (is_vector<V>) {
-      typedef int8_t i8x16 __attribute__((vector_size(16), aligned(1)));
       const i8x16 b = __builtin_convertvector(__builtin_convertvector(r, i32x16), i8x16);
       std::memcpy(q + i, &b, sizeof b);
     } else {
