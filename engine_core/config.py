@@ -89,7 +89,7 @@ class DeviceConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     attention_backend: str = "auto"  # auto: triton on cuda, cpp on cpu (torch when no C++ compiler)
     num_threads: int | None = None  # torch CPU threads; None: leave torch's default
-    # True: no CUDA graphs and no fused C++ layer ops, every layer runs plain torch ops (vLLM's flag)
+    # True: no CUDA graphs and no fused layer ops (C++ / Triton), every layer runs plain torch ops (vLLM's flag)
     enforce_eager: bool = False
     cuda_graph_max_batch_size: int = 256  # largest decode batch captured (also capped by max_num_seqs)
 

@@ -89,7 +89,7 @@ class EngineCore:
         dtype = resolve_dtype(config.model.dtype, device)
         self.attention = select_backend(device.type, config.device.attention_backend)
         fused = None if config.device.enforce_eager else select_fused_ops(device.type, dtype)
-        logger.info("attention backend %s, fused C++ layer ops %s", self.attention.name, "on" if fused else "off")
+        logger.info("attention backend %s, fused layer ops %s", self.attention.name, fused.name if fused else "off")
 
         started = time.perf_counter()
         quantization = resolve_quantization(config.model.quantization, config.model.dtype, device)

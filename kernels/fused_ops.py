@@ -6,8 +6,9 @@ decode batch sizes cost more than the arithmetic. `FusedOps` does each in one pa
 rows, in place where the inputs are the step's own temporaries.
 
 `select_fused_ops(device, dtype)` returns them for CPU fp32 / bf16 models when the C++
-kernels are built (kernels/cpu_extension.py), else None: the model's layers then run their
-plain torch code (engine_core/models/layers.py), which stays the reference.
+kernels are built (kernels/cpu_extension.py), their Triton twins for CUDA models
+(kernels/triton_fused_ops.py), else None: the model's layers then run their plain torch
+code (engine_core/models/layers.py), which stays the reference.
 
 `argmax` is greedy sampling's pick, exactly torch.argmax's answer, several times faster on
 CPU fp32 logits (kernels/csrc/argmax.cpp) and torch.argmax everywhere else.
@@ -54,8 +55,13 @@ class FusedOps:
         return out
 
 
-def select_fused_ops(device: str, dtype: torch.dtype) -> FusedOps | None:
-    """FusedOps for a CPU model in fp32 / bf16 when the C++ kernels load, else None."""
+def select_fused_ops(device: str, dtype: torch.dtype):
+    """FusedOps for a CPU model in fp32 / bf16 when the C++ kernels load, TritonFusedOps for
+    a CUDA model, else None."""
+    if device.startswith("cuda"):
+        from kernels.triton_fused_ops import DTYPES as TRITON_DTYPES, TritonFusedOps
+
+        return TritonFusedOps() if dtype in TRITON_DTYPES else None
     if device != "cpu" or dtype not in DTYPES or not cpu_extension.load():
         return None
     return FusedOps()

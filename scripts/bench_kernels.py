@@ -35,6 +35,8 @@ from scripts.attention_cases import attention_cases, make_case, max_abs_diff, sd
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None,
+                        help="engine part: a Hugging Face folder or .gguf (default: the embedded SmolLM2)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--block-size", type=int, default=16, choices=[16, 32])
     parser.add_argument("--engine-batches", type=int, nargs="+", default=[1, 64])
@@ -95,7 +97,7 @@ def make_engine(args, cuda_graphs: bool):
 
     max_batch = max(args.engine_batches)
     return LLMEngine(EngineConfig(
-        model=ModelConfig(dtype=args.dtype, max_model_len=args.prompt_len + args.gen_len + 16),
+        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.prompt_len + args.gen_len + 16),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gib=4.0),
         scheduler=SchedulerConfig(
             max_num_seqs=max_batch, max_num_batched_tokens=max(2048, max_batch * args.prompt_len),

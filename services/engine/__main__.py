@@ -101,8 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--num-threads", type=int, default=device.num_threads,
                    help="torch CPU threads (default: torch's own choice)")
     d.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs and no fused C++ layer ops: every layer runs plain torch ops "
-                        "(by default graphs capture decode batches on CUDA, and CPU layers use the fused ops)")
+                   help="no CUDA graphs and no fused layer ops: every layer runs plain torch ops (by default "
+                        "graphs capture decode batches on CUDA, and layers use fused C++ / Triton ops)")
     d.add_argument("--cuda-graph-max-batch-size", type=int, default=device.cuda_graph_max_batch_size,
                    help="largest decode batch captured as a CUDA graph (also capped by --max-num-seqs)")
     return p
