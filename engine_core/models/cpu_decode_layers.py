@@ -1,0 +1,177 @@
+"""Llama decoder layers as one C++ op each at decode, on the CPU (kernels/csrc/decode_layer.cpp).
+
+At a one-row decode step a SmolLM2 layer is ten small kernels (two norms, four int8 GEMVs,
+rotary, the KV write, attention, SiLU * mul), and reaching each from Python (module calls,
+torch.ops boxing, temporaries) costs about as much as the kernel: some 60 of a layer's 165 us
+on the 2-core EPYC. Where every linear runs Tandem's int8 GEMV at the step's rows and the
+layers use the C++ fused ops and attention, `CpuDecodeLayers` runs each layer as one op over
+scratch tensors made once per step. The op calls the same kernels in the same order as the
+module path, so the outputs are the same.
+
+Whether it pays is measured at load like every kernel choice (`choose_decode_layers`): for the
+decode buckets up to 8 rows, the model's layers run once through the op (every linear on the
+GEMV) and once through the modules (each linear on its measured plan), on a scratch KV cache,
+and the op is kept for the buckets where it wins; those linears' plans then name the GEMV.
+Where the layers do not fit (biases, q/k norms, Gemma's layers, the torch attention or layer
+ops, `--enforce-eager`, quantization none) or the op loses, the model keeps its module path.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine_core.models.llama import LlamaDecoderLayer, LlamaModel
+from kernels import AttentionMetadata
+from kernels.cpu_linear import BUCKETS, CpuLinear, allowed_kernels, kernel_fits, prepare_int8_gemv
+from kernels.linear_timing import Timer, fastest_uncontended, one_thread, wall_timer
+
+logger = logging.getLogger(__name__)
+
+GEMV = "int8_gemv"
+MAX_ROWS = 8  # the decode buckets the op is timed for
+TIMING_CONTEXT = 128  # positions each row of the timing batch attends to
+TIMING_BLOCK = 16
+
+
+def _linears(layer: torch.nn.Module) -> list[torch.nn.Module]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+
+
+def _fits(layer: torch.nn.Module) -> bool:
+    """A plain Llama layer without biases or q/k norms, on the C++ fused ops and attention."""
+    if type(layer) is not LlamaDecoderLayer:
+        return False
+    fused = (layer.input_layernorm.fused, layer.post_attention_layernorm.fused, layer.mlp.act.fused)
+    return (
+        all(f is not None and f.name == "cpp" for f in fused)
+        and layer.self_attn.attention.name == "cpp" and layer.self_attn.q_norm is None
+        and all(linear.bias is None for linear in _linears(layer))
+    )
+
+
+def layer_weights(model: LlamaModel) -> list[list[torch.Tensor]] | None:
+    """Before the linears are swapped for CpuLinears: each layer's four float weights, from which
+    `choose_decode_layers` makes GEMV states; None where the layers cannot run as the op."""
+    layers = list(model.layers)
+    if not layers or model.local_rotary_emb is not None or model.embed_scale is not None:
+        return None
+    if not all(_fits(layer) for layer in layers):
+        return None
+    return [[linear.weight for linear in _linears(layer)] for layer in layers]
+
+
+class CpuDecodeLayers:
+    """Runs a LlamaModel's layers, one op each, for steps of up to `max_rows` rows.
+
+    `gemvs[i]`: layer i's (packed, scale) GEMV weights for qkv, o, gate_up and down."""
+
+    def __init__(self, model: LlamaModel, gemvs: list[list[tuple[torch.Tensor, torch.Tensor]]], max_rows: int):
+        self.max_rows = max_rows
+        attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.qkv_size = attn.qkv_proj.out_features
+        self.hidden_size, self.intermediate_size = mlp.down_proj.out_features, mlp.down_proj.in_features
+        # per layer: the op's arguments before the KV cache, and its attention settings after it
+        self.weights = [
+            (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
+             *(tensor for packed_scale in layer_gemvs for tensor in packed_scale))
+            for layer, layer_gemvs in zip(model.layers, gemvs)
+        ]
+        self.attention = [
+            (layer.self_attn.scale, layer.self_attn.window or 0, layer.self_attn.softcap or 0.0)
+            for layer in model.layers
+        ]
+
+    def __call__(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_caches, md: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(embeddings [T, hidden]) -> (last layer's output, residual), as the layer loop returns them."""
+        T = h.shape[0]
+        # the first layer's norm(x + 0) is its norm(x) exactly, so every layer is the same op
+        residual = torch.zeros_like(h)
+        qkv = h.new_empty(T, self.qkv_size)
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        qk = qkv[:, : (heads + kv_heads) * dim].view(T, heads + kv_heads, dim)
+        q, k = qk[:, :heads], qk[:, heads:]
+        v = qkv[:, (heads + kv_heads) * dim:].view(T, kv_heads, dim)
+        attn = h.new_empty(T, heads, dim)
+        step = (
+            rope[0].squeeze(1), rope[1].squeeze(1), md.slot_mapping, md.block_tables, md.seq_lens,
+            md.query_start_loc, qkv, qk, q, k, v, attn, attn.view(T, heads * dim),
+            h.new_empty(T, self.hidden_size), h.new_empty(T, 2 * self.intermediate_size),
+            h.new_empty(T, self.intermediate_size),
+        )
+        op = torch.ops.tandem.llama_decode_layer
+        for weights, attention, (key_cache, value_cache) in zip(self.weights, self.attention, kv_caches):
+            op(h, residual, *weights, key_cache, value_cache, *attention, *step)
+        return h, residual
+
+
+# ---- choosing by measurement ----
+
+def choose_decode_layers(
+    model: LlamaModel, weights: list[list[torch.Tensor]] | None, quantization: str, timer: Timer = wall_timer
+) -> CpuDecodeLayers | None:
+    """Time the layers as one op against the module path per decode bucket (up to MAX_ROWS) and
+    return the op for the buckets it wins, with those linears' plans switched to the GEMV; None
+    where the layers do not fit (`weights` None), the GEMV is not allowed, or the op never wins."""
+    if weights is None or GEMV not in allowed_kernels(quantization):
+        return None
+    if not all(kernel_fits(GEMV, w) for layer in weights for w in layer):
+        return None
+    linears = [_linears(layer) for layer in model.layers]
+    with one_thread():  # many small packing ops: see linear_timing.one_thread
+        gemvs = [[linear._states.get(GEMV) or prepare_int8_gemv(w, None) for linear, w in zip(layer, layer_ws)]
+                 for layer, layer_ws in zip(linears, weights)]
+    candidate = CpuDecodeLayers(model, [[state[:2] for state in layer] for layer in gemvs], MAX_ROWS)
+    chosen, results = 0, []
+    for rows in (b for b in BUCKETS if b <= MAX_ROWS):
+        timings = _time_both(model, candidate, rows, timer)
+        results.append(f"{rows} rows: op {timings['one_op'] * 1e3:.2f} ms, modules {timings['modules'] * 1e3:.2f} ms")
+        if timings["one_op"] >= timings["modules"]:
+            break
+        chosen = rows
+    logger.info("decoder layers as one C++ op: %s; %s", f"up to {chosen} rows" if chosen else "not used",
+                "; ".join(results))
+    if not chosen:
+        return None
+    for layer, layer_gemvs in zip(linears, gemvs):
+        for linear, state in zip(layer, layer_gemvs):
+            linear.take_kernel_up_to(chosen, GEMV, state)
+    candidate.max_rows = chosen
+    return candidate
+
+
+@torch.inference_mode()
+def _time_both(model: LlamaModel, layers_op: CpuDecodeLayers, rows: int, timer: Timer) -> dict[str, float]:
+    """Seconds per pass over every layer for `rows` decode rows of TIMING_CONTEXT positions each,
+    through the op and through the modules, on a scratch KV cache."""
+    per_row = -(-(TIMING_CONTEXT + 1) // TIMING_BLOCK)
+    dtype = model.norm.weight.dtype
+    shape = (rows * per_row + 1, layers_op.num_kv_heads, TIMING_BLOCK, layers_op.head_dim)  # block 0: null
+    caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in model.layers]
+    block_tables = torch.arange(1, rows * per_row + 1, dtype=torch.int32).view(rows, per_row)
+    md = AttentionMetadata(
+        slot_mapping=block_tables[:, TIMING_CONTEXT // TIMING_BLOCK].long() * TIMING_BLOCK
+        + TIMING_CONTEXT % TIMING_BLOCK,
+        query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
+        seq_lens=torch.full((rows,), TIMING_CONTEXT + 1, dtype=torch.int32),
+        block_tables=block_tables, max_query_len=1, max_seq_len=TIMING_CONTEXT + 1, num_decodes=rows,
+        query_start_loc_cpu=list(range(rows + 1)), seq_lens_cpu=[TIMING_CONTEXT + 1] * rows,
+    )
+    h0 = model.embed_tokens(torch.arange(rows))
+    rope = model.rotary_emb(torch.full((rows,), TIMING_CONTEXT), h0.dtype)
+
+    def modules():
+        h, residual = h0.clone(), None
+        for layer, kv_cache in zip(model.layers, caches):
+            h, residual = layer(rope, h, residual, kv_cache, md)
+
+    def one_op():
+        layers_op(h0.clone(), rope, caches, md)
+
+    timings, _ = fastest_uncontended({"modules": modules, "one_op": one_op}, rows, timer)
+    return timings

@@ -1,0 +1,22 @@
+// The registered ops that other kernels call directly, without a trip through the dispatcher
+// (decode_layer.cpp chains a whole decoder layer of them). Each is defined beside its kernel.
+
+#pragma once
+
+#include "cpu_common.h"
+
+namespace tandem {
+
+// fused_ops.cpp
+void rms_norm(Tensor out, Tensor x, Tensor weight, double eps);
+void fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, double eps);
+void rotary_embedding(Tensor x, Tensor cos, Tensor sin);
+void silu_and_mul(Tensor out, Tensor x);
+// int8_gemv.cpp
+void int8_gemv(Tensor out, Tensor x, Tensor packed, Tensor scale);
+// paged_attention.cpp
+void paged_attention(Tensor out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables,
+                     Tensor seq_lens, Tensor query_start_loc, double scale, int64_t window, double softcap);
+void write_kv_cache(Tensor key, Tensor value, Tensor key_cache, Tensor value_cache, Tensor slot_mapping);
+
+}  // namespace tandem
