@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_core.models.layers import RMSNorm, SiluAndMul, apply_rotary
 from kernels import cpu_extension
 from kernels.fused_ops import FusedOps, argmax, select_fused_ops
+from tests.kernels.fused_op_checks import check_rms_norm, check_rotary, check_silu_and_mul, randn
 
 pytestmark = pytest.mark.skipif(cpu_extension.compiler() is None, reason="needs a C++ compiler for the CPU kernels")
 
@@ -38,52 +38,25 @@ def fused():
     return ops
 
 
-def randn(*shape, dtype, seed=0, scale=1.0):
-    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("hidden", HIDDEN)
 def test_rms_norm_and_fused_residual_add(fused, dtype, tokens, hidden):
-    torch_norm, fused_norm = RMSNorm(hidden, 1e-5), RMSNorm(hidden, 1e-5, fused)
-    weight = randn(hidden, dtype=dtype, seed=1) + 1
-    torch_norm.weight.data, fused_norm.weight.data = weight, weight
-    x, residual = randn(tokens, hidden, dtype=dtype, seed=2), randn(tokens, hidden, dtype=dtype, seed=3, scale=4)
-    assert_close(fused_norm(x), torch_norm(x))
-
-    expected, expected_residual = torch_norm(x, residual)
-    x_in, residual_in = x.clone(), residual.clone()
-    out, new_residual = fused_norm(x_in, residual_in)
-    assert new_residual.data_ptr() == residual_in.data_ptr() and out.data_ptr() == x_in.data_ptr()  # in place
-    assert torch.equal(new_residual, expected_residual)  # one rounded add, the same in both
-    assert_close(out, expected)
+    check_rms_norm(fused, dtype, tokens, hidden, assert_close)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("intermediate", [1536, 40])
 def test_silu_and_mul(fused, dtype, tokens, intermediate):
-    x = randn(tokens, 2 * intermediate, dtype=dtype, seed=4, scale=3)
-    x[0, :4] = torch.tensor([-100.0, 100.0, -90.0, 0.0])  # exp's clamp and both sigmoid branches
-    assert_close(SiluAndMul(fused)(x), SiluAndMul()(x))
+    check_silu_and_mul(fused, dtype, tokens, intermediate, assert_close, [-100.0, 100.0, -90.0, 0.0])  # exp's clamp
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("head_dim", [64, 40])
 def test_rotary_on_the_qk_view_of_a_fused_projection(fused, dtype, tokens, head_dim):
-    heads, kv_heads = 9, 3
-    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=5)
-    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)  # strided rows
-    angles = randn(tokens, 1, head_dim // 2, dtype=torch.float32, seed=6, scale=3)
-    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    expected = apply_rotary(qk, cos, sin)
-    untouched = qkv[:, (heads + kv_heads) * head_dim:].clone()
-    out = fused.apply_rotary(qk, cos, sin)
-    assert out.data_ptr() == qk.data_ptr()  # in place
-    assert_close(out, expected)
-    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], untouched)  # v is left alone
+    check_rotary(fused, dtype, tokens, head_dim, assert_close)
 
 
 def test_selection():
