@@ -28,6 +28,12 @@ def tiny_model_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama-one-op"), num_layers=3, vocab_size=256)
 
 
+@pytest.fixture(scope="module")
+def tiny_mistral_dir(tmp_path_factory):  # a sliding window shorter than the prompts: the op passes it on
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-mistral-one-op"), model_type="mistral", num_layers=2,
+                            vocab_size=256, sliding_window=8, head_dim=16)
+
+
 def timer_preferring(winner: str):
     """A load-time timer under which `winner` ('one_op' or 'modules') is twice as fast."""
     def timer(kernel, rows, fn):
@@ -53,9 +59,10 @@ def generate(engine, prompts):
     return [(o.outputs[0].token_ids, [(lp.token_ids, lp.logprobs) for lp in o.outputs[0].logprobs]) for o in outputs]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_one_op_layers_answer_exactly_as_the_modules(tiny_model_dir, monkeypatch, dtype):
-    engine = make_engine(tiny_model_dir, monkeypatch, dtype=dtype)
+@pytest.mark.parametrize("family, dtype", [("llama", "float32"), ("llama", "bfloat16"), ("mistral", "bfloat16")])
+def test_one_op_layers_answer_exactly_as_the_modules(request, monkeypatch, family, dtype):
+    folder = request.getfixturevalue("tiny_model_dir" if family == "llama" else "tiny_mistral_dir")
+    engine = make_engine(folder, monkeypatch, dtype=dtype)
     model = engine.engine_core.model.model
     layers_op = model.decode_layers
     assert layers_op is not None and layers_op.max_rows == MAX_ROWS
