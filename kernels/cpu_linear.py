@@ -115,22 +115,29 @@ class CpuLinear(nn.Module):
                  prepared: dict[str, object] | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.plan = list(plan)
         prepared = prepared or {}
-        self._states = {name: prepared[name] if name in prepared else
-                        KERNELS[name][0](weight.detach(), None if bias is None else bias.detach())
-                        for name in dict.fromkeys(name for _, name in self.plan)}
+        states = {name: prepared[name] if name in prepared else
+                  KERNELS[name][0](weight.detach(), None if bias is None else bias.detach())
+                  for name in dict.fromkeys(name for _, name in plan)}
+        self._use(list(plan), states)
+
+    def _use(self, plan: Plan, states: dict[str, object]) -> None:
+        """Take `plan`, keeping only the states it names (the rest are freed)."""
+        self.plan = plan
+        self._states = {name: states[name] for name in dict.fromkeys(name for _, name in plan)}
         # (max rows, run, state) per bucket: all forward looks at
-        self._steps = [(limit, KERNELS[name][1], self._states[name]) for limit, name in self.plan]
+        self._steps = [(limit, KERNELS[name][1], self._states[name]) for limit, name in plan]
+
+    def state(self, name: str) -> object | None:
+        """The prepared state of kernel `name` when the plan uses it, else None."""
+        return self._states.get(name)
 
     def take_kernel_up_to(self, rows: int, name: str, state: object) -> None:
         """Run `name` (prepared as `state`) for every batch of up to `rows` rows; a kernel the plan
         no longer names is freed. Used where a choice above this layer (one op per decoder layer,
         engine_core/models/cpu_decode_layers.py) was measured with `name` in these buckets."""
-        self.plan = [(limit, name if limit <= rows else kernel) for limit, kernel in self.plan]
-        states = {**self._states, name: state}
-        self._states = {kernel: states[kernel] for kernel in dict.fromkeys(kernel for _, kernel in self.plan)}
-        self._steps = [(limit, KERNELS[kernel][1], self._states[kernel]) for limit, kernel in self.plan]
+        plan = [(limit, name if limit <= rows else kernel) for limit, kernel in self.plan]
+        self._use(plan, {**self._states, name: state})
 
     def kernel_for(self, rows: int) -> str:
         for limit, name in self.plan:

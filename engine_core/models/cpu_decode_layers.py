@@ -124,7 +124,7 @@ def choose_decode_layers(
         return None
     linears = [_linears(layer) for layer in model.layers]
     with one_thread():  # many small packing ops: see linear_timing.one_thread
-        gemvs = [[linear._states.get(GEMV) or prepare_int8_gemv(w, None) for linear, w in zip(layer, layer_ws)]
+        gemvs = [[linear.state(GEMV) or prepare_int8_gemv(w, None) for linear, w in zip(layer, layer_ws)]
                  for layer, layer_ws in zip(linears, weights)]
     candidate = CpuDecodeLayers(model, [[state[:2] for state in layer] for layer in gemvs], MAX_ROWS)
     chosen, results = 0, []
