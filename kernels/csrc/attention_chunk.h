@@ -3,8 +3,9 @@
 // Vector path (head_dim a multiple of 32, row_vectors.h): scores of 16 keys come from 16
 // vectors of per-lane partial dot products folded together, not 16 horizontal sums; with
 // AVX-512 BF16, bf16 rows go straight into vdpbf16ps. Values accumulate for several rows at
-// once, so each V row is widened once per group of rows and the multiply-adds have
-// independent chains. Other head_dims take plain loops.
+// once, so each V row is read once per group of rows and the multiply-adds have independent
+// chains: with AVX-512 BF16, bf16 V rows two keys per vdpbf16ps (probabilities rounded to
+// bf16), else widened to fp32. Other head_dims take plain loops.
 #pragma once
 
 #include "row_vectors.h"
@@ -135,6 +136,79 @@ inline void accumulate_rows(float* acc, const float* weights, const float* corre
   }
 }
 
+#if defined(__AVX512BF16__)
+// ---- weighted values with vdpbf16ps: two keys per instruction -----------------------------
+// Two V rows interleaved element by element (unpacklo/hi) hold, per 32-bit lane, one dim of two
+// keys; their two weights, rounded to bf16 as the Hugging Face modules round probabilities
+// before multiplying by V, form one 32-bit lane broadcast to all. vdpbf16ps then adds both
+// products into the fp32 accumulator: half the instructions of widening V and one FMA per key.
+// The interleave puts dims in "pair" lane order (per 128-bit lane j: dims 8j..8j+3, then
+// 8j+4..8j+7 in the second vector); the accumulators are kept in split order in memory, so
+// they are permuted on the way in and out.
+struct PairOrder {  // vpermt2ps indices between split and pair order for one 32-dim block
+  int32_t to_pair[2][16], to_split[2][16];
+  constexpr PairOrder() : to_pair{}, to_split{} {
+    for (int32_t m = 0; m < 32; ++m) {  // m: lane of the pair-order block (second vector: 16..31)
+      const int32_t v = m / 16, lane = m % 16, dim = 8 * (lane / 4) + 4 * v + lane % 4;
+      to_pair[v][lane] = dim % 2 == 0 ? dim / 2 : 16 + dim / 2;  // split order: even dims, then odd
+    }
+    for (int32_t m = 0; m < 32; ++m) {  // m: lane of the split-order block
+      const int32_t v = m / 16, lane = m % 16, dim = 2 * lane + v, r = dim % 8;
+      to_split[v][lane] = (r < 4 ? 0 : 16) + 4 * (dim / 8) + r % 4;
+    }
+  }
+};
+inline constexpr PairOrder kPairOrder{};
+
+template <int64_t kD, int64_t R>
+inline void accumulate_rows_bf16(float* acc, const float* weights, const float* correction,
+                                 const bf16* const* values, int64_t keys) {
+  constexpr int64_t V = kD / 16;  // vectors per row, in pairs of 32 dims
+  const __m512i to_pair0 = _mm512_loadu_si512(kPairOrder.to_pair[0]);
+  const __m512i to_pair1 = _mm512_loadu_si512(kPairOrder.to_pair[1]);
+  __m512 a[R][V];
+  for (int64_t i = 0; i < R; ++i) {
+    const __m512 f = _mm512_set1_ps(correction[i]);
+    for (int64_t v = 0; v < V; v += 2) {
+      const __m512 s0 = _mm512_loadu_ps(acc + i * kD + 16 * v), s1 = _mm512_loadu_ps(acc + i * kD + 16 * v + 16);
+      a[i][v] = _mm512_mul_ps(_mm512_permutex2var_ps(s0, to_pair0, s1), f);
+      a[i][v + 1] = _mm512_mul_ps(_mm512_permutex2var_ps(s0, to_pair1, s1), f);
+    }
+  }
+  // each row's weights as bf16 pairs: 32-bit word c / 2 = (w[c], w[c + 1])
+  alignas(64) uint32_t pairs[R][kChunk / 2];
+  for (int64_t i = 0; i < R; ++i) {
+    for (int64_t c = 0; c < keys; c += 32) {
+      const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(weights + i * kChunk + c + 16),
+                                             _mm512_loadu_ps(weights + i * kChunk + c));
+      _mm512_store_si512(pairs[i] + c / 2, (__m512i)w);
+    }
+  }
+  for (int64_t c = 0; c < keys; c += 2) {
+    const bf16* v0 = values[c];
+    const bf16* v1 = c + 1 < keys ? values[c + 1] : v0;  // its weight is zero
+    __m512i x[V];
+    for (int64_t u = 0; u < V / 2; ++u) {
+      const __m512i r0 = _mm512_loadu_si512(v0 + 32 * u), r1 = _mm512_loadu_si512(v1 + 32 * u);
+      x[2 * u] = _mm512_unpacklo_epi16(r0, r1);
+      x[2 * u + 1] = _mm512_unpackhi_epi16(r0, r1);
+    }
+    for (int64_t i = 0; i < R; ++i) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(int32_t(pairs[i][c / 2]));
+      for (int64_t v = 0; v < V; ++v) a[i][v] = _mm512_dpbf16_ps(a[i][v], (__m512bh)x[v], w);
+    }
+  }
+  const __m512i to_split0 = _mm512_loadu_si512(kPairOrder.to_split[0]);
+  const __m512i to_split1 = _mm512_loadu_si512(kPairOrder.to_split[1]);
+  for (int64_t i = 0; i < R; ++i) {
+    for (int64_t v = 0; v < V; v += 2) {
+      _mm512_storeu_ps(acc + i * kD + 16 * v, _mm512_permutex2var_ps(a[i][v], to_split0, a[i][v + 1]));
+      _mm512_storeu_ps(acc + i * kD + 16 * v + 16, _mm512_permutex2var_ps(a[i][v], to_split1, a[i][v + 1]));
+    }
+  }
+}
+#endif
+
 // every row's acc += its weights (zero past its visible keys) times the chunk's n values
 template <typename T, int64_t kD>
 inline void accumulate_chunk(float* acc, int64_t rows, const int64_t* visible, const float* weights,
@@ -148,6 +222,17 @@ inline void accumulate_chunk(float* acc, int64_t rows, const int64_t* visible, c
       float* a = acc + r0 * kD;
       const float* p = weights + r0 * kChunk;
       const float* f = correction + r0;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, bf16>) {
+        switch (group) {
+          case 1: accumulate_rows_bf16<kD, 1>(a, p, f, values, keys); break;
+          case 2: accumulate_rows_bf16<kD, 2>(a, p, f, values, keys); break;
+          case 3: if constexpr (kMaxRows >= 3) accumulate_rows_bf16<kD, 3>(a, p, f, values, keys); break;
+          default: if constexpr (kMaxRows >= 4) accumulate_rows_bf16<kD, 4>(a, p, f, values, keys); break;
+        }
+        continue;
+      }
+#endif
       switch (group) {
         case 1: accumulate_rows<T, kD, 1>(a, p, f, values, keys); break;
         case 2: accumulate_rows<T, kD, 2>(a, p, f, values, keys); break;

@@ -4,7 +4,9 @@ and a dense float64 attention computed from scratch.
 Skipped only where no C++ compiler exists; with one, a failed build fails these tests.
 Tolerances (atol = rtol): fp32 1e-5 (both sides accumulate in fp32, in different orders);
 bf16 3e-2, a few bf16 ulps, as for the Triton kernels: the reference rounds scores and
-probabilities to bf16 where the C++ kernel keeps fp32 until the output.
+probabilities to bf16; the C++ kernel keeps scores in fp32 and, on CPUs with AVX512-BF16, rounds
+the probabilities to bf16 as it multiplies them by V (two keys per vdpbf16ps), as the Hugging Face
+modules do before their P @ V.
 """
 
 from __future__ import annotations
