@@ -59,13 +59,13 @@ def combine(rounds: list[Round]) -> dict:
     return summary
 
 
-class _TimedSteps:
+class TimedSteps:
     """Wraps `core.step` while in use: each step's seconds and scheduler stats."""
 
     def __init__(self, core) -> None:
         self.core, self.steps = core, []
 
-    def __enter__(self) -> "_TimedSteps":
+    def __enter__(self) -> "TimedSteps":
         step = self.original = self.core.step
 
         def timed():
@@ -93,7 +93,7 @@ def in_process_round(engine, prompts: list[BenchPrompt], streams: int) -> Round:
 
     records: dict[str, RequestRecord] = {}
     started = time.perf_counter()
-    with _TimedSteps(engine.engine_core) as timed:
+    with TimedSteps(engine.engine_core) as timed:
         for first in range(0, len(prompts), streams):
             for prompt in prompts[first:first + streams]:
                 request_id = f"bench-{next(_request_ids)}"
@@ -120,7 +120,7 @@ def transport_round(engine, model: str, tokenizer_path: str, prompts: list[Bench
 
     core = engine.engine_core
     busy_loop = EngineBusyLoop(core)
-    timed = _TimedSteps(core)
+    timed = TimedSteps(core)
 
     async def main() -> tuple[list[RequestRecord], float]:
         backend = InProcessBackend(model, tokenizer_path, engine=(busy_loop, engine_info_from_core(core.info)))
