@@ -79,10 +79,13 @@ class TimedSteps:
     def __exit__(self, *exc) -> None:
         self.core.step = self.original
 
+    def decode_steps(self, streams: int) -> list[float]:
+        """Seconds of the pure-decode steps with every one of `streams` requests running."""
+        return [s for s, stats in self.steps if stats is not None and stats.num_prompt_tokens == 0
+                and stats.num_scheduled_tokens == stats.num_generation_tokens == streams]
+
     def round(self, records, wall_s: float, streams: int) -> Round:
-        decode = [s for s, stats in self.steps if stats is not None and stats.num_prompt_tokens == 0
-                  and stats.num_scheduled_tokens == stats.num_generation_tokens == streams]
-        return Round(records, wall_s, sum(s for s, _ in self.steps), len(self.steps), decode)
+        return Round(records, wall_s, sum(s for s, _ in self.steps), len(self.steps), self.decode_steps(streams))
 
 
 # ---- in-process: LLMEngine on the main thread ------------------------------------------------------

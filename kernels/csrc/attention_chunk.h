@@ -113,29 +113,6 @@ inline float softmax_step(float* scores, int64_t first, int64_t visible, int64_t
   return correction;
 }
 
-// acc[r] = acc[r] * correction[r] + sum_c weights[r][c] v_c for R rows at once, accumulators
-// in registers: each V row is widened once for the R rows, and R x V independent chains
-template <typename T, int64_t kD, int64_t R>
-inline void accumulate_rows(float* acc, const float* weights, const float* correction, const T* const* values,
-                            int64_t keys) {
-  constexpr int64_t V = kD / 16;
-  f32x16 a[R][V];
-  for (int64_t i = 0; i < R; ++i) {
-    for (int64_t v = 0; v < V; ++v) a[i][v] = load<f32x16>(acc + i * kD + 16 * v) * correction[i];
-  }
-  for (int64_t c = 0; c < keys; ++c) {
-    f32x16 x[V];
-    widen_row<V>(values[c], x);
-    for (int64_t i = 0; i < R; ++i) {
-      const float p = weights[i * kChunk + c];
-      for (int64_t v = 0; v < V; ++v) a[i][v] += p * x[v];
-    }
-  }
-  for (int64_t i = 0; i < R; ++i) {
-    for (int64_t v = 0; v < V; ++v) store(acc + i * kD + 16 * v, a[i][v]);
-  }
-}
-
 #if defined(__AVX512BF16__)
 // ---- weighted values with vdpbf16ps: two keys per instruction -----------------------------
 // Two V rows interleaved element by element (unpacklo/hi) hold, per 32-bit lane, one dim of two
@@ -209,6 +186,35 @@ inline void accumulate_rows_bf16(float* acc, const float* weights, const float* 
 }
 #endif
 
+// acc[r] = acc[r] * correction[r] + sum_c weights[r][c] v_c for R rows at once, accumulators
+// in registers: each V row is widened once for the R rows, and R x V independent chains
+template <typename T, int64_t kD, int64_t R>
+inline void accumulate_rows(float* acc, const float* weights, const float* correction, const T* const* values,
+                            int64_t keys) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bf16>) {
+    accumulate_rows_bf16<kD, R>(acc, weights, correction, values, keys);
+    return;
+  }
+#endif
+  constexpr int64_t V = kD / 16;
+  f32x16 a[R][V];
+  for (int64_t i = 0; i < R; ++i) {
+    for (int64_t v = 0; v < V; ++v) a[i][v] = load<f32x16>(acc + i * kD + 16 * v) * correction[i];
+  }
+  for (int64_t c = 0; c < keys; ++c) {
+    f32x16 x[V];
+    widen_row<V>(values[c], x);
+    for (int64_t i = 0; i < R; ++i) {
+      const float p = weights[i * kChunk + c];
+      for (int64_t v = 0; v < V; ++v) a[i][v] += p * x[v];
+    }
+  }
+  for (int64_t i = 0; i < R; ++i) {
+    for (int64_t v = 0; v < V; ++v) store(acc + i * kD + 16 * v, a[i][v]);
+  }
+}
+
 // every row's acc += its weights (zero past its visible keys) times the chunk's n values
 template <typename T, int64_t kD>
 inline void accumulate_chunk(float* acc, int64_t rows, const int64_t* visible, const float* weights,
@@ -222,17 +228,6 @@ inline void accumulate_chunk(float* acc, int64_t rows, const int64_t* visible, c
       float* a = acc + r0 * kD;
       const float* p = weights + r0 * kChunk;
       const float* f = correction + r0;
-#if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, bf16>) {
-        switch (group) {
-          case 1: accumulate_rows_bf16<kD, 1>(a, p, f, values, keys); break;
-          case 2: accumulate_rows_bf16<kD, 2>(a, p, f, values, keys); break;
-          case 3: if constexpr (kMaxRows >= 3) accumulate_rows_bf16<kD, 3>(a, p, f, values, keys); break;
-          default: if constexpr (kMaxRows >= 4) accumulate_rows_bf16<kD, 4>(a, p, f, values, keys); break;
-        }
-        continue;
-      }
-#endif
       switch (group) {
         case 1: accumulate_rows<T, kD, 1>(a, p, f, values, keys); break;
         case 2: accumulate_rows<T, kD, 2>(a, p, f, values, keys); break;
