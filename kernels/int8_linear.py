@@ -115,6 +115,43 @@ def run_int8_dynamic(state, x):
     return y
 
 
+VNNI_COLUMNS = 16  # output columns per packed block of int8_vnni_gemm (kernels/csrc/int8_vnni.cpp)
+
+
+@functools.cache
+def int8_vnni_supported() -> bool:
+    """Whether Tandem's C++ kernels are built with the AVX512-VNNI W8A8 GEMM (int8_vnni_gemm)."""
+    return cpu_extension.load() and torch.ops.tandem.int8_vnni_available()
+
+
+def prepare_int8_vnni(w, b):
+    """The int8 weight in VNNI order, [ceil(N/16), K/4, 16, 4], and the sums that undo the
+    activations' +128 (vpdpbusd multiplies unsigned by signed bytes): 128 * sum_k q[n, k]."""
+    if not int8_vnni_supported():
+        raise RuntimeError("int8_vnni needs Tandem's C++ kernels built for a CPU with AVX512-VNNI")
+    q, scale = quantize_int8(w)
+    out_f, in_f = q.shape
+    padded = -(-out_f // VNNI_COLUMNS) * VNNI_COLUMNS
+    q = F.pad(q, (0, 0, 0, padded - out_f))
+    offsets = (q.sum(dim=1, dtype=torch.int32) * 128).contiguous()
+    packed = q.reshape(padded // VNNI_COLUMNS, VNNI_COLUMNS, in_f // 4, 4).transpose(1, 2).contiguous()
+    return packed, scale, offsets, _NO_BIAS if b is None else b.float().contiguous(), out_f, w.dtype
+
+
+def run_int8_vnni(state, x):
+    """W8A8 as int8_dynamic computes it (per-token int8 activations, the same int32 sums and
+    rescale, the same bits), through Tandem's VNNI GEMM over the prepacked weight: faster than
+    torch._int_mm where oneDNN repacks the weight each call, at decode's batch sizes."""
+    packed, w_scale, offsets, b, out_f, dtype = state
+    rows = x.shape[0]
+    xq = torch.empty(x.shape, dtype=torch.int8)
+    x_scale = torch.empty(rows, dtype=torch.float32)
+    torch.ops.tandem.quantize_rows_int8(xq, x_scale, x if x.stride(-1) == 1 else x.contiguous())
+    y = torch.empty((rows, out_f), dtype=dtype)
+    torch.ops.tandem.int8_vnni_gemm(y, xq, x_scale, packed, w_scale, offsets, b)
+    return y
+
+
 def _run_int8_dynamic_torch(state, x):
     qt, w_scale, b, dtype, _ = state
     xf = x.float()

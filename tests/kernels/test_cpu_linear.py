@@ -12,7 +12,7 @@ from engine_core.loader.safetensors import load_hf
 from engine_core.models.llama import LlamaForCausalLM
 from kernels import select_backend
 from kernels.cpu_linear import (
-    FLOAT_KERNELS, INT8_KERNELS, KERNELS, CpuLinear, allowed_kernels, choose_plan, dequantize_int8,
+    FLOAT_KERNELS, INT8_KERNELS, KERNELS, W8A8_KERNELS, CpuLinear, allowed_kernels, choose_plan, dequantize_int8,
     fastest_float_dtype, int_mm_is_exact, kernel_fits, quantize_int8, use_measured_linears,
 )
 from kernels.int4_linear import dequantize_int4, quantize_int4
@@ -59,10 +59,10 @@ def test_kernel_matches_linear_on_its_own_weights(kernel, rows, dtype):
     expected = F.linear(x.float(), w.float(), b.float())
     assert y.shape == (rows, 96) and y.dtype == dtype
     # fp32: summation order only. bf16: bf16 rounding of inputs/outputs (8 bits of mantissa).
-    # int8_dynamic also rounds each activation row to 8 bits: up to half a step of the row's
-    # amax/127 per product, so compare at 3% of the output's spread.
+    # W8A8 (int8_dynamic, int8_vnni) also rounds each activation row to 8 bits: up to half a step
+    # of the row's amax/127 per product, so compare at 3% of the output's spread.
     tolerance = {torch.float32: 1e-4, torch.bfloat16: 2e-2}[dtype]
-    if kernel == "int8_dynamic":
+    if kernel in W8A8_KERNELS:
         tolerance = 3e-2
     if kernel == "int4":  # bf16 activations and scales whatever the dtype (its fp32 path is slow)
         tolerance = 2e-2
@@ -95,7 +95,7 @@ def test_choose_plan_keeps_the_fastest_kernel_per_bucket(monkeypatch):
     weights = [(torch.randn(32, 16), None) for _ in range(3)]
     # costs scale with rows except int8_dynamic, flat: it loses at 1 row and wins from 8 on
     costs = {"linear": 1.0, "linear_colmajor": 2.0, "linear_onednn": 1.5, "int8_weight_only": 0.5, "int8_gemv": 0.6}
-    kernels = tuple(k for k in KERNELS if kernel_fits(k, weights[0][0]))  # int4 cannot pack 32x16
+    kernels = tuple(k for k in KERNELS if kernel_fits(k, weights[0][0]) and k != "int8_vnni")  # int4 cannot pack 32x16
     assert "int4" not in kernels
     def timer(kernel, rows, fn):
         fn()
@@ -103,6 +103,22 @@ def test_choose_plan_keeps_the_fastest_kernel_per_bucket(monkeypatch):
     plan, timings = choose_plan(weights, kernels, buckets=(1, 8, 32), timer=timer)
     assert plan == [(1, "int8_weight_only"), (8, "int8_dynamic"), (32, "int8_dynamic")]
     assert set(timings) == {1, 8, 32} and set(timings[1]) == set(kernels)
+
+
+def test_a_small_batch_kernel_is_never_planned_above_its_rows(monkeypatch):
+    """A kernel in MAX_ROWS (int8_vnni: 32) is not timed at larger buckets, however fast: the last
+    bucket's kernel serves every larger batch too, prefill chunks its timing never saw."""
+    import kernels.cpu_linear as cpu_linear
+
+    monkeypatch.setitem(cpu_linear.KERNELS, "small_batch", KERNELS["linear"])
+    monkeypatch.setitem(cpu_linear.MAX_ROWS, "small_batch", 8)
+    weights = [(torch.randn(32, 16), None)]
+    def timer(kernel, rows, fn):
+        fn()
+        return 1.0 if kernel == "small_batch" else 2.0
+    plan, timings = choose_plan(weights, ("linear", "small_batch"), buckets=(1, 8, 32), timer=timer)
+    assert plan == [(1, "small_batch"), (8, "small_batch"), (32, "linear")]
+    assert set(timings[32]) == {"linear"}
 
 
 def test_cpu_linear_dispatches_on_rows_and_keeps_only_the_formats_it_uses():
@@ -155,9 +171,9 @@ def test_int8_model_logits_match_the_dequantized_model(tmp_path, variant, kernel
     if not kernel_fits(kernel, reference.model.layers[0].mlp.down_proj.weight):
         pytest.skip(f"{kernel} is not a candidate on this machine")
     use_measured_cpu_linears(ours, "int8", timer=fixed_timer({k: 1.0 if k == kernel else 2.0 for k in INT8_KERNELS}))
-    for name, layer in ours.named_modules():  # W8A8 never takes the head or down_proj (outliers)
+    for name, layer in ours.named_modules():  # W8A8 never takes down_proj (outliers)
         if isinstance(layer, CpuLinear):
-            kept = kernel == "int8_dynamic" and name.endswith(("lm_head", "down_proj"))
+            kept = kernel in W8A8_KERNELS and name.endswith("down_proj")
             assert layer.kernel_for(1) == ("int8_weight_only" if kept else kernel), name
 
     sequences = [[3, 17, 42, 5, 9, 100, 7], [250, 1, 2]]
@@ -166,7 +182,7 @@ def test_int8_model_logits_match_the_dequantized_model(tmp_path, variant, kernel
         want = run_step(reference, PagedBatch(reference.config, 2, 16), list(enumerate(sequences)))
     got, want = torch.cat(got), torch.cat(want)
     relative_rms = float((got - want).norm() / want.norm())
-    if kernel != "int8_dynamic":  # weight-only: the dequantized model's matmuls, summation order aside
+    if kernel not in W8A8_KERNELS:  # weight-only: the dequantized model's matmuls, summation order aside
         assert (got - want).abs().max() <= 1e-4 * want.abs().max()
     else:
         # W8A8 rounds each activation row to 8 bits too: ~0.5% relative error per linear,
@@ -191,13 +207,14 @@ def test_dtype_auto_keeps_the_flags_choice_unless_the_other_dtype_is_clearly_fas
 
 def test_w8a8_is_never_planned_where_the_int8_gemm_saturates(tmp_path, monkeypatch):
     """int_mm_is_exact() False (oneDNN's AVX2 path without VNNI sums u8 x s8 pairs in saturating
-    16-bit lanes): --quantization int8 keeps every layer on weight-only int8."""
+    16-bit lanes): --quantization int8 never plans torch._int_mm's W8A8. (int8_vnni sums exactly
+    and exists only where the CPU has VNNI; here it is the slowest candidate.)"""
     import kernels.cpu_linear as cpu_linear
 
     monkeypatch.setattr(cpu_linear, "int_mm_is_exact", lambda: False)
     model = build_model(write_tiny_model(tmp_path))
     use_measured_cpu_linears(model, "int8", timer=fixed_timer({"int8_dynamic": 1.0, "int8_weight_only": 2.0,
-                                                                "int8_gemv": 3.0}))
+                                                                "int8_gemv": 3.0, "int8_vnni": 4.0}))
     layers = [m for m in model.modules() if isinstance(m, CpuLinear)]
     assert layers and all(name == "int8_weight_only" for m in layers for _, name in m.plan)
 
