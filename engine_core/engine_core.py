@@ -26,7 +26,7 @@ from engine_core.structured.masks import StructuredOutputs
 from engine_core.types import EngineCoreOutputs, EngineCoreRequest, KVCacheEvents, SchedulerStats
 from kernels import select_backend
 from kernels.fused_ops import select_fused_ops
-from kernels.cpu_linear import fastest_float_dtype
+from kernels.float_dtype import fastest_float_dtype
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,9 @@ from engine_core.models.llama import LlamaForCausalLM
 from kernels import select_backend
 from kernels.cpu_linear import (
     FLOAT_KERNELS, INT8_KERNELS, KERNELS, W8A8_KERNELS, CpuLinear, allowed_kernels, choose_plan, dequantize_int8,
-    fastest_float_dtype, int_mm_is_exact, kernel_fits, quantize_int8, use_measured_linears,
+    int_mm_is_exact, kernel_fits, quantize_int8, use_measured_linears,
 )
+from kernels.float_dtype import fastest_float_dtype
 from kernels.int4_linear import dequantize_int4, quantize_int4
 from kernels.linear_timing import fastest
 from tests.engine_core.tiny_models import PagedBatch, run_step, write_tiny_model

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from kernels import cpu_linear, linear_plan_cache
+from kernels import cpu_linear, float_dtype, linear_plan_cache
 from kernels.cpu_linear import CpuLinear, use_measured_linears
 
 
@@ -83,7 +83,7 @@ def test_unreadable_cache_is_measured_over(monkeypatch):
 
 
 def test_dtype_auto_answer_is_kept():
-    first = cpu_linear.fastest_float_dtype(hidden=64, intermediate=96)
-    stored = linear_plan_cache.lookup(f"dtype 64x96 native_bf16={cpu_linear._native_bf16()}")
+    first = float_dtype.fastest_float_dtype(hidden=64, intermediate=96)
+    stored = linear_plan_cache.lookup(f"dtype 64x96 native_bf16={float_dtype._native_bf16()}")
     assert stored == str(first).removeprefix("torch.")
-    assert cpu_linear.fastest_float_dtype(hidden=64, intermediate=96) == first
+    assert float_dtype.fastest_float_dtype(hidden=64, intermediate=96) == first

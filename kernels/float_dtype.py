@@ -1,0 +1,69 @@
+"""dtype=auto on CPU: bfloat16 or float32, whichever multiplies the model's shapes faster here.
+
+The CPU's flags name the expected winner (AVX-512 BF16 or AMX: bf16), a short race between the
+two dtypes' fastest float kernels (kernels/cpu_linear.py) can overturn it, and the answer is kept
+per machine in kernels/linear_plan_cache.py like the linear plans.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kernels import linear_plan_cache, linear_timing
+from kernels.cpu_linear import _BUDGET_S, _MIN_CALLS, _TIMING_BYTES, FLOAT_KERNELS, KERNELS, kernel_fits
+from kernels.linear_timing import Timer, fastest_uncontended, one_thread, rotating
+from kernels.linear_timing import wall_timer as _wall_timer
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_MARGIN = 3.0  # dtype=auto leaves the CPU flags' choice only for a dtype this many times faster
+
+
+def _native_bf16() -> bool:
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def fastest_float_dtype(hidden: int = 576, intermediate: int = 1536, timer: Timer = _wall_timer,
+                        native_bf16: bool | None = None) -> torch.dtype:
+    """bfloat16 or float32, whichever multiplies an MLP-shaped weight faster here at 1 and 32 rows,
+    each dtype through its fastest float kernel (row-major F.linear is not always it: on an AMD
+    Zen 4 bf16 F.linear at 1 row is several times slower than the same weight prepacked for oneDNN).
+
+    bf16 halves the bytes read, but CPUs without bf16 dot products emulate it several times slower.
+    The CPU's flags (`native_bf16`, default: AVX-512 BF16 or AMX) name the expected winner, and the
+    measurement overturns it only by a clear margin (`_DTYPE_MARGIN`): on a shared machine one dtype
+    can miss every quiet moment of a short race (measured here: fp32 "4x faster" in one load, bf16
+    2x faster in the next). Candidates reach `timer` named "kernel/dtype".
+    """
+    if native_bf16 is None:
+        native_bf16 = _native_bf16()
+    cached = timer is linear_timing.wall_timer
+    entry = f"dtype {hidden}x{intermediate} native_bf16={native_bf16}"
+    stored = linear_plan_cache.lookup(entry) if cached else None
+    if stored in ("bfloat16", "float32"):
+        logger.info("dtype auto -> %s (measured on an earlier load)", stored)
+        return getattr(torch, stored)
+    count = max(1, _TIMING_BYTES // (hidden * intermediate * 4))
+    totals = {torch.bfloat16: 0.0, torch.float32: 0.0}
+    for dtype in totals:
+        name = str(dtype).removeprefix("torch.")
+        with one_thread():
+            weights = [torch.randn(intermediate, hidden, dtype=dtype) for _ in range(count)]
+            kernels = [k for k in FLOAT_KERNELS if kernel_fits(k, weights[0])]
+            states = {k: [KERNELS[k][0](w, None) for w in weights] for k in kernels}
+        for rows in (1, 32):
+            x = torch.randn(rows, hidden, dtype=dtype)
+            candidates = {f"{k}/{name}": rotating(KERNELS[k][1], states[k], x) for k in kernels}
+            timings, _ = fastest_uncontended(candidates, rows, timer, min_rounds=2 * _MIN_CALLS,
+                                             max_rounds=8 * _MIN_CALLS, budget_s=_BUDGET_S)
+            totals[dtype] += min(timings.values())
+    expected, other = (torch.bfloat16, torch.float32) if native_bf16 else (torch.float32, torch.bfloat16)
+    choice = other if totals[other] * _DTYPE_MARGIN < totals[expected] else expected
+    logger.info("dtype auto -> %s (CPU flags expect %s; best float kernel on one of %d weights, at 1 + 32 rows: "
+                "bf16 %.0f us, fp32 %.0f us)", str(choice).removeprefix("torch."),
+                str(expected).removeprefix("torch."), count, totals[torch.bfloat16] * 1e6, totals[torch.float32] * 1e6)
+    if cached:
+        linear_plan_cache.store(entry, str(choice).removeprefix("torch."))
+    return choice
