@@ -26,9 +26,8 @@ from torch import nn
 from kernels import cpu_extension, linear_plan_cache, linear_timing
 from kernels.int4_linear import GROUP_SIZE, dequantize_int4, int4_supported, prepare_int4, quantize_int4, run_int4
 from kernels.int8_linear import (  # noqa: F401 (quantize_int8 / dequantize_int8 re-exported)
-    dequantize_int8, int_mm_is_exact, prepare_int8_dynamic, prepare_int8_gemv, prepare_int8_weight_only,
-    int8_vnni_supported, prepare_int8_vnni, quantize_int8, run_int8_dynamic, run_int8_gemv, run_int8_vnni,
-    run_int8_weight_only,
+    dequantize_int8, int8_vnni_supported, int_mm_is_exact, prepare_int8_dynamic, prepare_int8_gemv, prepare_int8_vnni,
+    prepare_int8_weight_only, quantize_int8, run_int8_dynamic, run_int8_gemv, run_int8_vnni, run_int8_weight_only,
 )
 from kernels.linear_timing import Timer, fastest_uncontended, one_thread, rotating
 from kernels.linear_timing import wall_timer as _wall_timer  # a module global: tests swap the clock here

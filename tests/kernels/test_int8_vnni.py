@@ -11,7 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.int8_linear import int8_vnni_supported, prepare_int8_dynamic, prepare_int8_vnni, run_int8_dynamic, run_int8_vnni
+from kernels.int8_linear import (
+    int8_vnni_supported,
+    prepare_int8_dynamic,
+    prepare_int8_vnni,
+    run_int8_dynamic,
+    run_int8_vnni,
+)
 
 pytestmark = pytest.mark.skipif(not int8_vnni_supported(),
                                 reason="int8_vnni needs the C++ kernels built for a CPU with AVX512-VNNI")
