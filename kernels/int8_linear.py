@@ -140,15 +140,12 @@ def prepare_int8_vnni(w, b):
 
 def run_int8_vnni(state, x):
     """W8A8 as int8_dynamic computes it (per-token int8 activations, the same int32 sums and
-    rescale, the same bits), through Tandem's VNNI GEMM over the prepacked weight: faster than
-    torch._int_mm where oneDNN repacks the weight each call, at decode's batch sizes."""
+    rescale, the same bits) in one C++ op: quantize, VNNI GEMM over the prepacked weight, rescale.
+    Faster than torch._int_mm, which takes the weight as a plain matrix each call, at decode's
+    batch sizes; x must be in the weight's dtype."""
     packed, w_scale, offsets, b, out_f, dtype = state
-    rows = x.shape[0]
-    xq = torch.empty(x.shape, dtype=torch.int8)
-    x_scale = torch.empty(rows, dtype=torch.float32)
-    torch.ops.tandem.quantize_rows_int8(xq, x_scale, x if x.stride(-1) == 1 else x.contiguous())
-    y = torch.empty((rows, out_f), dtype=dtype)
-    torch.ops.tandem.int8_vnni_gemm(y, xq, x_scale, packed, w_scale, offsets, b)
+    y = torch.empty((x.shape[0], out_f), dtype=dtype)
+    torch.ops.tandem.int8_vnni_gemm(y, x if x.stride(-1) == 1 else x.contiguous(), packed, w_scale, offsets, b)
     return y
 
 

@@ -10,41 +10,10 @@
 // the torch ops around it). The arithmetic is the torch path's, in the same order: the same
 // bits, except that a bias add may fuse into the rescale's multiply (-ffp-contract=fast).
 
-#include "cpu_common.h"
+#include "int8_quantize.h"
 
 namespace tandem {
 namespace {
-
-template <typename V>
-inline V abs_lanes(V x) { return x < 0.0f ? -x : x; }
-
-// round half to even for |x| < 2^22 (the 1.5 * 2^23 trick), as torch.round and nearbyint do
-template <typename V>
-inline V round_even(V x) { return (x + 12582912.0f) - 12582912.0f; }
-
-template <typename T>
-void quantize_row(int8_t* q, float* scale, const T* x, int64_t n) {
-  f32x16 peak = {};
-  float tail = 0.0f;
-  for_lanes(n, [&](auto lanes, int64_t i) {
-    using V = decltype(lanes);
-    const V a = abs_lanes(load<V>(x + i));
-    if constexpr (is_vector<V>) peak = a > peak ? a : peak;
-    else tail = std::max(tail, a);
-  });
-  const float s = std::max(std::max(reduce_max(peak), tail) / 127.0f, 1e-12f);
-  *scale = s;
-  for_lanes(n, [&](auto lanes, int64_t i) {
-    using V = decltype(lanes);
-    const V r = round_even(load<V>(x + i) / s);  // |r| <= 127: no clamp needed
-    if constexpr (is_vector<V>) {
-      const i8x16 b = __builtin_convertvector(__builtin_convertvector(r, i32x16), i8x16);
-      std::memcpy(q + i, &b, sizeof b);
-    } else {
-      q[i] = int8_t(r);
-    }
-  });
-}
 
 // q[M, K] int8, scales[M] fp32 from x[M, K] fp32 / bf16
 void quantize_rows_int8(Tensor q, Tensor scales, Tensor x) {
