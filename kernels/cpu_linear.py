@@ -2,7 +2,8 @@
 
 CPUs differ (Intel with AMX, Intel without bf16, AMD with AVX512-BF16) and so does the fastest
 way to multiply by a weight: row-major `F.linear` (oneDNN/MKL), a column-major `mm`, weights
-prepacked once for oneDNN (kernels/onednn_linear.py), int8 weight-only (`torch._weight_int8pack_mm`,
+prepacked once for oneDNN (kernels/onednn_linear.py) or for Tandem's bf16 GEMM for decode batches
+(kernels/bf16_linear.py), int8 weight-only (`torch._weight_int8pack_mm`,
 memory-bound decode), the same int8 weights through Tandem's C++ GEMV for a few rows (`int8_gemv`,
 streaming the weight at close to memory speed), int8 dynamic W8A8 (per-token int8 activations x
 int8 weights through `torch._int_mm`, VNNI/AMX, compute-bound batches; or through Tandem's GEMM
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_extension, linear_plan_cache, linear_timing
+from kernels.bf16_linear import bf16_packed_supported, prepare_bf16_packed, run_bf16_packed
 from kernels.int4_linear import GROUP_SIZE, dequantize_int4, int4_supported, prepare_int4, quantize_int4, run_int4
 from kernels.int8_linear import (  # noqa: F401 (quantize_int8 / dequantize_int8 re-exported)
     dequantize_int8, int8_vnni_supported, int_mm_is_exact, prepare_int8_dynamic, prepare_int8_gemv, prepare_int8_vnni,
@@ -36,14 +38,14 @@ from kernels.onednn_linear import onednn_supported, prepare_onednn, run_onednn
 logger = logging.getLogger(__name__)
 
 BUCKETS = (1, 8, 32, 128)  # rows timed at load; a call takes the smallest bucket >= its rows, else the last
-FLOAT_KERNELS = ("linear", "linear_colmajor", "linear_onednn")
+FLOAT_KERNELS = ("linear", "linear_colmajor", "linear_onednn", "linear_bf16_packed")
 INT8_KERNELS = ("int8_weight_only", "int8_dynamic", "int8_gemv", "int8_vnni")
 W8A8_KERNELS = ("int8_dynamic", "int8_vnni")  # activations rounded to int8 too (the same arithmetic)
 # Kernels built for small batches, never timed above this many rows: the last bucket's kernel also
 # serves every larger batch (prefill chunks of thousands of rows), which its timing cannot see.
 # int8_vnni keeps one 8-row register tile per weight pass: 1.2-1.5x oneDNN's int8 GEMM at 32
-# rows on a Zen 4, 0.66-0.87x at 2048.
-MAX_ROWS = {"int8_vnni": 32}
+# rows on a Zen 4, 0.66-0.87x at 2048; linear_bf16_packed, the same tiles in bf16, 1.0-1.2x oneDNN at 32.
+MAX_ROWS = {"int8_vnni": 32, "linear_bf16_packed": 32}
 QUANTIZATIONS = ("auto", "int8", "int4", "none")
 _TIMING_BYTES = 64 * 2**20  # weights timed in turn: enough to leave the caches, as a real step does
 _MIN_CALLS = 8  # timed calls per kernel and bucket at least (more while under _BUDGET_S)
@@ -80,6 +82,7 @@ KERNELS = {
     "int8_gemv": (prepare_int8_gemv, run_int8_gemv),
     "int8_vnni": (prepare_int8_vnni, run_int8_vnni),
     "linear_onednn": (prepare_onednn, run_onednn),
+    "linear_bf16_packed": (prepare_bf16_packed, run_bf16_packed),
     "int4": (prepare_int4, run_int4),
 }
 
@@ -87,7 +90,8 @@ KERNELS = {
 def kernel_fits(kernel: str, weight: torch.Tensor) -> bool:
     """Whether `kernel` can hold this weight: torch packs int4 only for some shapes, oneDNN only
     the float types this build and CPU support, W8A8 needs an int8 GEMM that does not saturate, the
-    int8 GEMV Tandem's C++ kernels and int8_vnni those kernels built for AVX512-VNNI."""
+    int8 GEMV Tandem's C++ kernels and int8_vnni (linear_bf16_packed) those kernels built for
+    AVX512-VNNI (AVX512-BF16, bf16 weights)."""
     if kernel == "int4":
         return int4_supported(*weight.shape)
     if kernel == "linear_onednn":
@@ -96,6 +100,8 @@ def kernel_fits(kernel: str, weight: torch.Tensor) -> bool:
         return int_mm_is_exact()
     if kernel == "int8_gemv":
         return weight.dtype in (torch.float32, torch.bfloat16) and cpu_extension.load()
+    if kernel == "linear_bf16_packed":
+        return weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and bf16_packed_supported()
     if kernel == "int8_vnni":
         return weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[1] % 4 == 0 and int8_vnni_supported()
     return True
