@@ -7,27 +7,7 @@
 
 #include "packed_tiles.h"
 
-#if defined(__AVX512BF16__)
-#define TANDEM_HAS_BF16_DOT 1
-#else
-#define TANDEM_HAS_BF16_DOT 0
-#endif
-
 namespace tandem {
-namespace {
-
-#if TANDEM_HAS_BF16_DOT
-struct Bf16Dot {  // fp32 lanes += 2 bf16 x bf16 products each
-  using Acc = __m512;
-  static Acc zero() { return _mm512_setzero_ps(); }
-  static Acc dot(Acc acc, __m512i a, __m512i w) {
-    asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(w));
-    return acc;
-  }
-};
-#endif
-
-}  // namespace
 
 // Whether this build has the kernel (the compiler targeted AVX512-BF16).
 bool bf16_packed_available() { return TANDEM_HAS_BF16_DOT; }
@@ -55,7 +35,7 @@ void bf16_packed_gemm(Tensor out, Tensor x, Tensor packed, Tensor bias) {
   const float* b = has_bias ? ptr<float>(bias) : nullptr;
   bf16* dst = ptr<bf16>(out);
   const int64_t out_stride = out.stride(0);
-  auto epilogue = [&](const packed::Tile<Bf16Dot>& acc, int64_t r0, int64_t tile_rows, int64_t first, int64_t count) {
+  auto epilogue = [&](const packed::Tile<packed::Bf16Dot>& acc, int64_t r0, int64_t tile_rows, int64_t first, int64_t count) {
     for (int64_t c = 0; c < count; ++c) {
       const int64_t col = (first + c) * kCols, valid = std::min<int64_t>(kCols, n - col);
       f32x16 col_bias = {};
@@ -64,7 +44,7 @@ void bf16_packed_gemm(Tensor out, Tensor x, Tensor packed, Tensor bias) {
         packed::store_columns(dst + (r0 + r) * out_stride + col, bit_cast<f32x16>(acc[r][c]) + col_bias, valid);
     }
   };
-  packed::gemm<Bf16Dot>(rows, blocks, k_len / 2, ptr<uint8_t>(x), x.stride(0) * 2, ptr<uint8_t>(packed), epilogue);
+  packed::gemm<packed::Bf16Dot>(rows, blocks, k_len / 2, ptr<uint8_t>(x), x.stride(0) * 2, ptr<uint8_t>(packed), epilogue);
 #endif
 }
 

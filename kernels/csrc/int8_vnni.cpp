@@ -20,27 +20,7 @@
 
 #include <vector>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define TANDEM_HAS_VNNI 1
-#else
-#define TANDEM_HAS_VNNI 0
-#endif
-
 namespace tandem {
-namespace {
-
-#if TANDEM_HAS_VNNI
-struct Int8Dot {  // int32 lanes += 4 u8 x s8 products each
-  using Acc = __m512i;
-  static Acc zero() { return _mm512_setzero_si512(); }
-  static Acc dot(Acc acc, __m512i a, __m512i w) {
-    asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(w));
-    return acc;
-  }
-};
-#endif
-
-}  // namespace
 
 // Whether this build has the kernel (the compiler targeted AVX512-VNNI).
 bool int8_vnni_available() { return TANDEM_HAS_VNNI; }
@@ -88,7 +68,7 @@ void int8_vnni_gemm(Tensor out, Tensor x, Tensor packed, Tensor w_scale, Tensor 
   dispatch_float_bf16(out, [&](auto tag) {
     using T = decltype(tag);
     T* dst = ptr<T>(out);
-    auto epilogue = [&](const packed::Tile<Int8Dot>& acc, int64_t r0, int64_t tile_rows, int64_t first, int64_t count) {
+    auto epilogue = [&](const packed::Tile<packed::Int8Dot>& acc, int64_t r0, int64_t tile_rows, int64_t first, int64_t count) {
       for (int64_t c = 0; c < count; ++c) {
         const int64_t col = (first + c) * kCols, valid = std::min<int64_t>(kCols, n - col);
         i32x16 offset;
@@ -104,7 +84,7 @@ void int8_vnni_gemm(Tensor out, Tensor x, Tensor packed, Tensor w_scale, Tensor 
         }
       }
     };
-    packed::gemm<Int8Dot>(rows, blocks, k_len / 4, xu.data(), k_len, ptr<uint8_t>(packed), epilogue);
+    packed::gemm<packed::Int8Dot>(rows, blocks, k_len / 4, xu.data(), k_len, ptr<uint8_t>(packed), epilogue);
   });
 #endif
 }
