@@ -65,15 +65,21 @@ struct Bf16Dot {  // fp32 lanes += 2 bf16 x bf16 products each
 #endif
 
 // acc[r][c] = the dot products of x's rows r (row_bytes apart) with block c (block_bytes apart)
-// over `steps` 4-byte groups of k, for R rows and C blocks
+// over `steps` 4-byte groups of k, for R rows and C blocks. `next`: the weight of the tile that
+// comes after this one's group (or null), prefetched line by line as this one streams: weights
+// come from memory once per step, and the hardware prefetchers alone leave the first row tile
+// of each group waiting on it.
 template <class Dot, int R, int C>
-void tile_sums(const uint8_t* x, int64_t row_bytes, const uint8_t* w, int64_t block_bytes, int64_t steps, Tile<Dot>& acc) {
+void tile_sums(const uint8_t* x, int64_t row_bytes, const uint8_t* w, int64_t block_bytes, int64_t steps,
+               const uint8_t* next, Tile<Dot>& acc) {
   typename Dot::Acc sums[R][C];  // locals, so they stay in registers (`acc` may alias the inputs)
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) sums[r][c] = Dot::zero();
   for (int64_t s = 0; s < steps; ++s) {
     __m512i wv[C];
     for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + c * block_bytes + s * 64);
+    if (next != nullptr)
+      for (int c = 0; c < kTileBlocks; ++c) __builtin_prefetch(next + c * block_bytes + s * 64, 0, 2);
     for (int r = 0; r < R; ++r) {
       int32_t four;
       std::memcpy(&four, x + r * row_bytes + s * 4, sizeof four);
@@ -87,12 +93,12 @@ void tile_sums(const uint8_t* x, int64_t row_bytes, const uint8_t* w, int64_t bl
 
 template <class Dot, int C>
 void tile_rows(int64_t rows, const uint8_t* x, int64_t row_bytes, const uint8_t* w, int64_t block_bytes, int64_t steps,
-               Tile<Dot>& acc) {  // R as a template argument, chosen at run time
-  using Fn = void (*)(const uint8_t*, int64_t, const uint8_t*, int64_t, int64_t, Tile<Dot>&);
+               const uint8_t* next, Tile<Dot>& acc) {  // R as a template argument, chosen at run time
+  using Fn = void (*)(const uint8_t*, int64_t, const uint8_t*, int64_t, int64_t, const uint8_t*, Tile<Dot>&);
   static constexpr Fn table[kTileRows] = {tile_sums<Dot, 1, C>, tile_sums<Dot, 2, C>, tile_sums<Dot, 3, C>,
                                           tile_sums<Dot, 4, C>, tile_sums<Dot, 5, C>, tile_sums<Dot, 6, C>,
                                           tile_sums<Dot, 7, C>, tile_sums<Dot, 8, C>};
-  table[rows - 1](x, row_bytes, w, block_bytes, steps, acc);
+  table[rows - 1](x, row_bytes, w, block_bytes, steps, next, acc);
 }
 
 // The whole product: `rows` rows of x (row_bytes apart), `blocks` packed blocks of `steps` k groups
@@ -113,13 +119,18 @@ void gemm(int64_t rows, int64_t blocks, int64_t steps, const uint8_t* x, int64_t
       const int64_t first = (unit % groups) * kTileBlocks, count = std::min<int64_t>(kTileBlocks, blocks - first);
       const int64_t row_end = std::min(rows, (unit / groups + 1) * kRowBlock);
       const uint8_t* wg = w + first * block_bytes;
+      // the next unit's group, fetched during this unit's first row tile (its other tiles find
+      // this group in L1/L2); the last group has fewer blocks than kTileBlocks: not prefetched
+      const bool prefetch = unit + 1 < end && (unit + 1) % groups != 0 && (unit + 1) % groups + 1 < groups;
+      const uint8_t* next_group = w + ((unit + 1) % groups) * kTileBlocks * block_bytes;
       for (int64_t r0 = (unit / groups) * kRowBlock; r0 < row_end; r0 += kTileRows) {
         const int64_t tile = std::min<int64_t>(kTileRows, row_end - r0);
         const uint8_t* xr = x + r0 * row_bytes;
+        const uint8_t* next = prefetch && r0 == (unit / groups) * kRowBlock ? next_group : nullptr;
         switch (count) {
-          case 1: tile_rows<Dot, 1>(tile, xr, row_bytes, wg, block_bytes, steps, acc); break;
-          case 2: tile_rows<Dot, 2>(tile, xr, row_bytes, wg, block_bytes, steps, acc); break;
-          default: tile_rows<Dot, 3>(tile, xr, row_bytes, wg, block_bytes, steps, acc);
+          case 1: tile_rows<Dot, 1>(tile, xr, row_bytes, wg, block_bytes, steps, next, acc); break;
+          case 2: tile_rows<Dot, 2>(tile, xr, row_bytes, wg, block_bytes, steps, next, acc); break;
+          default: tile_rows<Dot, 3>(tile, xr, row_bytes, wg, block_bytes, steps, next, acc);
         }
         epilogue(acc, r0, tile, first, count);
       }
