@@ -10,11 +10,9 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from kernels import cpu_extension
-
-COLUMNS = 16  # output columns per packed block
+from kernels.packed_weights import pack_columns
 
 
 @functools.cache
@@ -27,11 +25,8 @@ def prepare_bf16_packed(w, b):
     """The weight as [ceil(N/16), K/2, 16, 2] bf16: 2 consecutive k of 16 output columns per 64 bytes."""
     if not bf16_packed_supported():
         raise RuntimeError("bf16_packed needs Tandem's C++ kernels built for a CPU with AVX512-BF16")
-    out_f, in_f = w.shape
-    padded = -(-out_f // COLUMNS) * COLUMNS
-    q = F.pad(w.detach().to(torch.bfloat16), (0, 0, 0, padded - out_f))
-    packed = q.reshape(padded // COLUMNS, COLUMNS, in_f // 2, 2).transpose(1, 2).contiguous()
-    return packed, torch.empty(0) if b is None else b.detach().float().contiguous(), out_f
+    packed = pack_columns(w.detach().to(torch.bfloat16), 2)
+    return packed, torch.empty(0) if b is None else b.detach().float().contiguous(), w.shape[0]
 
 
 def run_bf16_packed(state, x):

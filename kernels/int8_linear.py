@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_extension
+from kernels.packed_weights import pack_columns, padded_columns
 
 _NO_BIAS = torch.empty(0)  # the C++ rescale's "no bias"
 
@@ -62,19 +63,12 @@ def run_int8_weight_only(state, x):
     return y if b is None else y + b
 
 
-GEMV_COLUMNS = 16  # output columns per packed block of int8_gemv (kernels/csrc/int8_gemv.cpp)
-
-
 def prepare_int8_gemv(w, b):
     """The int8 weight as int8_gemv reads it: blocks of 16 output columns, [ceil(N/16), K, 16]."""
     if not cpu_extension.load():
         raise RuntimeError("int8_gemv needs Tandem's C++ CPU kernels (see kernels/cpu_extension.py)")
     q, scale = quantize_int8(w)
-    out_f, in_f = q.shape
-    padded = -(-out_f // GEMV_COLUMNS) * GEMV_COLUMNS
-    q = F.pad(q, (0, 0, 0, padded - out_f))  # zero columns up to a whole block
-    packed = q.reshape(padded // GEMV_COLUMNS, GEMV_COLUMNS, in_f).transpose(1, 2).contiguous()
-    return packed, scale, b, out_f
+    return pack_columns(q, 1).squeeze(-1), scale, b, q.shape[0]
 
 
 def run_int8_gemv(state, x):
@@ -115,9 +109,6 @@ def run_int8_dynamic(state, x):
     return y
 
 
-VNNI_COLUMNS = 16  # output columns per packed block of int8_vnni_gemm (kernels/csrc/int8_vnni.cpp)
-
-
 @functools.cache
 def int8_vnni_supported() -> bool:
     """Whether Tandem's C++ kernels are built with the AVX512-VNNI W8A8 GEMM (int8_vnni_gemm)."""
@@ -130,12 +121,9 @@ def prepare_int8_vnni(w, b):
     if not int8_vnni_supported():
         raise RuntimeError("int8_vnni needs Tandem's C++ kernels built for a CPU with AVX512-VNNI")
     q, scale = quantize_int8(w)
-    out_f, in_f = q.shape
-    padded = -(-out_f // VNNI_COLUMNS) * VNNI_COLUMNS
-    q = F.pad(q, (0, 0, 0, padded - out_f))
-    offsets = (q.sum(dim=1, dtype=torch.int32) * 128).contiguous()
-    packed = q.reshape(padded // VNNI_COLUMNS, VNNI_COLUMNS, in_f // 4, 4).transpose(1, 2).contiguous()
-    return packed, scale, offsets, _NO_BIAS if b is None else b.float().contiguous(), out_f, w.dtype
+    out_f = q.shape[0]
+    offsets = F.pad(q.sum(dim=1, dtype=torch.int32) * 128, (0, padded_columns(out_f) - out_f))
+    return pack_columns(q, 4), scale, offsets, _NO_BIAS if b is None else b.float().contiguous(), out_f, w.dtype
 
 
 def run_int8_vnni(state, x):
