@@ -136,6 +136,9 @@ class LocalStack:
     engine_port: int = 50061
     engine_args: list[str] = field(default_factory=list)  # extra flags for tandem-engine
     frontend_args: list[str] = field(default_factory=list)  # extra flags for tandem-frontend
+    # The frontend shares the engine's cores here: at idle (SCHED_IDLE) its per-token wake-ups run on cores
+    # the engine's OpenMP team leaves free instead of stalling the team (services/cpu_priority.py)
+    frontend_cpu_priority: str = "idle"
     startup_timeout: float = 180.0
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     say: Callable[[str], None] = _say  # restarts are reported through this
@@ -160,7 +163,8 @@ class LocalStack:
                                "--port", str(self.engine_port), *self.engine_args)
             wait_until_serving(self.engine_address, self.startup_timeout, engine.spawn())
             frontend = self._add("frontend", "services.frontend", "--engine", self.engine_address,
-                                 "--host", self.host, "--port", str(self.frontend_port), *self.frontend_args)
+                                 "--host", self.host, "--port", str(self.frontend_port),
+                                 "--cpu-priority", self.frontend_cpu_priority, *self.frontend_args)
             wait_until_serving(self.frontend_address, self.startup_timeout, frontend.spawn())
         except BaseException:
             self.stop()

@@ -34,6 +34,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--streams", type=int, nargs="+", default=[16, 64, 256], help="concurrent streams")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per stream")
     parser.add_argument("--tokens-per-step", type=int, default=1, help="tokens per request per fake-engine step")
+    parser.add_argument("--step-ms", type=float, default=0.0,
+                        help="the fake engine's pause after each step (default: none; ~10 paces it like a real decode step)")
     parser.add_argument("--output", default="bench_results/frontend.json")
     return parser.parse_args()
 
@@ -93,7 +95,8 @@ def main() -> None:
     engine_port, frontend_port = free_port(), free_port()
     engine = subprocess.Popen([sys.executable, "-m", "tests.frontend.fake_engine", "--port", str(engine_port),
                                "--model-path", smollm2_gguf(), "--max-model-len", str(args.tokens + 64),
-                               "--tokens-per-step", str(args.tokens_per_step)], stdout=subprocess.DEVNULL)
+                               "--tokens-per-step", str(args.tokens_per_step),
+                               "--step-ms", str(args.step_ms)], stdout=subprocess.DEVNULL)
     frontend = None
     rows = []
     try:

@@ -9,11 +9,18 @@ LLMEngine's, each transport round wrapping it in a fresh busy loop); the gRPC st
   transport    the frontend core (AsyncLLM) over InProcessEngineClient, the engine stepping on the main
                thread (run_beside_engine): the gRPC path less its two gRPC hops and two processes
   grpc         `tandem serve`'s two processes (engine + frontend) over loopback, the public API
+
+The load generator (this process) stands in for clients on other machines: while it drives the gRPC
+stack its threads run at SCHED_IDLE (`idle_client`), taking only CPU the server leaves free, as the
+frontend under `tandem serve` does. (llama-server's client stays at normal priority, which it does
+as well or better with: bench_peers.py.) The transport side's client runs on its frontend's thread,
+idle as well (run_beside_engine).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import statistics
 import time
@@ -27,6 +34,7 @@ from clients.bench.metrics import RequestRecord, summarize
 from clients.bench.prompts import BenchPrompt
 from clients.local_stack import LocalStack, free_port
 from scripts.bench_peers import cpu_seconds
+from services.cpu_priority import set_cpu_priority
 
 STEP_METRIC = "tandem:engine_step_duration_seconds"
 WARM_UP = [BenchPrompt(None, (1, 2, 3, 4), 8)]
@@ -86,6 +94,18 @@ class TimedSteps:
 
     def round(self, records, wall_s: float, streams: int) -> Round:
         return Round(records, wall_s, sum(s for s, _ in self.steps), len(self.steps), self.decode_steps(streams))
+
+
+@contextlib.contextmanager
+def idle_client():
+    """This process's threads (the load generator) at SCHED_IDLE while it drives the gRPC stack: it stands
+    in for clients on other machines, so it takes only the CPU the server leaves free instead of
+    stalling the engine's OpenMP team (services/cpu_priority.py)."""
+    set_cpu_priority("idle")
+    try:
+        yield
+    finally:
+        set_cpu_priority("normal")
 
 
 # ---- in-process: LLMEngine on the main thread ------------------------------------------------------
@@ -172,7 +192,8 @@ class GrpcSide:
 
     def round(self, prompts: list[BenchPrompt], streams: int) -> Round:
         before, cpu_before = self._step_metric(), cpu_seconds(self.stack.pids)
-        records, wall = asyncio.run(self._closed_loop(prompts, streams))
+        with idle_client():
+            records, wall = asyncio.run(self._closed_loop(prompts, streams))
         after, cpu_after = self._step_metric(), cpu_seconds(self.stack.pids)
         cpu = {name: cpu_after[i] - cpu_before[i] for i, name in enumerate(PROCESSES)}
         return Round(records, wall, after[0] - before[0], int(after[1] - before[1]), cpu_s=cpu)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine_core.openmp_env import limit_openmp_spinning
+from services.cpu_priority import CPU_PRIORITIES
 from services.engine.outbox import DEFAULT_MAX_PENDING_OUTPUTS
 from services.security import flags as security_flags
 from services.security.transport import ENGINE_LINK_MAX_MESSAGE_BYTES
@@ -54,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--max-pending-outputs", type=int, default=DEFAULT_MAX_PENDING_OUTPUTS,
                         help="output messages buffered per connection for a client that does not read; "
                              "beyond that the connection ends with RESOURCE_EXHAUSTED and its requests are aborted")
+    server.add_argument("--io-cpu-priority", default="idle", choices=CPU_PRIORITIES,
+                        help="CPU priority of the gRPC I/O threads beside the stepping main thread: idle "
+                             "(SCHED_IDLE) runs them only on a core the engine's OpenMP team leaves free, "
+                             "so their wake-ups do not stall its step; low: nice 19")
     server.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="logging level")
     security_flags.add_server_flags(p, max_message_bytes=ENGINE_LINK_MAX_MESSAGE_BYTES)
@@ -157,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tandem-engine listening on {args.host}:{port}", flush=True)
 
         try:
-            serve_on_main_thread(server, args.grace, announce)  # the engine steps on this, the main thread
+            serve_on_main_thread(server, args.grace, announce, io_cpu_priority=args.io_cpu_priority)  # the engine steps on this, the main thread
         except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
             raise ValueError(f"cannot listen on {args.host}:{args.port}: {exc}") from None
     except (ValueError, FileNotFoundError, NotADirectoryError) as exc:

@@ -5,7 +5,9 @@ these CPUs (ATen's parallel elementwise ops; measured in shared/ANCHORS.md and b
 scripts/bench_engine.py), so the busy loop must step where torch runs at full speed. As vLLM's
 EngineCoreProc does, the busy loop owns the process's main thread and the I/O (here the
 grpc.aio server, its health watchdog and the /metrics server) runs on a background thread
-with its own asyncio event loop. Both `tandem-engine` and `tandem serve` (which starts
+with its own asyncio event loop, at a CPU priority of its own (`io_cpu_priority`, SCHED_IDLE by
+default: services/cpu_priority.py), so its wake-ups for each step's outputs do not preempt the
+OpenMP team the step runs on. Both `tandem-engine` and `tandem serve` (which starts
 `tandem-engine` processes) run through `serve_on_main_thread`; the in-process transport
 (InProcessEngineClient) and `make bench` run through `run_beside_engine`, the same split.
 
@@ -24,6 +26,7 @@ import signal
 import threading
 from typing import Awaitable, Callable, TypeVar
 
+from services.cpu_priority import set_cpu_priority
 from services.engine.server import EngineServer
 
 logger = logging.getLogger(__name__)
@@ -35,7 +38,8 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class _IoThread:
     """Runs the server's gRPC side on an asyncio loop in a thread of its own until `request_stop()`."""
 
-    def __init__(self, server: EngineServer, grace: float) -> None:
+    def __init__(self, server: EngineServer, grace: float, cpu_priority: str) -> None:
+        self.cpu_priority = cpu_priority
         self.thread = threading.Thread(target=self._run, name="engine-grpc-io", daemon=True)
         self.server = server
         self.grace = grace
@@ -54,6 +58,7 @@ class _IoThread:
         self.thread.join()
 
     def _run(self) -> None:
+        set_cpu_priority(self.cpu_priority, whole_process=False)  # gRPC's threads, started from here, inherit it
         asyncio.run(self._serve())
 
     async def _serve(self) -> None:
@@ -88,15 +93,17 @@ class _IoThread:
                 self._loop.call_soon_threadsafe(self._stop.set)
 
 
-def serve_on_main_thread(server: EngineServer, grace: float, on_listening: Callable[[int], None]) -> None:
+def serve_on_main_thread(server: EngineServer, grace: float, on_listening: Callable[[int], None],
+                         io_cpu_priority: str = "idle") -> None:
     """Serve until SIGTERM / SIGINT, stepping the engine on this thread (which must be the main one).
 
-    `on_listening(port)` is called once the gRPC server listens. Raises what made starting fail
-    (e.g. the address is taken). Returns after a graceful drain.
+    `on_listening(port)` is called once the gRPC server listens; the I/O thread runs at
+    `io_cpu_priority` (services/cpu_priority.py). Raises what made starting fail (e.g. the
+    address is taken). Returns after a graceful drain.
     """
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("serve_on_main_thread must run on the main thread: the engine steps there")
-    io = _IoThread(server, grace)
+    io = _IoThread(server, grace, io_cpu_priority)
     previous = {signum: signal.signal(signum, lambda *_: io.request_stop()) for signum in _STOP_SIGNALS}
     try:
         io.start()
@@ -110,18 +117,20 @@ def serve_on_main_thread(server: EngineServer, grace: float, on_listening: Calla
             signal.signal(signum, handler)
 
 
-def run_beside_engine(busy_loop, main: Callable[[], Awaitable[T]]) -> T:
+def run_beside_engine(busy_loop, main: Callable[[], Awaitable[T]], io_cpu_priority: str = "idle") -> T:
     """Run `main()` on an asyncio loop in a background thread while this (the main) thread steps the engine.
 
     The in-process transport's counterpart of `serve_on_main_thread`: a frontend (AsyncLLM over
     InProcessEngineClient) and whatever drives it run on the background loop, the busy loop runs here
-    until `main()` returns (or raises), then stops. Returns what `main()` returned; re-raises what it raised.
+    until `main()` returns (or raises), then stops. The background thread runs at `io_cpu_priority`, as
+    `serve_on_main_thread`'s does. Returns what `main()` returned; re-raises what it raised.
     """
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("run_beside_engine must run on the main thread: the engine steps there")
     outcome: dict[str, object] = {}
 
     def io() -> None:
+        set_cpu_priority(io_cpu_priority, whole_process=False)
         try:
             outcome["value"] = asyncio.run(main())
         except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread below

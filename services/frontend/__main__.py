@@ -11,6 +11,7 @@ import asyncio
 import logging
 import signal
 
+from services.cpu_priority import CPU_PRIORITIES, set_cpu_priority
 from services.frontend.async_llm import DEFAULT_MAX_WAITING_REQUESTS, AsyncLLM
 from services.frontend.engine_client import GrpcEngineClient
 from services.frontend.engine_discovery import DEFAULT_RESOLVE_INTERVAL_S, parse_engine_targets
@@ -63,6 +64,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "the request is aborted with RESOURCE_EXHAUSTED (default: %(default)s)")
     parser.add_argument("--grace", type=float, default=10.0,
                         help="seconds in-flight streams get to finish on shutdown (default: %(default)s)")
+    parser.add_argument("--cpu-priority", default="normal", choices=CPU_PRIORITIES,
+                        help="this process's CPU priority; idle (Linux SCHED_IDLE) when it shares cores with a CPU "
+                             "engine, as under `tandem serve`: it then runs only on a core the engine's OpenMP "
+                             "team leaves free, and its wake-ups for every token do not stall the engine's step; "
+                             "low: nice 19 (default: %(default)s)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="log level (default: %(default)s)")
     telemetry_flags.add_telemetry_arguments(parser)
@@ -148,6 +154,7 @@ async def _model_path_from_engine(client: GrpcEngineClient, stop: asyncio.Event,
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging(args.log_level, args.log_format)
+    set_cpu_priority(args.cpu_priority)  # before gRPC starts its threads: they inherit it
     try:
         asyncio.run(serve(args))
     except ValueError as exc:  # a metrics port that cannot be bound, an unknown OTLP protocol

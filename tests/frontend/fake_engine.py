@@ -154,12 +154,15 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048, help="context length to report")
     parser.add_argument("--model-path", default="", help="model path to report (the frontend loads its tokenizer)")
     parser.add_argument("--tokens-per-step", type=int, default=1, help="tokens per request per step")
+    parser.add_argument("--step-ms", type=float, default=0.0,
+                        help="pause after each step, like a real engine's step time (default: none, as fast as it can)")
     args = parser.parse_args()
 
     async def run() -> None:
         server, port, _ = await start_fake_engine(
             f"{args.host}:{args.port}", vocab_size=args.vocab_size, max_model_len=args.max_model_len,
-            model_path=args.model_path, tokens_per_step=args.tokens_per_step)
+            model_path=args.model_path, tokens_per_step=args.tokens_per_step,
+            step_delay_s=args.step_ms / 1000)
         print(f"fake engine listening on {args.host}:{port}", flush=True)
         await server.wait_for_termination()
 

@@ -8,6 +8,7 @@ utility calls go through the same AsyncLLM code as over gRPC, and every request 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import pytest
@@ -166,13 +167,15 @@ def test_run_beside_engine_steps_on_the_main_thread(engine_config, tokenizer):
         await client.start()
         llm = AsyncLLM(client, tokenizer)
         try:
-            return (await token_ids(llm, TokensPrompt(PROMPTS[0]), SamplingParams(max_tokens=6, **GREEDY)))[0]
+            tokens = (await token_ids(llm, TokensPrompt(PROMPTS[0]), SamplingParams(max_tokens=6, **GREEDY)))[0]
+            return tokens, os.sched_getscheduler(0)
         finally:
             await llm.shutdown()
             await client.close()
 
-    tokens = run_beside_engine(busy_loop, main)
+    tokens, io_policy = run_beside_engine(busy_loop, main)
     assert len(tokens) == 6
+    assert io_policy == os.SCHED_IDLE  # the frontend side yields the cores to the step, as in tandem-engine
     assert step_threads and all(t is threading.main_thread() for t in step_threads)
     assert not busy_loop.alive  # stopped once main() returned
 

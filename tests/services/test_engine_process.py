@@ -14,6 +14,7 @@ import threading
 import grpc
 import pytest
 
+from services.cpu_priority import set_cpu_priority
 from services.engine.process import serve_on_main_thread
 from services.engine.server import EngineServer
 from tests.services.conftest import WAIT_S, Stream
@@ -40,6 +41,8 @@ def test_tandem_engine_steps_on_the_main_thread_and_stops_on_sigterm(engine_conf
                 stream.add("r", [7, 8, 9], temperature=0.0, max_tokens=4, ignore_eos=True)
                 served["tokens"] = stream.wait_finished("r")["r"]
                 served["io_threads"] = {t.name for t in threading.enumerate()}
+                served["policies"] = {t.name: os.sched_getscheduler(t.native_id) for t in threading.enumerate()
+                                      if t.name in ("engine-grpc-io", "MainThread")}
                 stream.close()
         except Exception as exc:  # noqa: BLE001 - reported by the assertions below
             served["error"] = exc
@@ -53,14 +56,19 @@ def test_tandem_engine_steps_on_the_main_thread_and_stops_on_sigterm(engine_conf
         drivers.append(threading.Thread(target=client, args=(port,), name="test-client", daemon=True))
         drivers[0].start()
 
-    serve_on_main_thread(server, grace=1.0, on_listening=start_client)  # returns after SIGTERM's drain
-    drivers[0].join(WAIT_S)
+    try:
+        serve_on_main_thread(server, grace=1.0, on_listening=start_client)  # returns after SIGTERM's drain
+        drivers[0].join(WAIT_S)
+    finally:
+        set_cpu_priority("normal")  # gRPC threads started from the I/O thread are idle: not for later tests
 
     assert "error" not in served, served.get("error")
     assert len(served["tokens"]) == 4
     assert step_threads and all(t is threading.main_thread() for t in step_threads)
     assert server.busy_loop.thread is threading.main_thread()
     assert "engine-grpc-io" in served["io_threads"] and "engine-busy-loop" not in served["io_threads"]
+    # the I/O thread yields the cores to the step's OpenMP team (services/cpu_priority.py)
+    assert served["policies"] == {"engine-grpc-io": os.SCHED_IDLE, "MainThread": os.SCHED_OTHER}
     assert not server.busy_loop.alive  # drained and stopped; the handler we replaced is back
     assert signal.getsignal(signal.SIGTERM) is previous
 
