@@ -13,8 +13,8 @@ LLMEngine's, each transport round wrapping it in a fresh busy loop); the gRPC st
 The load generator (this process) stands in for clients on other machines: while it drives the gRPC
 stack its threads run at SCHED_IDLE (`idle_client`), taking only CPU the server leaves free, as the
 frontend under `tandem serve` does. (llama-server's client stays at normal priority, which it does
-as well or better with: bench_peers.py.) The transport side's client runs on its frontend's thread,
-idle as well (run_beside_engine).
+as well or better with: bench_peers.py.) The transport side's frontend and client share one
+thread beside the engine (run_beside_engine), run at idle as well.
 """
 
 from __future__ import annotations
@@ -154,8 +154,8 @@ def transport_round(engine, model: str, tokenizer_path: str, prompts: list[Bench
         finally:
             await backend.close()
 
-    with timed:
-        records, wall = run_beside_engine(busy_loop, main)
+    with timed:  # the frontend and the client at idle, as the gRPC side's are
+        records, wall = run_beside_engine(busy_loop, main, io_cpu_priority="idle")
     return timed.round(records, wall, streams)
 
 

@@ -5,9 +5,9 @@ these CPUs (ATen's parallel elementwise ops; measured in shared/ANCHORS.md and b
 scripts/bench_engine.py), so the busy loop must step where torch runs at full speed. As vLLM's
 EngineCoreProc does, the busy loop owns the process's main thread and the I/O (here the
 grpc.aio server, its health watchdog and the /metrics server) runs on a background thread
-with its own asyncio event loop, at a CPU priority of its own (`io_cpu_priority`, SCHED_IDLE by
-default: services/cpu_priority.py), so its wake-ups for each step's outputs do not preempt the
-OpenMP team the step runs on. Both `tandem-engine` and `tandem serve` (which starts
+with its own asyncio event loop, at a CPU priority of its own (`io_cpu_priority`,
+services/cpu_priority.py: at idle its wake-ups for each step's outputs no longer preempt the step's
+OpenMP team, but each output waits for a free core, about one decode step; normal by default). Both `tandem-engine` and `tandem serve` (which starts
 `tandem-engine` processes) run through `serve_on_main_thread`; the in-process transport
 (InProcessEngineClient) and `make bench` run through `run_beside_engine`, the same split.
 
@@ -94,7 +94,7 @@ class _IoThread:
 
 
 def serve_on_main_thread(server: EngineServer, grace: float, on_listening: Callable[[int], None],
-                         io_cpu_priority: str = "idle") -> None:
+                         io_cpu_priority: str = "normal") -> None:
     """Serve until SIGTERM / SIGINT, stepping the engine on this thread (which must be the main one).
 
     `on_listening(port)` is called once the gRPC server listens; the I/O thread runs at
@@ -117,7 +117,7 @@ def serve_on_main_thread(server: EngineServer, grace: float, on_listening: Calla
             signal.signal(signum, handler)
 
 
-def run_beside_engine(busy_loop, main: Callable[[], Awaitable[T]], io_cpu_priority: str = "idle") -> T:
+def run_beside_engine(busy_loop, main: Callable[[], Awaitable[T]], io_cpu_priority: str = "normal") -> T:
     """Run `main()` on an asyncio loop in a background thread while this (the main) thread steps the engine.
 
     The in-process transport's counterpart of `serve_on_main_thread`: a frontend (AsyncLLM over

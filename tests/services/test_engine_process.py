@@ -57,7 +57,8 @@ def test_tandem_engine_steps_on_the_main_thread_and_stops_on_sigterm(engine_conf
         drivers[0].start()
 
     try:
-        serve_on_main_thread(server, grace=1.0, on_listening=start_client)  # returns after SIGTERM's drain
+        serve_on_main_thread(server, grace=1.0, on_listening=start_client,  # returns after SIGTERM's drain
+                             io_cpu_priority="idle")
         drivers[0].join(WAIT_S)
     finally:
         set_cpu_priority("normal")  # gRPC threads started from the I/O thread are idle: not for later tests
@@ -67,7 +68,7 @@ def test_tandem_engine_steps_on_the_main_thread_and_stops_on_sigterm(engine_conf
     assert step_threads and all(t is threading.main_thread() for t in step_threads)
     assert server.busy_loop.thread is threading.main_thread()
     assert "engine-grpc-io" in served["io_threads"] and "engine-busy-loop" not in served["io_threads"]
-    # the I/O thread yields the cores to the step's OpenMP team (services/cpu_priority.py)
+    # --io-cpu-priority reaches the I/O thread, never the stepping one (services/cpu_priority.py)
     assert served["policies"] == {"engine-grpc-io": os.SCHED_IDLE, "MainThread": os.SCHED_OTHER}
     assert not server.busy_loop.alive  # drained and stopped; the handler we replaced is back
     assert signal.getsignal(signal.SIGTERM) is previous
