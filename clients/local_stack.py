@@ -136,9 +136,9 @@ class LocalStack:
     engine_port: int = 50061
     engine_args: list[str] = field(default_factory=list)  # extra flags for tandem-engine
     frontend_args: list[str] = field(default_factory=list)  # extra flags for tandem-frontend
-    # The frontend shares the engine's cores here: at idle (SCHED_IDLE) its per-token wake-ups run on cores
+    # The frontend shares the engine's cores here: at low (nice 19) its per-token wake-ups mostly wait for cores
     # the engine's OpenMP team leaves free instead of stalling the team (services/cpu_priority.py)
-    frontend_cpu_priority: str = "idle"
+    frontend_cpu_priority: str = "low"
     startup_timeout: float = 180.0
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     say: Callable[[str], None] = _say  # restarts are reported through this

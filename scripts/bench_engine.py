@@ -76,7 +76,7 @@ def print_report(result: dict) -> None:
               f"{fmt(step['server_over_in_process'], 2):>6} | {fmt(step['decode_ms'], 2):>14} "
               f"{fmt(step['floor_ms'], 2):>8} {fmt(step['decode_over_floor'], 2):>6}")
     print("\nCPU ms per generated token over gRPC (the processes share the machine's cores; frontend and client"
-          " at SCHED_IDLE):")
+          " at nice 19):")
     for streams, row in result["streams"].items():
         cpu = row["grpc"]["cpu_ms_per_token"]
         print(f"{streams:>7} | " + "  ".join(f"{name} {ms:.2f}" for name, ms in cpu.items())

@@ -77,8 +77,8 @@ def run_llama(workloads: dict[int, list[BenchPrompt]]) -> dict[int, dict]:
                     if time.monotonic() > deadline or server.poll() is not None:
                         raise RuntimeError("llama-server did not become healthy") from None
                     time.sleep(0.5)
-            # the client at normal priority (as before): at idle, llama-server measured the same at 1 stream
-            # and 91-105 vs 103-106 tok/s at 32 (bench_sides.idle_client), so it keeps the setting it does best with
+            # the client at normal priority (as before): with it at SCHED_IDLE llama-server measured the same at
+            # 1 stream and 91-105 vs 103-106 tok/s at 32 streams, so it keeps the setting it does best with
             asyncio.run(run_closed_loop(LlamaServerBackend(url), [BenchPrompt(None, (1, 2, 3, 4), 8)]))
             results[streams] = asyncio.run(run_closed_loop(LlamaServerBackend(url), prompts, streams))
         finally:

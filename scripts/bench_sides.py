@@ -11,10 +11,10 @@ LLMEngine's, each transport round wrapping it in a fresh busy loop); the gRPC st
   grpc         `tandem serve`'s two processes (engine + frontend) over loopback, the public API
 
 The load generator (this process) stands in for clients on other machines: while it drives the gRPC
-stack its threads run at SCHED_IDLE (`idle_client`), taking only CPU the server leaves free, as the
+stack its threads run at nice 19 (`low_priority_client`), leaving the cores to the server, as the
 frontend under `tandem serve` does. (llama-server's client stays at normal priority, which it does
 as well or better with: bench_peers.py.) The transport side's frontend and client share one
-thread beside the engine (run_beside_engine), run at idle as well.
+thread beside the engine (run_beside_engine), run at nice 19 as well.
 """
 
 from __future__ import annotations
@@ -97,11 +97,11 @@ class TimedSteps:
 
 
 @contextlib.contextmanager
-def idle_client():
-    """This process's threads (the load generator) at SCHED_IDLE while it drives the gRPC stack: it stands
-    in for clients on other machines, so it takes only the CPU the server leaves free instead of
-    stalling the engine's OpenMP team (services/cpu_priority.py)."""
-    set_cpu_priority("idle")
+def low_priority_client():
+    """This process's threads (the load generator) at nice 19 while it drives the gRPC stack: it stands
+    in for clients on other machines, so it leaves the cores to the server instead of stalling the
+    engine's OpenMP team (services/cpu_priority.py)."""
+    set_cpu_priority("low")
     try:
         yield
     finally:
@@ -154,8 +154,8 @@ def transport_round(engine, model: str, tokenizer_path: str, prompts: list[Bench
         finally:
             await backend.close()
 
-    with timed:  # the frontend and the client at idle, as the gRPC side's are
-        records, wall = run_beside_engine(busy_loop, main, io_cpu_priority="idle")
+    with timed:  # the frontend and the client at low priority, as the gRPC side's are
+        records, wall = run_beside_engine(busy_loop, main, io_cpu_priority="low")
     return timed.round(records, wall, streams)
 
 
@@ -192,7 +192,7 @@ class GrpcSide:
 
     def round(self, prompts: list[BenchPrompt], streams: int) -> Round:
         before, cpu_before = self._step_metric(), cpu_seconds(self.stack.pids)
-        with idle_client():
+        with low_priority_client():
             records, wall = asyncio.run(self._closed_loop(prompts, streams))
         after, cpu_after = self._step_metric(), cpu_seconds(self.stack.pids)
         cpu = {name: cpu_after[i] - cpu_before[i] for i, name in enumerate(PROCESSES)}

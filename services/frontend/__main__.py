@@ -65,10 +65,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--grace", type=float, default=10.0,
                         help="seconds in-flight streams get to finish on shutdown (default: %(default)s)")
     parser.add_argument("--cpu-priority", default="normal", choices=CPU_PRIORITIES,
-                        help="this process's CPU priority; idle (Linux SCHED_IDLE) when it shares cores with a CPU "
-                             "engine, as under `tandem serve`: it then runs only on a core the engine's OpenMP "
-                             "team leaves free, and its wake-ups for every token do not stall the engine's step; "
-                             "low: nice 19 (default: %(default)s)")
+                        help="this process's CPU priority; low (nice 19) when it shares cores with a CPU engine, as "
+                             "under `tandem serve`: its wake-ups for every token then mostly wait for a core the "
+                             "engine's OpenMP team leaves free instead of stalling the engine's step; idle (Linux "
+                             "SCHED_IDLE) waits for one always, about a decode step per output (default: %(default)s)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="log level (default: %(default)s)")
     telemetry_flags.add_telemetry_arguments(parser)
