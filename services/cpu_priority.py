@@ -46,6 +46,13 @@ def set_cpu_priority(priority: str, whole_process: bool = True) -> bool:
     return True
 
 
+def lower_cpu_priority(priority: str, whole_process: bool = True) -> None:
+    """What the --cpu-priority flags do: `low` and `idle` lower the priority; `normal` keeps the one
+    the process was started with (under `nice` or a container's setting, it stays)."""
+    if priority != "normal":
+        set_cpu_priority(priority, whole_process)
+
+
 def _thread_ids() -> list[int]:
     try:
         return [int(tid) for tid in os.listdir("/proc/self/task")]

@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="CPU priority of the gRPC I/O threads beside the stepping main thread: idle "
                              "(SCHED_IDLE) runs them only on a core the engine's OpenMP team leaves free, so "
                              "their wake-ups do not stall its step, but each output then waits about one "
-                             "decode step for a core (measured: up to +4%% tok/s, +8 ms TTFT); low: nice 19")
+                             "decode step for a core (measured: up to +4%% tok/s, +8 ms TTFT); low: nice 19; normal: as "
+                             "the process was started")
     server.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="logging level")
     security_flags.add_server_flags(p, max_message_bytes=ENGINE_LINK_MAX_MESSAGE_BYTES)
@@ -163,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tandem-engine listening on {args.host}:{port}", flush=True)
 
         try:
-            serve_on_main_thread(server, args.grace, announce, io_cpu_priority=args.io_cpu_priority)  # the engine steps on this, the main thread
+            # the engine steps on this, the main thread
+            serve_on_main_thread(server, args.grace, announce, io_cpu_priority=args.io_cpu_priority)
         except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
             raise ValueError(f"cannot listen on {args.host}:{args.port}: {exc}") from None
     except (ValueError, FileNotFoundError, NotADirectoryError) as exc:

@@ -6,8 +6,9 @@ scripts/bench_engine.py), so the busy loop must step where torch runs at full sp
 EngineCoreProc does, the busy loop owns the process's main thread and the I/O (here the
 grpc.aio server, its health watchdog and the /metrics server) runs on a background thread
 with its own asyncio event loop, at a CPU priority of its own (`io_cpu_priority`,
-services/cpu_priority.py: at idle its wake-ups for each step's outputs no longer preempt the step's
-OpenMP team, but each output waits for a free core, about one decode step; normal by default). Both `tandem-engine` and `tandem serve` (which starts
+services/cpu_priority.py: at idle its wake-ups for each step's outputs no longer preempt the
+step's OpenMP team, but each output waits for a free core, about one decode step; normal by
+default). Both `tandem-engine` and `tandem serve` (which starts
 `tandem-engine` processes) run through `serve_on_main_thread`; the in-process transport
 (InProcessEngineClient) and `make bench` run through `run_beside_engine`, the same split.
 
@@ -26,7 +27,7 @@ import signal
 import threading
 from typing import Awaitable, Callable, TypeVar
 
-from services.cpu_priority import set_cpu_priority
+from services.cpu_priority import lower_cpu_priority
 from services.engine.server import EngineServer
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class _IoThread:
         self.thread.join()
 
     def _run(self) -> None:
-        set_cpu_priority(self.cpu_priority, whole_process=False)  # gRPC's threads, started from here, inherit it
+        lower_cpu_priority(self.cpu_priority, whole_process=False)  # gRPC's threads, started from here, inherit it
         asyncio.run(self._serve())
 
     async def _serve(self) -> None:
@@ -130,7 +131,7 @@ def run_beside_engine(busy_loop, main: Callable[[], Awaitable[T]], io_cpu_priori
     outcome: dict[str, object] = {}
 
     def io() -> None:
-        set_cpu_priority(io_cpu_priority, whole_process=False)
+        lower_cpu_priority(io_cpu_priority, whole_process=False)
         try:
             outcome["value"] = asyncio.run(main())
         except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread below

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import signal
 
-from services.cpu_priority import CPU_PRIORITIES, set_cpu_priority
+from services.cpu_priority import CPU_PRIORITIES, lower_cpu_priority
 from services.frontend.async_llm import DEFAULT_MAX_WAITING_REQUESTS, AsyncLLM
 from services.frontend.engine_client import GrpcEngineClient
 from services.frontend.engine_discovery import DEFAULT_RESOLVE_INTERVAL_S, parse_engine_targets
@@ -68,7 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="this process's CPU priority; low (nice 19) when it shares cores with a CPU engine, as "
                              "under `tandem serve`: its wake-ups for every token then mostly wait for a core the "
                              "engine's OpenMP team leaves free instead of stalling the engine's step; idle (Linux "
-                             "SCHED_IDLE) waits for one always, about a decode step per output (default: %(default)s)")
+                             "SCHED_IDLE) waits for one always, about a decode step per output; normal keeps the priority it "
+                             "was started with (default: %(default)s)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="log level (default: %(default)s)")
     telemetry_flags.add_telemetry_arguments(parser)
@@ -154,7 +155,7 @@ async def _model_path_from_engine(client: GrpcEngineClient, stop: asyncio.Event,
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging(args.log_level, args.log_format)
-    set_cpu_priority(args.cpu_priority)  # before gRPC starts its threads: they inherit it
+    lower_cpu_priority(args.cpu_priority)  # before gRPC starts its threads: they inherit it
     try:
         asyncio.run(serve(args))
     except ValueError as exc:  # a metrics port that cannot be bound, an unknown OTLP protocol
