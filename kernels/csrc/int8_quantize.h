@@ -14,8 +14,10 @@ inline V abs_lanes(V x) { return x < 0.0f ? -x : x; }
 template <typename V>
 inline V round_even(V x) { return (x + 12582912.0f) - 12582912.0f; }
 
+// flip: XORed into each byte as it is stored (0x80 turns q into q + 128 as an unsigned byte,
+// vpdpbusd's unsigned operand, in the same pass)
 template <typename T>
-void quantize_row(int8_t* q, float* scale, const T* x, int64_t n) {
+void quantize_row(int8_t* q, float* scale, const T* x, int64_t n, uint8_t flip = 0) {
   f32x16 peak = {};
   float tail = 0.0f;
   for_lanes(n, [&](auto lanes, int64_t i) {
@@ -30,10 +32,10 @@ void quantize_row(int8_t* q, float* scale, const T* x, int64_t n) {
     using V = decltype(lanes);
     const V r = round_even(load<V>(x + i) / s);  // |r| <= 127: no clamp needed
     if constexpr (is_vector<V>) {
-      const i8x16 b = __builtin_convertvector(__builtin_convertvector(r, i32x16), i8x16);
+      const i8x16 b = __builtin_convertvector(__builtin_convertvector(r, i32x16), i8x16) ^ int8_t(flip);
       std::memcpy(q + i, &b, sizeof b);
     } else {
-      q[i] = int8_t(r);
+      q[i] = int8_t(int8_t(r) ^ int8_t(flip));
     }
   });
 }

@@ -56,8 +56,7 @@ void int8_vnni_gemm(Tensor out, Tensor x, Tensor packed, Tensor w_scale, Tensor 
     torch::stable::parallel_for(0, rows, row_grain(k_len), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         int8_t* q = reinterpret_cast<int8_t*>(xu.data() + r * k_len);
-        quantize_row(q, &row_scales[r], src + r * x.stride(0), k_len);
-        for (int64_t i = 0; i < k_len; ++i) xu[r * k_len + i] ^= 0x80u;
+        quantize_row(q, &row_scales[r], src + r * x.stride(0), k_len, /*flip=*/0x80);
       }
     });
   });
