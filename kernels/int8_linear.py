@@ -64,16 +64,23 @@ def run_int8_weight_only(state, x):
 
 
 def prepare_int8_gemv(w, b):
-    """The int8 weight as int8_gemv reads it: blocks of 16 output columns, [ceil(N/16), K, 16]."""
+    """The int8 weight as int8_gemv reads it, in blocks of 16 output columns: with AVX512-VNNI (and
+    K a multiple of 4) q + 128 as uint8 in vpdpbusd's order, [ceil(N/16), K/4, 16, 4]; else
+    int8, [ceil(N/16), K, 16]."""
     if not cpu_extension.load():
         raise RuntimeError("int8_gemv needs Tandem's C++ CPU kernels (see kernels/cpu_extension.py)")
     q, scale = quantize_int8(w)
-    return pack_columns(q, 1).squeeze(-1), scale, b, q.shape[0]
+    if int8_vnni_supported() and q.shape[1] % 4 == 0:
+        packed = pack_columns((q.to(torch.int16) + 128).to(torch.uint8), 4)
+    else:
+        packed = pack_columns(q, 1).squeeze(-1)
+    return packed, scale, b, q.shape[0]
 
 
 def run_int8_gemv(state, x):
-    """Weight-only int8 for a few rows (decode): fp32 sums of x times the int8 weight, scaled per
-    output column; the C++ kernel streams the weight at close to the memory's speed."""
+    """Weight-only int8 for a few rows (decode), scaled per output column; the C++ kernel streams
+    the weight at close to the memory's speed. Its sums are fp32 (x times the widened weight) or,
+    on the VNNI packing, exact integer sums over x rounded to 16 bits per row (finer than bf16)."""
     packed, scale, b, out_f = state
     y = torch.empty((x.shape[0], out_f), dtype=x.dtype)
     torch.ops.tandem.int8_gemv(y, x if x.stride(-1) == 1 else x.contiguous(), packed, scale)

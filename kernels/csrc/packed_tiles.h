@@ -51,6 +51,18 @@ struct Int8Dot {  // int32 lanes += 4 u8 x s8 products each
     return acc;
   }
 };
+
+// The operands the other way round: signed activation bytes x unsigned weight bytes (int8_gemv.cpp
+// stores its int8 weight as q + 128, so that its activations, 16-bit integers split into two signed
+// bytes, can go in signed).
+struct Int8WeightDot {
+  using Acc = __m512i;
+  static Acc zero() { return _mm512_setzero_si512(); }
+  static Acc dot(Acc acc, __m512i a, __m512i w) {
+    asm("vpdpbusd %1, %2, %0" : "+v"(acc) : "v"(a), "v"(w));
+    return acc;
+  }
+};
 #endif
 
 #if TANDEM_HAS_BF16_DOT
@@ -103,14 +115,16 @@ void tile_rows(int64_t rows, const uint8_t* x, int64_t row_bytes, const uint8_t*
 
 // The whole product: `rows` rows of x (row_bytes apart), `blocks` packed blocks of `steps` k groups
 // each. epilogue(acc, first row, tile rows, first block, blocks) stores one finished tile.
+// task_ops: multiply-adds per parallel task at least (a memory-bound GEMV wants every thread
+// streaming its share of the weight, however small the product).
 template <class Dot, class Epilogue>
 void gemm(int64_t rows, int64_t blocks, int64_t steps, const uint8_t* x, int64_t row_bytes, const uint8_t* w,
-          const Epilogue& epilogue) {
+          const Epilogue& epilogue, int64_t task_ops = kTaskOps) {
   const int64_t block_bytes = steps * 64;
   const int64_t groups = (blocks + kTileBlocks - 1) / kTileBlocks;
   const int64_t row_blocks = (rows + kRowBlock - 1) / kRowBlock;
   const int64_t unit_ops = std::min(rows, kRowBlock) * steps * kTileBlocks * kCols;
-  const int64_t grain = std::max<int64_t>(1, kTaskOps / std::max<int64_t>(1, unit_ops));
+  const int64_t grain = std::max<int64_t>(1, task_ops / std::max<int64_t>(1, unit_ops));
   // units: (row block, group of 3 blocks), the row block outer, so a thread's consecutive units
   // reuse one row block's activations from L2
   torch::stable::parallel_for(0, row_blocks * groups, grain, [&](int64_t begin, int64_t end) {
