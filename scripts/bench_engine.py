@@ -14,7 +14,9 @@ generated, greedy, EOS ignored), at 1 and 32 concurrent streams; Tandem's three 
 It prints two tables and writes JSON: end-to-end throughput and TTFT with ratios (TTFT added: gRPC's
 TTFT p50 less the in-process transport's), and the engine's
 step time inside the server (its own `tandem:engine_step_duration_seconds`) next to the same
-workload's in-process step and the pure-decode step against the floor. Both Tandem sides get the
+workload's in-process step and the pure-decode step against the floor: the floor of the model's dtype,
+and the floor of the kernels the engine's linears run at that batch (each of cpu_floor's rows, bf16, int8
+weight-only and W8A8, weighted by the share of the weights whose kernel it stands for). Both Tandem sides get the
 same engine flags (parsed by tandem-engine's own parser). The machine is noisy: quote ratios.
 
     python scripts/bench_engine.py                          # everything
@@ -37,7 +39,7 @@ from engine_core.openmp_env import limit_openmp_spinning  # noqa: E402
 limit_openmp_spinning()  # as tandem-engine does, before torch loads: the in-process sides run as the server does
 
 from clients.bench.prompts import synthetic_prompts  # noqa: E402
-from scripts.bench_peers import SHARED_TOOLS, floor_ms, run_floor, run_llama  # noqa: E402
+from scripts.bench_peers import SHARED_TOOLS, floor_ms, floor_of_plans, run_floor, run_llama  # noqa: E402
 from scripts.bench_sides import WARM_UP, GrpcSide, combine, in_process_round, transport_round  # noqa: E402
 
 
@@ -68,19 +70,37 @@ def print_report(result: dict) -> None:
               + f" | {fmt(r['grpc_over_llama'], 2):>10} {fmt(r['grpc_over_transport'], 2):>14}"
               f" {fmt(r['grpc_over_in_process'], 2):>14} {fmt(r['grpc_ttft_added_ms'], 1):>13}")
     print(f"\n{'streams':>7} | {'server step ms':>14} {'transport ms':>12} {'in-proc step ms':>15} {'ratio':>6} | "
-          f"{'decode step ms':>14} {'floor ms':>8} {'ratio':>6} (ratio: server / LLMEngine; floor: dtype used)")
+          f"{'decode step ms':>14} {'floor ms':>8} {'ratio':>6} | {'floor, kernels':>14} {'ratio':>6}")
     for streams, row in result["streams"].items():
         step = row["step"]
         print(f"{streams:>7} | {fmt(step['server_ms'], 2):>14} {fmt(step['transport_ms'], 2):>12} "
               f"{fmt(step['in_process_ms'], 2):>15} "
               f"{fmt(step['server_over_in_process'], 2):>6} | {fmt(step['decode_ms'], 2):>14} "
-              f"{fmt(step['floor_ms'], 2):>8} {fmt(step['decode_over_floor'], 2):>6}")
+              f"{fmt(step['floor_ms'], 2):>8} {fmt(step['decode_over_floor'], 2):>6} | "
+              f"{fmt(step['floor_of_kernels_ms'], 2):>14} {fmt(step['decode_over_floor_of_kernels'], 2):>6}")
+    print(f"(ratio: server / LLMEngine; floor: the {result['engine_dtype']} linears; floor, kernels: each floor row "
+          "(bf16, int8 weight-only, W8A8) weighted by the share of the weights whose kernel it stands for; "
+          "kernels by weight share: " + "; ".join(f"{n}: " + ", ".join(f"{k} {v / sum(ks.values()):.0%}"
+                                                                      for k, v in ks.items())
+                                                   for n, ks in result["linear_kernels"].items()) + ")")
     print("\nCPU ms per generated token over gRPC (the processes share the machine's cores; frontend and client"
           " at nice 19):")
     for streams, row in result["streams"].items():
         cpu = row["grpc"]["cpu_ms_per_token"]
         print(f"{streams:>7} | " + "  ".join(f"{name} {ms:.2f}" for name, ms in cpu.items())
               + f"   (gRPC/LLMEngine by round: {row['ratios']['grpc_over_in_process_by_round']})")
+
+
+def linear_kernels(engine, rows: int) -> dict[str, int]:
+    """The kernel each of the engine's linears runs at `rows` rows, as weight elements per kernel name."""
+    from kernels.cpu_linear import CpuLinear
+
+    kernels: dict[str, int] = {}
+    for module in engine.engine_core.runner.model.modules():
+        if isinstance(module, CpuLinear):
+            name = module.kernel_for(rows)
+            kernels[name] = kernels.get(name, 0) + module.in_features * module.out_features
+    return kernels
 
 
 def main() -> int:
@@ -129,6 +149,7 @@ def main() -> int:
     floor = None if args.no_floor else run_floor(args.floor_script, args.streams)
     engine = LLMEngine(config)
     result["engine_dtype"] = str(engine.engine_core.runner.dtype).removeprefix("torch.")
+    result["linear_kernels"] = {n: linear_kernels(engine, n) for n in args.streams}
     in_process_round(engine, WARM_UP, 1)
     rounds: dict[int, dict[str, list]] = {n: {"in_process": [], "transport": [], "grpc": []} for n in args.streams}
     with GrpcSide(engine_args) as grpc_side:
@@ -150,6 +171,7 @@ def main() -> int:
         ip, tr, g = (combine(rounds[n][side]) for side in ("in_process", "transport", "grpc"))
         ll = llama.get(n)
         f = floor_ms(floor, result["engine_dtype"], n)
+        f_used = floor_of_plans(floor, result["engine_dtype"], result["linear_kernels"][n], n)
         result["streams"][n] = {
             "in_process": ip, "transport": tr, "grpc": g, "llama.cpp": ll,
             "ratios": {"grpc_over_llama": ratio(g["output_token_throughput"], ll and ll["output_token_throughput"]),
@@ -162,7 +184,8 @@ def main() -> int:
                      "transport_ms": tr["step_mean_ms"],
                      "server_over_in_process": ratio(g["step_mean_ms"], ip["step_mean_ms"]),
                      "decode_ms": ip["decode_step_ms"], "floor_ms": f,
-                     "decode_over_floor": ratio(ip["decode_step_ms"], f)},
+                     "decode_over_floor": ratio(ip["decode_step_ms"], f),
+                     "floor_of_kernels_ms": f_used, "decode_over_floor_of_kernels": ratio(ip["decode_step_ms"], f_used)},
         }
     print_report(result)
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -56,6 +56,26 @@ def floor_ms(floor: dict | None, dtype: str, batch: int) -> float | None:
     return None
 
 
+# the floor's row for each of the engine's linear kernels: what the kernel's weights and arithmetic are
+FLOOR_ROW_OF_KERNEL = {"int8_weight_only": "int8-weight-only", "int8_gemv": "int8-weight-only",
+                       "int4": "int8-weight-only",  # no int4 row: int8 reads twice its bytes, a lenient floor
+                       "int8_dynamic": "int8-dynamic-w8a8", "int8_vnni": "int8-dynamic-w8a8"}
+
+
+def floor_of_plans(floor: dict | None, float_dtype: str, kernels: dict[str, int], batch: int) -> float | None:
+    """The floor of the dtypes the engine's linears use at `batch`: each floor row weighted by the share of
+    the weights (multiply-adds) whose kernel it stands for. kernels: kernel name -> weight elements."""
+    total = sum(kernels.values())
+    shares: dict[str, float] = {}
+    for kernel, elements in kernels.items():
+        row = FLOOR_ROW_OF_KERNEL.get(kernel, float_dtype)  # float kernels: the model's dtype
+        shares[row] = shares.get(row, 0.0) + elements / total
+    parts = [(share, floor_ms(floor, row, batch)) for row, share in shares.items()]
+    if not total or any(ms is None for _, ms in parts):
+        return None
+    return sum(share * ms for share, ms in parts)
+
+
 # ---- llama.cpp's llama-server -------------------------------------------------------------------------
 def run_llama(workloads: dict[int, list[BenchPrompt]]) -> dict[int, dict]:
     """llama-server with -np N for each workload of N streams, warmed up, then the same prompts."""

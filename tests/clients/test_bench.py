@@ -22,6 +22,21 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 # ---- metrics, prompts, load generators --------------------------------------------------------------
+def test_make_bench_weighs_each_floor_row_by_the_weights_its_kernel_runs():
+    """`make bench`'s floor of the kernels used (scripts/bench_peers.py): cpu_floor's rows weighted by the
+    share of the weights on each kernel; float kernels count as the model's dtype, int4 as int8 weight-only."""
+    from scripts.bench_peers import floor_of_plans
+
+    floor = {"linears_only": [{"dtype": "bfloat16", "batch": 32, "step_ms": 40.0},
+                              {"dtype": "int8-dynamic-w8a8", "batch": 32, "step_ms": 20.0},
+                              {"dtype": "int8-weight-only", "batch": 32, "step_ms": 80.0}]}
+    kernels = {"int8_vnni": 600, "int8_dynamic": 150, "linear_bf16_packed": 200, "int4": 50}
+    assert floor_of_plans(floor, "bfloat16", kernels, 32) == pytest.approx(0.75 * 20 + 0.2 * 40 + 0.05 * 80)
+    assert floor_of_plans(floor, "bfloat16", {"linear_onednn": 1}, 32) == 40.0
+    assert floor_of_plans(floor, "bfloat16", kernels, 1) is None  # no row at that batch
+    assert floor_of_plans(None, "bfloat16", kernels, 32) is None
+
+
 def test_summary_of_hand_made_records():
     a = RequestRecord(start=0.0, prompt_tokens=4, chunk_times=[0.1, 0.3, 0.4], output_tokens=3, end=0.4)
     b = RequestRecord(start=1.0, prompt_tokens=4, chunk_times=[1.3, 1.4], output_tokens=2, end=1.5)
