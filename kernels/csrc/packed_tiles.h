@@ -11,6 +11,8 @@
 
 #include "cpu_common.h"
 
+#include <atomic>
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -126,30 +128,47 @@ void gemm(int64_t rows, int64_t blocks, int64_t steps, const uint8_t* x, int64_t
   const int64_t unit_ops = std::min(rows, kRowBlock) * steps * kTileBlocks * kCols;
   const int64_t grain = std::max<int64_t>(1, task_ops / std::max<int64_t>(1, unit_ops));
   // units: (row block, group of 3 blocks), the row block outer, so a thread's consecutive units
-  // reuse one row block's activations from L2
-  torch::stable::parallel_for(0, row_blocks * groups, grain, [&](int64_t begin, int64_t end) {
+  // reuse one row block's activations from L2. Threads claim `grain` units at a time as they go
+  // (not a fixed share each): a thread that loses its core to another process for a while leaves
+  // its units to the others instead of holding the whole region at the barrier.
+  const int64_t units = row_blocks * groups;
+  std::atomic<int64_t> claimed{0};
+  auto run = [&](int64_t, int64_t) {
     Tile<Dot> acc;
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t first = (unit % groups) * kTileBlocks, count = std::min<int64_t>(kTileBlocks, blocks - first);
-      const int64_t row_end = std::min(rows, (unit / groups + 1) * kRowBlock);
-      const uint8_t* wg = w + first * block_bytes;
-      // the next unit's group, fetched during this unit's first row tile (its other tiles find
-      // this group in L1/L2); the last group has fewer blocks than kTileBlocks: not prefetched
-      const bool prefetch = unit + 1 < end && (unit + 1) % groups != 0 && (unit + 1) % groups + 1 < groups;
-      const uint8_t* next_group = w + ((unit + 1) % groups) * kTileBlocks * block_bytes;
-      for (int64_t r0 = (unit / groups) * kRowBlock; r0 < row_end; r0 += kTileRows) {
-        const int64_t tile = std::min<int64_t>(kTileRows, row_end - r0);
-        const uint8_t* xr = x + r0 * row_bytes;
-        const uint8_t* next = prefetch && r0 == (unit / groups) * kRowBlock ? next_group : nullptr;
-        switch (count) {
-          case 1: tile_rows<Dot, 1>(tile, xr, row_bytes, wg, block_bytes, steps, next, acc); break;
-          case 2: tile_rows<Dot, 2>(tile, xr, row_bytes, wg, block_bytes, steps, next, acc); break;
-          default: tile_rows<Dot, 3>(tile, xr, row_bytes, wg, block_bytes, steps, next, acc);
+    int64_t begin = claimed.fetch_add(grain);
+    while (begin < units) {
+      const int64_t end = std::min(units, begin + grain);
+      const int64_t next_begin = claimed.fetch_add(grain);  // one claim ahead: its weight is prefetched
+      for (int64_t unit = begin; unit < end; ++unit) {
+        const int64_t first = (unit % groups) * kTileBlocks, count = std::min<int64_t>(kTileBlocks, blocks - first);
+        const int64_t row_end = std::min(rows, (unit / groups + 1) * kRowBlock);
+        const uint8_t* wg = w + first * block_bytes;
+        // the next unit's group, fetched during this unit's first row tile (its other tiles find
+        // this group in L1/L2); the last group has fewer blocks than kTileBlocks: not prefetched
+        const int64_t following = unit + 1 < end ? unit + 1 : next_begin;
+        const bool prefetch = following < units && following % groups != 0 && following % groups + 1 < groups;
+        const uint8_t* next_group = w + (following % groups) * kTileBlocks * block_bytes;
+        for (int64_t r0 = (unit / groups) * kRowBlock; r0 < row_end; r0 += kTileRows) {
+          const int64_t tile = std::min<int64_t>(kTileRows, row_end - r0);
+          const uint8_t* xr = x + r0 * row_bytes;
+          const uint8_t* next = prefetch && r0 == (unit / groups) * kRowBlock ? next_group : nullptr;
+          switch (count) {
+            case 1: tile_rows<Dot, 1>(tile, xr, row_bytes, wg, block_bytes, steps, next, acc); break;
+            case 2: tile_rows<Dot, 2>(tile, xr, row_bytes, wg, block_bytes, steps, next, acc); break;
+            default: tile_rows<Dot, 3>(tile, xr, row_bytes, wg, block_bytes, steps, next, acc);
+          }
+          epilogue(acc, r0, tile, first, count);
         }
-        epilogue(acc, r0, tile, first, count);
       }
+      begin = next_begin;
     }
-  });
+  };
+  const int64_t tasks = std::min<int64_t>(torch::stable::get_num_threads(), (units + grain - 1) / grain);
+  if (tasks <= 1) {
+    run(0, 1);
+  } else {
+    torch::stable::parallel_for(0, tasks, 1, run);
+  }
 }
 #endif
 
