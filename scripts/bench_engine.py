@@ -39,7 +39,7 @@ from engine_core.openmp_env import limit_openmp_spinning  # noqa: E402
 limit_openmp_spinning()  # as tandem-engine does, before torch loads: the in-process sides run as the server does
 
 from clients.bench.prompts import synthetic_prompts  # noqa: E402
-from scripts.bench_peers import SHARED_TOOLS, floor_ms, floor_of_plans, run_floor, run_llama  # noqa: E402
+from scripts.bench_peers import SHARED_TOOLS, build_llama, floor_ms, floor_of_plans, run_floor, run_llama  # noqa: E402
 from scripts.bench_sides import WARM_UP, GrpcSide, combine, in_process_round, transport_round  # noqa: E402
 
 
@@ -118,6 +118,10 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=ROOT / "bench_results" / "bench_engine.json")
     args, engine_args = parser.parse_known_args()
     engine_args = [a for a in engine_args if a != "--"]
+    if not args.no_floor and not args.floor_script.exists():
+        parser.error(f"{args.floor_script} not found: run from the checkout beside ../shared, or pass --no-floor")
+    if not args.no_llama:
+        build_llama()  # before the long part: a missing tool or failed build ends the run now
 
     import torch
 
@@ -185,7 +189,8 @@ def main() -> int:
                      "server_over_in_process": ratio(g["step_mean_ms"], ip["step_mean_ms"]),
                      "decode_ms": ip["decode_step_ms"], "floor_ms": f,
                      "decode_over_floor": ratio(ip["decode_step_ms"], f),
-                     "floor_of_kernels_ms": f_used, "decode_over_floor_of_kernels": ratio(ip["decode_step_ms"], f_used)},
+                     "floor_of_kernels_ms": f_used,
+                     "decode_over_floor_of_kernels": ratio(ip["decode_step_ms"], f_used)},
         }
     print_report(result)
     args.json.parent.mkdir(parents=True, exist_ok=True)

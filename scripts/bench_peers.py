@@ -77,10 +77,24 @@ def floor_of_plans(floor: dict | None, float_dtype: str, kernels: dict[str, int]
 
 
 # ---- llama.cpp's llama-server -------------------------------------------------------------------------
+LLAMA_SCRIPT = SHARED_TOOLS / "llama_server.sh"
+
+
+def build_llama() -> None:
+    """Build llama-server (once; later calls find it built). Run before Tandem's rounds, so a missing
+    tool or a failed build ends the bench before its long part rather than after it."""
+    if not LLAMA_SCRIPT.exists():
+        raise SystemExit(f"{LLAMA_SCRIPT} not found: run make bench from the checkout beside ../shared, "
+                         "or pass --no-llama")
+    built = subprocess.run(["bash", str(LLAMA_SCRIPT), "build"], capture_output=True, text=True)
+    if built.returncode != 0:
+        raise SystemExit(f"building llama-server failed (exit {built.returncode}):\n{built.stderr[-2000:]}")
+
+
 def run_llama(workloads: dict[int, list[BenchPrompt]]) -> dict[int, dict]:
     """llama-server with -np N for each workload of N streams, warmed up, then the same prompts."""
-    script = SHARED_TOOLS / "llama_server.sh"
-    subprocess.run(["bash", str(script), "build"], check=True, capture_output=True)
+    script = LLAMA_SCRIPT
+    build_llama()
     results = {}
     for streams, prompts in workloads.items():
         port = free_port()
