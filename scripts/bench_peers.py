@@ -92,9 +92,9 @@ def build_llama() -> None:
 
 
 def run_llama(workloads: dict[int, list[BenchPrompt]]) -> dict[int, dict]:
-    """llama-server with -np N for each workload of N streams, warmed up, then the same prompts."""
+    """llama-server with -np N for each workload of N streams, warmed up, then the same prompts
+    (after `build_llama()`)."""
     script = LLAMA_SCRIPT
-    build_llama()
     results = {}
     for streams, prompts in workloads.items():
         port = free_port()

@@ -122,8 +122,9 @@ void attend(const Layout& L, const WorkItem& w, const WorkItem* next, const T* q
     const int64_t n = std::min(kChunk, w.keys - begin);
     // the next chunk's keys now and its values after this chunk's scores: half as many loads in
     // flight at once, so the prefetches do not stall waiting for miss buffers
-    const WorkItem* ahead = begin + kChunk < w.keys ? &w : next;
-    const int64_t ahead_begin = begin + kChunk < w.keys ? begin + kChunk : next != nullptr ? next->key_begin : 0;
+    const bool more = begin + kChunk < w.keys;  // else the next item's first chunk
+    const WorkItem* ahead = more ? &w : next;
+    const int64_t ahead_begin = more ? begin + kChunk : ahead != nullptr ? ahead->key_begin : 0;
     if (ahead != nullptr) prefetch_chunk(L, key_cache, *ahead, ahead_begin);
     int64_t c = 0;
     for_block_runs(L, w, begin, begin + n, [&](int64_t offset, int64_t run) {

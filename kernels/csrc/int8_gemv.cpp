@@ -18,6 +18,7 @@
 // The scale applies once per output, after the sum.
 
 #include "cpu_common.h"
+#include "int8_quantize.h"
 #include "ops.h"
 #include "packed_tiles.h"
 
@@ -80,22 +81,13 @@ constexpr float kInt16Peak = 32512.0f;  // 127 * 256: the high byte of xq stays 
 // the weight's +128 (sum_k (q + 128) * a = sum_k q * a + 128 * sum_k a).
 template <typename T>
 void split_row(int8_t* lo, int8_t* hi, float* scale, int32_t* sums, const T* x, int64_t n) {
-  f32x16 peak = {};
-  float tail_peak = 0.0f;
-  for_lanes(n, [&](auto lanes, int64_t i) {
-    using V = decltype(lanes);
-    const V v = load<V>(x + i);
-    const V a = v < 0.0f ? -v : v;
-    if constexpr (is_vector<V>) peak = a > peak ? a : peak;
-    else tail_peak = std::max(tail_peak, a);
-  });
-  const float s = std::max(std::max(reduce_max(peak), tail_peak) / kInt16Peak, 1e-30f);
+  const float s = std::max(row_absmax(x, n) / kInt16Peak, 1e-30f);
   *scale = s;
   i32x16 lo_sums = {}, hi_sums = {};
   int32_t lo_tail = 0, hi_tail = 0;
   for_lanes(n, [&](auto lanes, int64_t i) {
     using V = decltype(lanes);
-    const V r = (load<V>(x + i) / s + 12582912.0f) - 12582912.0f;  // round half to even, |r| <= 32512
+    const V r = round_even(load<V>(x + i) / s);  // |r| <= 32512
     if constexpr (is_vector<V>) {
       const i32x16 q = __builtin_convertvector(r, i32x16);
       const i32x16 l = ((q + 128) & 255) - 128;

@@ -14,10 +14,9 @@ inline V abs_lanes(V x) { return x < 0.0f ? -x : x; }
 template <typename V>
 inline V round_even(V x) { return (x + 12582912.0f) - 12582912.0f; }
 
-// flip: XORed into each byte as it is stored (0x80 turns q into q + 128 as an unsigned byte,
-// vpdpbusd's unsigned operand, in the same pass)
+// max |x[i]| over one row (also int8_gemv.cpp's 16-bit rows)
 template <typename T>
-void quantize_row(int8_t* q, float* scale, const T* x, int64_t n, uint8_t flip = 0) {
+float row_absmax(const T* x, int64_t n) {
   f32x16 peak = {};
   float tail = 0.0f;
   for_lanes(n, [&](auto lanes, int64_t i) {
@@ -26,7 +25,14 @@ void quantize_row(int8_t* q, float* scale, const T* x, int64_t n, uint8_t flip =
     if constexpr (is_vector<V>) peak = a > peak ? a : peak;
     else tail = std::max(tail, a);
   });
-  const float s = std::max(std::max(reduce_max(peak), tail) / 127.0f, 1e-12f);
+  return std::max(reduce_max(peak), tail);
+}
+
+// flip: XORed into each byte as it is stored (0x80 turns q into q + 128 as an unsigned byte,
+// vpdpbusd's unsigned operand, in the same pass)
+template <typename T>
+void quantize_row(int8_t* q, float* scale, const T* x, int64_t n, uint8_t flip = 0) {
+  const float s = std::max(row_absmax(x, n) / 127.0f, 1e-12f);
   *scale = s;
   for_lanes(n, [&](auto lanes, int64_t i) {
     using V = decltype(lanes);

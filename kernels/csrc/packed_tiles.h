@@ -57,13 +57,8 @@ struct Int8Dot {  // int32 lanes += 4 u8 x s8 products each
 // The operands the other way round: signed activation bytes x unsigned weight bytes (int8_gemv.cpp
 // stores its int8 weight as q + 128, so that its activations, 16-bit integers split into two signed
 // bytes, can go in signed).
-struct Int8WeightDot {
-  using Acc = __m512i;
-  static Acc zero() { return _mm512_setzero_si512(); }
-  static Acc dot(Acc acc, __m512i a, __m512i w) {
-    asm("vpdpbusd %1, %2, %0" : "+v"(acc) : "v"(a), "v"(w));
-    return acc;
-  }
+struct Int8WeightDot : Int8Dot {
+  static Acc dot(Acc acc, __m512i a, __m512i w) { return Int8Dot::dot(acc, w, a); }
 };
 #endif
 
