@@ -37,7 +37,12 @@ from kernels.onednn_linear import onednn_supported, prepare_onednn, run_onednn
 
 logger = logging.getLogger(__name__)
 
-BUCKETS = (1, 8, 32, 128)  # rows timed at load; a call takes the smallest bucket >= its rows, else the last
+# Rows timed at load; a call takes the smallest bucket >= its rows, else the last. 512 stands for
+# prefill chunks (hundreds to thousands of rows, compute-bound): at 128 rows W8A8 and oneDNN bf16
+# ran within 1.3x of each other on a Zen 4 and one noisy load picked bf16 for every prefill, while
+# from 256 rows on W8A8 led by 1.5-1.6x (gate/up, q/k/v, o).
+BUCKETS = (1, 8, 32, 128, 512)
+HEAD_MAX_ROWS = 128  # the LM head sees one row per sampling request (max_num_seqs): not timed above
 FLOAT_KERNELS = ("linear", "linear_colmajor", "linear_onednn", "linear_bf16_packed")
 INT8_KERNELS = ("int8_weight_only", "int8_dynamic", "int8_gemv", "int8_vnni")
 W8A8_KERNELS = ("int8_dynamic", "int8_vnni")  # activations rounded to int8 too (the same arithmetic)
@@ -264,13 +269,16 @@ def use_measured_linears(model: nn.Module, quantization: str = "none", buckets: 
                 groups.setdefault(key, []).append((parent, child_name, child))
     plans = {}
     for (out_f, in_f, _, role), members in groups.items():
+        group_buckets = buckets
+        if role == "lm_head":
+            group_buckets = tuple(b for b in buckets if b <= HEAD_MAX_ROWS) or buckets[:1]
         weight_bytes = out_f * in_f * members[0][2].weight.element_size()
         count = max(1, min(len(members), _TIMING_BYTES // max(weight_bytes, 1)))
         sample = [(m.weight, m.bias) for _, _, m in members[:count]]
         with one_thread():
             kernels = _kernels_for(quantization, [m.weight for _, _, m in members], role)
         entry = (f"linear {out_f}x{in_f} bias={members[0][2].bias is not None} role={role or 'any'} "
-                 f"{members[0][2].weight.dtype} kernels={','.join(kernels)} buckets={buckets}")
+                 f"{members[0][2].weight.dtype} kernels={','.join(kernels)} buckets={group_buckets}")
         stored = linear_plan_cache.lookup(entry) if cached else None
         if stored is not None and all(name in kernels for _, name in stored):
             plan, states, count = [(rows, name) for rows, name in stored], {}, 0
@@ -278,7 +286,7 @@ def use_measured_linears(model: nn.Module, quantization: str = "none", buckets: 
         else:
             with one_thread():
                 states = {name: [KERNELS[name][0](w, b) for w, b in sample] for name in kernels}
-            plan, timings = choose_plan(sample, kernels, buckets, timer or _wall_timer, states)
+            plan, timings = choose_plan(sample, kernels, group_buckets, timer or _wall_timer, states)
             best = ", ".join(f"{rows}:{name}({timings[rows][name] * 1e6:.0f}us)" for rows, name in plan)
             if cached:
                 linear_plan_cache.store(entry, plan)

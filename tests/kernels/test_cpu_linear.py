@@ -144,6 +144,28 @@ def test_use_measured_linears_replaces_every_linear_with_one_plan_per_shape():
     torch.testing.assert_close(model(x), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_the_prefill_bucket_is_timed_for_every_linear_but_the_lm_head():
+    """Prefill chunks take the largest bucket's kernel, timed at prefill-like rows (512); the LM head
+    sees one row per sampling request, so timing it there would only slow the load."""
+    from kernels.cpu_linear import BUCKETS, HEAD_MAX_ROWS
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = torch.nn.Linear(16, 32, bias=False)
+            self.lm_head = torch.nn.Linear(32, 48, bias=False)
+
+    rows_timed: dict[int, set[int]] = {}
+    def timer(kernel, rows, fn):
+        out = fn()
+        rows_timed.setdefault(out.shape[1], set()).add(rows)
+        return 1.0
+    plans = use_measured_linears(Head(), "none", timer=timer)
+    assert max(BUCKETS) > HEAD_MAX_ROWS
+    assert rows_timed[32] == set(BUCKETS) and [rows for rows, _ in plans[(32, 16)]] == list(BUCKETS)
+    assert rows_timed[48] == {b for b in BUCKETS if b <= HEAD_MAX_ROWS} == {rows for rows, _ in plans[(48, 32)]}
+
+
 # ---- whole models: int8 against the dequantized float model ----
 
 def build_model(folder, dequantized: bool = False) -> LlamaForCausalLM:
