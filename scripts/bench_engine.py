@@ -2,7 +2,8 @@
 
 On the same prompts (SmolLM2-135M, synthetic prompts of --input-len tokens, exactly --output-len
 generated, greedy, EOS ignored), at 1 and 32 concurrent streams; Tandem's three sides alternate in
---rounds rounds (scripts/bench_sides.py), the peers run after them:
+--rounds rounds (scripts/bench_sides.py) after each has run every point's shapes once untimed, the peers
+run after them:
 
   floor        ../shared/tools/cpu_floor.py --json: the model's linear layers alone, plain torch
   in-process   LLMEngine stepped on this process's main thread (no transport, no frontend)
@@ -29,6 +30,7 @@ import argparse
 import json
 import platform
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +42,7 @@ limit_openmp_spinning()  # as tandem-engine does, before torch loads: the in-pro
 
 from clients.bench.prompts import synthetic_prompts  # noqa: E402
 from scripts.bench_peers import SHARED_TOOLS, build_llama, floor_ms, floor_of_plans, run_floor, run_llama  # noqa: E402
-from scripts.bench_sides import WARM_UP, GrpcSide, combine, in_process_round, transport_round  # noqa: E402
+from scripts.bench_sides import WARM_UP, WARM_UP_TOKENS, GrpcSide, combine, in_process_round, transport_round  # noqa: E402
 
 
 # ---- report -----------------------------------------------------------------------------------------------
@@ -109,7 +111,9 @@ def main() -> int:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 32], help="concurrent streams per point")
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens")
     parser.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds, the sides alternating within each")
+    parser.add_argument("--rounds", type=int, default=6,
+                        help="rounds, the sides alternating within each: on a noisy machine one round of a side"
+                             " ran 0.7-1.1x another side's, so the ratios pool several (default: %(default)s)")
     parser.add_argument("--min-requests", type=int, default=6,
                         help="at least this many requests per point and side (one stream's TTFT p50: not one sample)")
     parser.add_argument("--no-llama", action="store_true", help="skip llama-server")
@@ -136,12 +140,17 @@ def main() -> int:
     # Each side sends each point max(streams, --min-requests) requests per round, a closed loop of
     # `streams`; all prompts are distinct, so none finds another's in the prefix cache.
     counts = {n: args.rounds * max(n, args.min_requests // args.rounds) for n in args.streams}
-    prompts = synthetic_prompts(sum(counts.values()), args.input_len, args.output_len, seed=0,
+    prompts = synthetic_prompts(sum(counts.values()) + sum(args.streams), args.input_len, args.output_len, seed=0,
                                 tokenize=lambda t: tokenizer.encode(t, add_special_tokens=False),
                                 detokenize=tokenizer.decode)
     workloads, first = {}, 0
     for n, count in counts.items():
         workloads[n], first = prompts[first:first + count], first + count
+    # each side's warm-up: every point's shapes once (n prompts of the workload's length, a few tokens
+    # each), so no side's first round pays for first-call work (oneDNN primitives, allocator growth)
+    warm_ups = {}
+    for n in args.streams:
+        warm_ups[n], first = [replace(p, max_tokens=WARM_UP_TOKENS) for p in prompts[first:first + n]], first + n
     result = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
               "input_len": args.input_len, "output_len": args.output_len, "engine_args": engine_args}
     try:
@@ -155,8 +164,12 @@ def main() -> int:
     result["engine_dtype"] = str(engine.engine_core.runner.dtype).removeprefix("torch.")
     result["linear_kernels"] = {n: linear_kernels(engine, n) for n in args.streams}
     in_process_round(engine, WARM_UP, 1)
+    for n, warm_up in warm_ups.items():
+        in_process_round(engine, warm_up, n)
     rounds: dict[int, dict[str, list]] = {n: {"in_process": [], "transport": [], "grpc": []} for n in args.streams}
     with GrpcSide(engine_args) as grpc_side:
+        for n, warm_up in warm_ups.items():
+            grpc_side.round(warm_up, n)
         for r in range(args.rounds):  # the sides alternate, so a drifting machine weighs on each alike
             for n, prompts in workloads.items():
                 part = prompts[r::args.rounds]

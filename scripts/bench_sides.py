@@ -37,7 +37,8 @@ from scripts.bench_peers import cpu_seconds
 from services.cpu_priority import set_cpu_priority
 
 STEP_METRIC = "tandem:engine_step_duration_seconds"
-WARM_UP = [BenchPrompt(None, (1, 2, 3, 4), 8)]
+WARM_UP = [BenchPrompt(None, (1, 2, 3, 4), 8)]  # a connection's first request; bench_engine warms each point too
+WARM_UP_TOKENS = 8
 PROCESSES = ("engine", "frontend", "client")
 _request_ids = itertools.count()
 
