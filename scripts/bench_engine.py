@@ -12,13 +12,15 @@ run after them:
   grpc         `tandem serve`'s two processes (engine + frontend) over loopback, the public API
   llama.cpp    llama.cpp's llama-server (../shared/tools/llama_server.sh) on the same GGUF, -np N
 
-It prints two tables and writes JSON: end-to-end throughput and TTFT with ratios (TTFT added: gRPC's
-TTFT p50 less the in-process transport's), and the engine's
+It prints three tables and writes JSON: end-to-end throughput and TTFT with ratios (TTFT added: gRPC's
+TTFT p50 less the in-process transport's); the engine's
 step time inside the server (its own `tandem:engine_step_duration_seconds`) next to the same
 workload's in-process step and the pure-decode step against the floor: the floor of the model's dtype,
 and the floor of the kernels the engine's linears run at that batch (each of cpu_floor's rows, bf16, int8
-weight-only and W8A8, weighted by the share of the weights whose kernel it stands for). Both Tandem sides get the
-same engine flags (parsed by tandem-engine's own parser). The machine is noisy: quote ratios.
+weight-only and W8A8, weighted by the share of the weights whose kernel it stands for); and gRPC against
+LLMEngine round by round (tok/s and step ratios and their medians) beside the share of CPU time the
+hypervisor gave other guests meanwhile (/proc/stat's steal). Both Tandem sides get the same engine flags
+(parsed by tandem-engine's own parser). The machine is noisy: quote ratios.
 
     python scripts/bench_engine.py                          # everything
     python scripts/bench_engine.py --no-llama -- --dtype float32 --quantization none
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -42,12 +45,19 @@ limit_openmp_spinning()  # as tandem-engine does, before torch loads: the in-pro
 
 from clients.bench.prompts import synthetic_prompts  # noqa: E402
 from scripts.bench_peers import SHARED_TOOLS, build_llama, floor_ms, floor_of_plans, run_floor, run_llama  # noqa: E402
-from scripts.bench_sides import WARM_UP, WARM_UP_TOKENS, GrpcSide, combine, in_process_round, transport_round  # noqa: E402
+from scripts.bench_sides import (  # noqa: E402
+    WARM_UP, WARM_UP_TOKENS, GrpcSide, combine, in_process_round, stolen, transport_round,
+)
 
 
 # ---- report -----------------------------------------------------------------------------------------------
 def ratio(a, b):
     return round(a / b, 2) if a is not None and b else None
+
+
+def median_of(values):
+    values = [v for v in values if v is not None]
+    return round(statistics.median(values), 2) if values else None
 
 
 def fmt(value, digits=1) -> str:
@@ -85,12 +95,22 @@ def print_report(result: dict) -> None:
           "kernels by weight share: " + "; ".join(f"{n}: " + ", ".join(f"{k} {v / sum(ks.values()):.0%}"
                                                                       for k, v in ks.items())
                                                    for n, ks in result["linear_kernels"].items()) + ")")
+    print("\ngRPC against LLMEngine round by round (the sides back to back; the median sets aside rounds a"
+          " neighbour's burst hit on one side only), and the CPU time the hypervisor gave other guests:")
+    print(f"{'streams':>7} | {'tok/s ratio':>11} {'median':>6} | {'step ratio':>10} {'median':>6} | {'steal %':>7}"
+          " | by round (tok/s; step)")
+    for streams, row in result["streams"].items():
+        r, step = row["ratios"], row["step"]
+        steal = max(row[side]["steal_percent"] for side in ("in_process", "transport", "grpc"))
+        print(f"{streams:>7} | {fmt(r['grpc_over_in_process'], 2):>11} "
+              f"{fmt(r['grpc_over_in_process_median_of_rounds'], 2):>6} | {fmt(step['server_over_in_process'], 2):>10} "
+              f"{fmt(step['server_over_in_process_median_of_rounds'], 2):>6} | {steal:>7.1f} | "
+              f"{r['grpc_over_in_process_by_round']}; {step['server_over_in_process_by_round']}")
     print("\nCPU ms per generated token over gRPC (the processes share the machine's cores; frontend and client"
           " at nice 19):")
     for streams, row in result["streams"].items():
         cpu = row["grpc"]["cpu_ms_per_token"]
-        print(f"{streams:>7} | " + "  ".join(f"{name} {ms:.2f}" for name, ms in cpu.items())
-              + f"   (gRPC/LLMEngine by round: {row['ratios']['grpc_over_in_process_by_round']})")
+        print(f"{streams:>7} | " + "  ".join(f"{name} {ms:.2f}" for name, ms in cpu.items()))
 
 
 def linear_kernels(engine, rows: int) -> dict[str, int]:
@@ -174,10 +194,13 @@ def main() -> int:
             for n, prompts in workloads.items():
                 part = prompts[r::args.rounds]
                 engine.engine_core.reset_prefix_cache()  # the two in-process sides share the core: cold for each
-                rounds[n]["in_process"].append(in_process_round(engine, part, n))
+                with stolen(rounds[n]["in_process"]):
+                    rounds[n]["in_process"].append(in_process_round(engine, part, n))
                 engine.engine_core.reset_prefix_cache()
-                rounds[n]["transport"].append(transport_round(engine, model_path, model_path, part, n))
-                rounds[n]["grpc"].append(grpc_side.round(part, n))
+                with stolen(rounds[n]["transport"]):
+                    rounds[n]["transport"].append(transport_round(engine, model_path, model_path, part, n))
+                with stolen(rounds[n]["grpc"]):
+                    rounds[n]["grpc"].append(grpc_side.round(part, n))
                 print(f"round {r + 1}/{args.rounds}, {n} streams: done", file=sys.stderr, flush=True)
     del engine
     llama = {} if args.no_llama else run_llama({n: p[:max(n, args.min_requests)] for n, p in workloads.items()})
@@ -189,17 +212,23 @@ def main() -> int:
         ll = llama.get(n)
         f = floor_ms(floor, result["engine_dtype"], n)
         f_used = floor_of_plans(floor, result["engine_dtype"], result["linear_kernels"][n], n)
+        tok_by_round = [ratio(a, b) for a, b in zip(g["rounds_tok_per_s"], ip["rounds_tok_per_s"])]
+        step_by_round = [ratio(a, b) for a, b in zip(g["rounds_step_ms"], ip["rounds_step_ms"])]
         result["streams"][n] = {
             "in_process": ip, "transport": tr, "grpc": g, "llama.cpp": ll,
             "ratios": {"grpc_over_llama": ratio(g["output_token_throughput"], ll and ll["output_token_throughput"]),
                        "grpc_over_in_process": ratio(g["output_token_throughput"], ip["output_token_throughput"]),
                        "grpc_over_transport": ratio(g["output_token_throughput"], tr["output_token_throughput"]),
-                       "grpc_over_in_process_by_round": [ratio(a, b) for a, b in zip(g["rounds_tok_per_s"],
-                                                                                    ip["rounds_tok_per_s"])],
-                       "grpc_ttft_added_ms": g["ttft"]["p50_ms"] - tr["ttft"]["p50_ms"]},
+                       "grpc_ttft_added_ms": g["ttft"]["p50_ms"] - tr["ttft"]["p50_ms"],
+                       # each round runs the sides back to back: the median of its pairs sets aside the
+                       # rounds a neighbour's burst hit on one side only (the pooled ratios keep them)
+                       "grpc_over_in_process_by_round": tok_by_round,
+                       "grpc_over_in_process_median_of_rounds": median_of(tok_by_round)},
             "step": {"server_ms": g["step_mean_ms"], "in_process_ms": ip["step_mean_ms"],
                      "transport_ms": tr["step_mean_ms"],
                      "server_over_in_process": ratio(g["step_mean_ms"], ip["step_mean_ms"]),
+                     "server_over_in_process_by_round": step_by_round,
+                     "server_over_in_process_median_of_rounds": median_of(step_by_round),
                      "decode_ms": ip["decode_step_ms"], "floor_ms": f,
                      "decode_over_floor": ratio(ip["decode_step_ms"], f),
                      "floor_of_kernels_ms": f_used,

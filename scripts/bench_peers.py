@@ -40,6 +40,16 @@ def cpu_seconds(pids: list[int | None]) -> list[float]:
     return [*seconds, time.process_time()]
 
 
+def steal_seconds() -> float:
+    """CPU seconds the hypervisor gave other guests instead of this machine, all CPUs (/proc/stat's steal;
+    0 where there is none): a shared host's neighbours, made visible next to each round."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 # ---- the machine's floor ------------------------------------------------------------------------
 def run_floor(path: Path, batches: list[int]) -> dict | None:
     if not path.exists():

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
 import statistics
 import time
 import urllib.request
@@ -33,7 +34,7 @@ from clients.bench.loadgen import closed_loop
 from clients.bench.metrics import RequestRecord, summarize
 from clients.bench.prompts import BenchPrompt
 from clients.local_stack import LocalStack, free_port
-from scripts.bench_peers import cpu_seconds
+from scripts.bench_peers import cpu_seconds, steal_seconds
 from services.cpu_priority import set_cpu_priority
 
 STEP_METRIC = "tandem:engine_step_duration_seconds"
@@ -51,6 +52,20 @@ class Round:
     steps: int = 0
     decode_steps_s: list[float] = field(default_factory=list)  # pure-decode steps with every stream running
     cpu_s: dict[str, float] = field(default_factory=dict)  # gRPC: CPU seconds per process
+    steal_s: float = 0.0  # CPU seconds the hypervisor took for other guests meanwhile (/proc/stat)
+
+    @property
+    def step_ms(self) -> float:
+        return 1000 * self.step_s / max(self.steps, 1)
+
+
+@contextlib.contextmanager
+def stolen(rounds: list[Round]):
+    """Adds the steal time over the block to the round it appends to `rounds`."""
+    before, count = steal_seconds(), len(rounds)
+    yield
+    if len(rounds) > count:
+        rounds[-1].steal_s = steal_seconds() - before
 
 
 def combine(rounds: list[Round]) -> dict:
@@ -58,6 +73,9 @@ def combine(rounds: list[Round]) -> dict:
     summary = summarize([r for one in rounds for r in one.records], sum(one.wall_s for one in rounds))
     summary["rounds_tok_per_s"] = [round(summarize(one.records, one.wall_s)["output_token_throughput"], 1)
                                    for one in rounds]
+    summary["rounds_step_ms"] = [round(one.step_ms, 2) for one in rounds]
+    summary["steal_percent"] = round(100 * sum(one.steal_s for one in rounds)
+                                     / max(os.cpu_count() * sum(one.wall_s for one in rounds), 1e-9), 1)
     summary["step_mean_ms"] = 1000 * sum(one.step_s for one in rounds) / max(sum(one.steps for one in rounds), 1)
     decode = [s for one in rounds for s in one.decode_steps_s]
     summary["decode_step_ms"] = 1000 * statistics.median(decode) if decode else None
