@@ -3,15 +3,17 @@
 At a one-row decode step a SmolLM2 layer is ten small kernels (two norms, four int8 GEMVs,
 rotary, the KV write, attention, SiLU * mul), and reaching each from Python (module calls,
 torch.ops boxing, temporaries) costs about as much as the kernel: some 60 of a layer's 165 us
-on the 2-core EPYC. Where every linear runs Tandem's int8 GEMV at the step's rows and the
-layers use the C++ fused ops and attention, `CpuDecodeLayers` runs each layer as one op over
-scratch tensors made once per step. The op calls the same kernels in the same order as the
-module path, so the outputs are the same.
+on the 2-core EPYC, and the same ~8 ms a step at 32 rows. Where the layers use the C++ fused ops
+and attention and every linear runs one of Tandem's own kernels (`OP_KERNELS`), `CpuDecodeLayers`
+runs each layer as one op over scratch tensors made once per step. The op calls the same kernels
+in the same order as the module path, so the outputs are the same.
 
-Whether it pays is measured at load like every kernel choice (`choose_decode_layers`): for the
-decode buckets up to 8 rows, the model's layers run once through the op (every linear on the
-GEMV) and once through the modules (each linear on its measured plan), on a scratch KV cache,
-and the op is kept for the buckets where it wins; those linears' plans then name the GEMV.
+Whether it pays is measured at load like every kernel choice (`choose_decode_layers`), per decode
+bucket up to 32 rows: the model's layers run once through the op and once through the modules
+(each linear on its measured plan), on a scratch KV cache, and the op is kept for the buckets where
+it wins. Up to 8 rows the op runs every linear on the int8 GEMV (one read of each weight), and
+those linears' plans then name the GEMV; above, each linear runs the kernel its plan names for the
+bucket (int8_vnni, linear_bf16_packed, ...), if the op can call it.
 Where the layers do not fit (biases, q/k norms, Gemma's layers, the torch attention or layer
 ops, `--enforce-eager`, quantization none) or the op loses, the model keeps its module path.
 """
@@ -30,7 +32,11 @@ from kernels.linear_timing import Timer, fastest_uncontended, one_thread, wall_t
 logger = logging.getLogger(__name__)
 
 GEMV = "int8_gemv"
-MAX_ROWS = 8  # the decode buckets the op is timed for
+GEMV_MAX_ROWS = 8  # up to here the op runs every linear on the GEMV; above, each linear's own plan
+MAX_ROWS = 32  # the decode buckets the op is timed for
+OP_KERNELS = {"int8_gemv": 0, "int8_vnni": 1, "linear_bf16_packed": 2}  # the linear kernels the op calls (kinds)
+_EMPTY = torch.empty(0)
+LayerLinears = list[tuple[str, object]]  # one layer's four linears: (kernel name, its prepared state)
 TIMING_CONTEXT = 128  # positions each row of the timing batch attends to
 TIMING_BLOCK = 16
 
@@ -63,24 +69,42 @@ def layer_weights(model: LlamaModel) -> list[list[torch.Tensor]] | None:
     return [[linear.weight for linear in _linears(layer)] for layer in layers]
 
 
+def _op_args(kernel: str, state) -> tuple:
+    """One linear's arguments to the op: its kind and four tensors from the kernel's prepared state
+    (kernels/int8_linear.py, kernels/bf16_linear.py)."""
+    if kernel == "int8_gemv":
+        packed, scale = state[:2]
+        return OP_KERNELS[kernel], packed, scale, _EMPTY, _EMPTY
+    if kernel == "int8_vnni":
+        packed, w_scale, offsets, bias = state[:4]
+        return OP_KERNELS[kernel], packed, w_scale, offsets, bias
+    if kernel == "linear_bf16_packed":
+        packed, bias = state[:2]
+        return OP_KERNELS[kernel], packed, bias, _EMPTY, _EMPTY
+    raise ValueError(f"the decoder-layer op cannot run {kernel}")
+
+
 class CpuDecodeLayers:
     """Runs a LlamaModel's layers, one op each, for steps of up to `max_rows` rows.
 
-    `gemvs[i]`: layer i's (packed, scale) GEMV weights for qkv, o, gate_up and down."""
+    `linears[rows]`: for the steps of that bucket (more rows than the bucket below), each layer's
+    qkv, o, gate_up and down as (kernel name, prepared state)."""
 
-    def __init__(self, model: LlamaModel, gemvs: list[list[tuple[torch.Tensor, torch.Tensor]]], max_rows: int):
-        self.max_rows = max_rows
+    def __init__(self, model: LlamaModel, linears: dict[int, list[LayerLinears]]):
+        self.buckets = sorted(linears)
+        self.max_rows = self.buckets[-1]
         attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.qkv_size = attn.qkv_proj.out_features
         self.hidden_size, self.intermediate_size = mlp.down_proj.out_features, mlp.down_proj.in_features
-        # per layer: the op's arguments before the KV cache, and its attention settings after it
-        self.weights = [
-            (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
-             *(tensor for packed_scale in layer_gemvs for tensor in packed_scale))
-            for layer, layer_gemvs in zip(model.layers, gemvs)
-        ]
-        self.attention = [
+        # per bucket and layer: the op's arguments before the KV cache
+        self.weights = {
+            rows: [(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
+                    *(arg for kernel, state in layer_linears for arg in _op_args(kernel, state)))
+                   for layer, layer_linears in zip(model.layers, by_layer)]
+            for rows, by_layer in linears.items()
+        }
+        self.attention = [  # per layer: its attention settings after the KV cache
             (layer.self_attn.scale, layer.self_attn.window or 0, layer.self_attn.softcap or 0.0)
             for layer in model.layers
         ]
@@ -105,7 +129,8 @@ class CpuDecodeLayers:
             h.new_empty(T, self.intermediate_size),
         )
         op = torch.ops.tandem.llama_decode_layer
-        for weights, attention, (key_cache, value_cache) in zip(self.weights, self.attention, kv_caches):
+        weights_by_layer = self.weights[next(rows for rows in self.buckets if rows >= T)]
+        for weights, attention, (key_cache, value_cache) in zip(weights_by_layer, self.attention, kv_caches):
             op(h, residual, *weights, key_cache, value_cache, *attention, *step)
         return h, residual
 
@@ -115,9 +140,10 @@ class CpuDecodeLayers:
 def choose_decode_layers(
     model: LlamaModel, weights: list[list[torch.Tensor]] | None, quantization: str, timer: Timer = wall_timer
 ) -> CpuDecodeLayers | None:
-    """Time the layers as one op against the module path per decode bucket (up to MAX_ROWS) and
-    return the op for the buckets it wins, with those linears' plans switched to the GEMV; None
-    where the layers do not fit (`weights` None), the GEMV is not allowed, or the op never wins."""
+    """Time the layers as one op against the module path per decode bucket (up to MAX_ROWS, from the
+    smallest, until the op first loses) and return the op for the buckets it wins; the linears of
+    the GEMV buckets have their plans switched to the GEMV. None where the layers do not fit
+    (`weights` None), the GEMV is not allowed, or the op never wins."""
     if weights is None or GEMV not in allowed_kernels(quantization):
         return None
     if not all(kernel_fits(GEMV, w) for layer in weights for w in layer):
@@ -126,23 +152,32 @@ def choose_decode_layers(
     with one_thread():  # many small packing ops: see linear_timing.one_thread
         gemvs = [[linear.state(GEMV) or prepare_int8_gemv(w, None) for linear, w in zip(layer, layer_ws)]
                  for layer, layer_ws in zip(linears, weights)]
-    candidate = CpuDecodeLayers(model, [[state[:2] for state in layer] for layer in gemvs], MAX_ROWS)
-    chosen, results = 0, []
+    chosen: dict[int, list[LayerLinears]] = {}
+    results = []
     for rows in (b for b in BUCKETS if b <= MAX_ROWS):
-        timings = _time_both(model, candidate, rows, timer)
+        if rows <= GEMV_MAX_ROWS:
+            candidate = [[(GEMV, state) for state in layer] for layer in gemvs]
+        else:
+            candidate = [[(linear.kernel_for(rows), linear.state(linear.kernel_for(rows))) for linear in layer]
+                         for layer in linears]
+            planned = {kernel for layer in candidate for kernel, _ in layer}
+            if not planned <= set(OP_KERNELS):
+                results.append(f"{rows} rows: not in the op ({', '.join(sorted(planned - set(OP_KERNELS)))})")
+                break
+        timings = _time_both(model, CpuDecodeLayers(model, {rows: candidate}), rows, timer)
         results.append(f"{rows} rows: op {timings['one_op'] * 1e3:.2f} ms, modules {timings['modules'] * 1e3:.2f} ms")
         if timings["one_op"] >= timings["modules"]:
             break
-        chosen = rows
-    logger.info("decoder layers as one C++ op: %s; %s", f"up to {chosen} rows" if chosen else "not used",
+        chosen[rows] = candidate
+    logger.info("decoder layers as one C++ op: %s; %s", f"up to {max(chosen)} rows" if chosen else "not used",
                 "; ".join(results))
     if not chosen:
         return None
+    gemv_rows = max((rows for rows in chosen if rows <= GEMV_MAX_ROWS), default=0)
     for layer, layer_gemvs in zip(linears, gemvs):
         for linear, state in zip(layer, layer_gemvs):
-            linear.take_kernel_up_to(chosen, GEMV, state)
-    candidate.max_rows = chosen
-    return candidate
+            linear.take_kernel_up_to(gemv_rows, GEMV, state)
+    return CpuDecodeLayers(model, chosen)
 
 
 @torch.inference_mode()

@@ -1,16 +1,34 @@
-// A whole Llama decoder layer as one op, for decode batches whose four linears run the int8 GEMV.
+// A whole Llama decoder layer as one op, for decode batches whose linears run Tandem's own kernels.
 //
 // At one decode row a SmolLM2 layer is ten small kernels (two norms, four GEMVs, rotary, the
 // KV write, attention, SiLU * mul), and calling each from Python through the dispatcher costs
 // 4-8 us, about as much as the kernels themselves. Here the same kernels run back to back from
 // C++ (ops.h), in the order and with the arithmetic of the module path, so one call replaces
-// ten. The caller (kernels/cpu_decode_layers.py) makes the step's scratch tensors and their
-// views once per forward; every layer reuses them.
+// ten. The caller (engine_core/models/cpu_decode_layers.py) makes the step's scratch tensors and
+// their views once per forward; every layer reuses them.
+//
+// Each linear comes as a kernel kind and up to four tensors, the state its Python kernel holds
+// (kernels/int8_linear.py, kernels/bf16_linear.py):
+//   kInt8Gemv    packed, scale                      int8 weight-only GEMV (a few rows)
+//   kInt8Vnni    packed, w_scale, offsets, bias     W8A8 over a VNNI-packed weight
+//   kBf16Packed  packed, bias                       bf16 over a vdpbf16ps-packed weight
+// (unused slots: empty tensors).
 
 #include "ops.h"
 
 namespace tandem {
 namespace {
+
+enum LinearKind : int64_t { kInt8Gemv = 0, kInt8Vnni = 1, kBf16Packed = 2 };
+
+void linear(int64_t kind, Tensor out, Tensor x, const Tensor& a, const Tensor& b, const Tensor& c, const Tensor& d) {
+  switch (kind) {
+    case kInt8Gemv: return int8_gemv(out, x, a, b);
+    case kInt8Vnni: return int8_vnni_gemm(out, x, a, b, c, d);
+    case kBf16Packed: return bf16_packed_gemm(out, x, a, b);
+    default: TANDEM_CHECK(false, "unknown linear kind ", kind);
+  }
+}
 
 // (hidden, residual) -> (hidden, residual) for one layer; shapes as the module path has them:
 //   hidden, residual [T, E]; qkv [T, (H + 2 Hkv) D] with views qk [T, H + Hkv, D], q [T, H, D],
@@ -19,25 +37,27 @@ namespace {
 void llama_decode_layer(
     Tensor hidden, Tensor residual,
     Tensor input_norm, Tensor post_norm, double eps,
-    Tensor qkv_packed, Tensor qkv_scale, Tensor o_packed, Tensor o_scale,
-    Tensor gate_up_packed, Tensor gate_up_scale, Tensor down_packed, Tensor down_scale,
+    int64_t qkv_kind, Tensor qkv_a, Tensor qkv_b, Tensor qkv_c, Tensor qkv_d,
+    int64_t o_kind, Tensor o_a, Tensor o_b, Tensor o_c, Tensor o_d,
+    int64_t gate_up_kind, Tensor gate_up_a, Tensor gate_up_b, Tensor gate_up_c, Tensor gate_up_d,
+    int64_t down_kind, Tensor down_a, Tensor down_b, Tensor down_c, Tensor down_d,
     Tensor key_cache, Tensor value_cache, double scale, int64_t window, double softcap,
     Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc,
     Tensor qkv, Tensor qk, Tensor q, Tensor k, Tensor v, Tensor attn, Tensor attn_rows,
     Tensor o, Tensor gate_up, Tensor act) {
   // attention: hidden <- norm(hidden + residual), residual <- the sum
   fused_add_rms_norm(hidden, residual, input_norm, eps);
-  int8_gemv(qkv, hidden, qkv_packed, qkv_scale);
+  linear(qkv_kind, qkv, hidden, qkv_a, qkv_b, qkv_c, qkv_d);
   rotary_embedding(qk, cos, sin);
   write_kv_cache(k, v, key_cache, value_cache, slot_mapping);
   paged_attention(attn, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window,
                   softcap);
-  int8_gemv(o, attn_rows, o_packed, o_scale);
+  linear(o_kind, o, attn_rows, o_a, o_b, o_c, o_d);
   // MLP: o <- norm(o + residual); its output goes to hidden, the next layer's input
   fused_add_rms_norm(o, residual, post_norm, eps);
-  int8_gemv(gate_up, o, gate_up_packed, gate_up_scale);
+  linear(gate_up_kind, gate_up, o, gate_up_a, gate_up_b, gate_up_c, gate_up_d);
   silu_and_mul(act, gate_up);
-  int8_gemv(hidden, act, down_packed, down_scale);
+  linear(down_kind, hidden, act, down_a, down_b, down_c, down_d);
 }
 
 }  // namespace
@@ -46,8 +66,10 @@ void llama_decode_layer(
 STABLE_TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def(
       "llama_decode_layer(Tensor(a!) hidden, Tensor(b!) residual, Tensor input_norm, Tensor post_norm, "
-      "float eps, Tensor qkv_packed, Tensor qkv_scale, Tensor o_packed, Tensor o_scale, "
-      "Tensor gate_up_packed, Tensor gate_up_scale, Tensor down_packed, Tensor down_scale, "
+      "float eps, int qkv_kind, Tensor qkv_a, Tensor qkv_b, Tensor qkv_c, Tensor qkv_d, "
+      "int o_kind, Tensor o_a, Tensor o_b, Tensor o_c, Tensor o_d, "
+      "int gate_up_kind, Tensor gate_up_a, Tensor gate_up_b, Tensor gate_up_c, Tensor gate_up_d, "
+      "int down_kind, Tensor down_a, Tensor down_b, Tensor down_c, Tensor down_d, "
       "Tensor(c!) key_cache, Tensor(d!) value_cache, float scale, int window, float softcap, "
       "Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
       "Tensor query_start_loc, Tensor(e!) qkv, Tensor(f!) qk, Tensor q, Tensor k, Tensor v, "

@@ -14,6 +14,10 @@ void rotary_embedding(Tensor x, Tensor cos, Tensor sin);
 void silu_and_mul(Tensor out, Tensor x);
 // int8_gemv.cpp
 void int8_gemv(Tensor out, Tensor x, Tensor packed, Tensor scale);
+// int8_vnni.cpp
+void int8_vnni_gemm(Tensor out, Tensor x, Tensor packed, Tensor w_scale, Tensor offsets, Tensor bias);
+// bf16_packed.cpp
+void bf16_packed_gemm(Tensor out, Tensor x, Tensor packed, Tensor bias);
 // paged_attention.cpp
 void paged_attention(Tensor out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables,
                      Tensor seq_lens, Tensor query_start_loc, double scale, int64_t window, double softcap);

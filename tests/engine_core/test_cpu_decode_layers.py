@@ -1,4 +1,4 @@
-"""Decoder layers as one C++ op at small decode batches (engine_core/models/cpu_decode_layers.py).
+"""Decoder layers as one C++ op at decode batches (engine_core/models/cpu_decode_layers.py).
 
 The op calls the module path's own kernels in the same order, so its answers are the module
 path's exactly (the first layer's norm(x + 0) is norm(x) bit for bit); the load-time choice
@@ -13,14 +13,15 @@ import torch
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine_core.llm_engine import LLMEngine
 from engine_core.loader import registry
-from engine_core.models.cpu_decode_layers import MAX_ROWS
+from engine_core.models.cpu_decode_layers import GEMV_MAX_ROWS, MAX_ROWS
 from engine_core.sampling_params import SamplingParams
 from kernels import cpu_extension
+from kernels.int8_linear import int8_vnni_supported
 from tests.engine_core.tiny_models import write_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_extension.compiler() is None, reason="needs a C++ compiler for the CPU kernels")
 
-PROMPT_LENGTHS = [3, 9, 14, 20, 6]  # prefill steps of more than MAX_ROWS rows take the modules
+PROMPT_LENGTHS = [3, 9, 14, 20, 6]  # prefill steps of 3 to 32 rows, decode steps of 5
 
 
 @pytest.fixture(scope="module")
@@ -34,16 +35,29 @@ def tiny_mistral_dir(tmp_path_factory):  # a sliding window shorter than the pro
                             vocab_size=256, sliding_window=8, head_dim=16)
 
 
-def timer_preferring(winner: str):
-    """A load-time timer under which `winner` ('one_op' or 'modules') is twice as fast."""
+def timer_preferring(winner: str, costs: dict[str, float] | None = None):
+    """A load-time timer under which `winner` ('one_op' or 'modules') is twice as fast; linear
+    kernels cost `costs[kernel]` ms (default 2: a tie, the first candidate wins)."""
     def timer(kernel, rows, fn):
-        fn()  # both paths really run
-        return 1e-3 if kernel == winner else 2e-3
+        fn()  # every path really runs
+        return 1e-3 if kernel == winner else (costs or {}).get(kernel, 2.0) * 1e-3
     return timer
 
 
-def make_engine(folder, monkeypatch, winner="one_op", dtype="float32", quantization="int8", enforce_eager=False):
-    monkeypatch.setattr(registry, "wall_timer", timer_preferring(winner))
+# linear plans whose 32-row kernels the op can call: int8_vnni for q/k/v, o and gate/up, and for
+# down_proj (never W8A8) the bf16 GEMM in bf16 or the GEMV in fp32
+OP_PLANS = {"int8_vnni": 1.0, "linear_bf16_packed": 1.2, "int8_gemv": 1.5}
+
+
+def make_engine(folder, monkeypatch, winner="one_op", dtype="float32", quantization="int8", enforce_eager=False,
+                costs=None):
+    """An engine on the tiny model; with `costs`, the linear plans are timed by the fake clock too
+    (else measured, or read from this machine's plan cache)."""
+    monkeypatch.setattr(registry, "wall_timer", timer_preferring(winner, costs))
+    if costs is not None:
+        import kernels.cpu_linear as cpu_linear
+
+        monkeypatch.setattr(cpu_linear, "_wall_timer", timer_preferring(winner, costs))
     return LLMEngine(EngineConfig(
         model=ModelConfig(model=str(folder), dtype=dtype, quantization=quantization),
         cache=CacheConfig(block_size=4, num_blocks=128),
@@ -59,17 +73,11 @@ def generate(engine, prompts):
     return [(o.outputs[0].token_ids, [(lp.token_ids, lp.logprobs) for lp in o.outputs[0].logprobs]) for o in outputs]
 
 
-@pytest.mark.parametrize("family, dtype", [("llama", "float32"), ("llama", "bfloat16"), ("mistral", "bfloat16")])
-def test_one_op_layers_answer_exactly_as_the_modules(request, monkeypatch, family, dtype):
-    folder = request.getfixturevalue("tiny_model_dir" if family == "llama" else "tiny_mistral_dir")
-    engine = make_engine(folder, monkeypatch, dtype=dtype)
+def answers_with_and_without_op(engine, max_rows):
+    """Greedy answers with the op (checking it serves steps of up to max_rows rows, the decode steps
+    among them) and without it."""
     model = engine.engine_core.model.model
     layers_op = model.decode_layers
-    assert layers_op is not None and layers_op.max_rows == MAX_ROWS
-    for layer in model.layers:  # the buckets the op serves run the GEMV on the module path too
-        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            assert linear.kernel_for(1) == linear.kernel_for(MAX_ROWS) == "int8_gemv"
-
     rows_seen = []
 
     def counting(h, *args):
@@ -77,13 +85,61 @@ def test_one_op_layers_answer_exactly_as_the_modules(request, monkeypatch, famil
         return layers_op(h, *args)
 
     model.decode_layers = counting
-    model.decode_layers.max_rows = MAX_ROWS
+    model.decode_layers.max_rows = layers_op.max_rows
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, 256, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
     with_op = generate(engine, prompts)
-    assert rows_seen and max(rows_seen) <= MAX_ROWS and len(PROMPT_LENGTHS) in rows_seen  # the decode steps
+    assert rows_seen and max(rows_seen) <= max_rows and len(PROMPT_LENGTHS) in rows_seen  # the decode steps
     model.decode_layers = None
-    assert generate(engine, prompts) == with_op
+    without = generate(engine, prompts)
+    model.decode_layers = layers_op
+    return with_op, without, rows_seen
+
+
+def linears_of(model):
+    for layer in model.layers:
+        yield from (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+
+
+@pytest.mark.parametrize("family, dtype", [("llama", "float32"), ("llama", "bfloat16"), ("mistral", "bfloat16")])
+def test_one_op_layers_answer_exactly_as_the_modules(request, monkeypatch, family, dtype):
+    folder = request.getfixturevalue("tiny_model_dir" if family == "llama" else "tiny_mistral_dir")
+    engine = make_engine(folder, monkeypatch, dtype=dtype, costs={"int8_gemv": 1.0})  # the GEMV's plan at 32 too
+    model = engine.engine_core.model.model
+    assert model.decode_layers is not None and model.decode_layers.max_rows == MAX_ROWS
+    for linear in linears_of(model):  # the buckets the op serves run the GEMV on the module path too
+        assert linear.kernel_for(1) == linear.kernel_for(MAX_ROWS) == "int8_gemv"
+    with_op, without, _ = answers_with_and_without_op(engine, MAX_ROWS)
+    assert with_op == without
+
+
+def test_the_op_stops_below_a_bucket_whose_plan_it_cannot_run(tiny_model_dir, monkeypatch):
+    engine = make_engine(tiny_model_dir, monkeypatch, costs={"int8_weight_only": 1.0})  # torch's kernel at 32 rows
+    model = engine.engine_core.model.model
+    assert model.decode_layers.max_rows == GEMV_MAX_ROWS
+    assert model.layers[0].mlp.gate_up_proj.kernel_for(MAX_ROWS) == "int8_weight_only"
+    with_op, without, _ = answers_with_and_without_op(engine, GEMV_MAX_ROWS)
+    assert with_op == without
+
+
+@pytest.mark.skipif(not int8_vnni_supported(), reason="needs the AVX512-VNNI build (int8_vnni)")
+@pytest.mark.parametrize("dtype, quantization, down", [("float32", "int8", "int8_gemv"),
+                                                       ("bfloat16", "auto", "linear_bf16_packed")])
+def test_above_the_gemv_buckets_the_op_runs_each_linears_plan(tiny_model_dir, monkeypatch, dtype, quantization, down):
+    """At 32 rows the op calls the kernels the linears' plans name there, so it answers as the modules."""
+    from kernels.bf16_linear import bf16_packed_supported
+
+    if down == "linear_bf16_packed" and not bf16_packed_supported():
+        pytest.skip("needs the AVX512-BF16 build (linear_bf16_packed)")
+    engine = make_engine(tiny_model_dir, monkeypatch, dtype=dtype, quantization=quantization, costs=OP_PLANS)
+    model = engine.engine_core.model.model
+    assert model.decode_layers is not None and model.decode_layers.max_rows == MAX_ROWS
+    layer = model.layers[0]
+    assert [linear.kernel_for(MAX_ROWS) for linear in linears_of(model)][:4] == ["int8_vnni"] * 3 + [down]
+    assert layer.mlp.down_proj.kernel_for(GEMV_MAX_ROWS) == "int8_gemv"
+    with_op, without, rows_seen = answers_with_and_without_op(engine, MAX_ROWS)
+    assert any(rows > GEMV_MAX_ROWS for rows in rows_seen)  # the longer prompts' prefill steps
+    assert with_op == without
 
 
 def test_the_modules_stay_where_they_measure_faster(tiny_model_dir, monkeypatch):
