@@ -3,13 +3,13 @@
 At a one-row decode step a SmolLM2 layer is ten small kernels (two norms, four int8 GEMVs,
 rotary, the KV write, attention, SiLU * mul), and reaching each from Python (module calls,
 torch.ops boxing, temporaries) costs about as much as the kernel: some 60 of a layer's 165 us
-on the 2-core EPYC, and the same ~8 ms a step at 32 rows. Where the layers use the C++ fused ops
+on the 2-core EPYC, and the same ~7 ms a step at 32 or 128 rows. Where the layers use the C++ fused ops
 and attention and every linear runs one of Tandem's own kernels (`OP_KERNELS`), `CpuDecodeLayers`
 runs each layer as one op over scratch tensors made once per step. The op calls the same kernels
 in the same order as the module path, so the outputs are the same.
 
 Whether it pays is measured at load like every kernel choice (`choose_decode_layers`), per decode
-bucket up to 32 rows: the model's layers run once through the op and once through the modules
+bucket up to 128 rows (decode batches and short prefill chunks): the model's layers run once through the op and once through the modules
 (each linear on its measured plan), on a scratch KV cache, and the op is kept for the buckets where
 it wins. Up to 8 rows the op runs every linear on the int8 GEMV (one read of each weight), and
 those linears' plans then name the GEMV; above, each linear runs the kernel its plan names for the
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 GEMV = "int8_gemv"
 GEMV_MAX_ROWS = 8  # up to here the op runs every linear on the GEMV; above, each linear's own plan
-MAX_ROWS = 32  # the decode buckets the op is timed for
+MAX_ROWS = 128  # the decode buckets the op is timed for
 OP_KERNELS = {"int8_gemv": 0, "int8_vnni": 1, "linear_bf16_packed": 2}  # the linear kernels the op calls (kinds)
 _EMPTY = torch.empty(0)
 LayerLinears = list[tuple[str, object]]  # one layer's four linears: (kernel name, its prepared state)
