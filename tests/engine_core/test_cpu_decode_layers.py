@@ -126,7 +126,7 @@ def test_the_op_stops_below_a_bucket_whose_plan_it_cannot_run(tiny_model_dir, mo
 @pytest.mark.parametrize("dtype, quantization, down", [("float32", "int8", "int8_gemv"),
                                                        ("bfloat16", "auto", "linear_bf16_packed")])
 def test_above_the_gemv_buckets_the_op_runs_each_linears_plan(tiny_model_dir, monkeypatch, dtype, quantization, down):
-    """At 32 rows the op calls the kernels the linears' plans name there, so it answers as the modules."""
+    """Above 8 rows the op calls the kernels the linears' plans name there, so it answers as the modules."""
     from kernels.bf16_linear import bf16_packed_supported
 
     if down == "linear_bf16_packed" and not bf16_packed_supported():
@@ -135,7 +135,7 @@ def test_above_the_gemv_buckets_the_op_runs_each_linears_plan(tiny_model_dir, mo
     model = engine.engine_core.model.model
     assert model.decode_layers is not None and model.decode_layers.max_rows == MAX_ROWS
     layer = model.layers[0]
-    assert [linear.kernel_for(MAX_ROWS) for linear in linears_of(model)][:4] == ["int8_vnni"] * 3 + [down]
+    assert [linear.kernel_for(32) for linear in linears_of(model)][:4] == ["int8_vnni"] * 3 + [down]
     assert layer.mlp.down_proj.kernel_for(GEMV_MAX_ROWS) == "int8_gemv"
     with_op, without, rows_seen = answers_with_and_without_op(engine, MAX_ROWS)
     assert any(rows > GEMV_MAX_ROWS for rows in rows_seen)  # the longer prompts' prefill steps
