@@ -13,6 +13,7 @@ import torch
 
 from kernels.int8_linear import (
     int8_vnni_supported,
+    int_mm_is_exact,
     prepare_int8_dynamic,
     prepare_int8_vnni,
     run_int8_dynamic,
@@ -21,6 +22,15 @@ from kernels.int8_linear import (
 
 pytestmark = pytest.mark.skipif(not int8_vnni_supported(),
                                 reason="int8_vnni needs the C++ kernels built for a CPU with AVX512-VNNI")
+
+
+@pytest.fixture(autouse=True)
+def exact_int_mm(monkeypatch):
+    """The reference's int8 GEMM sums exactly: where oneDNN's saturates (its AVX2 path, as under
+    ONEDNN_MAX_CPU_ISA=AVX2: `int_mm_is_exact`), exact integer sums through float64 stand in."""
+    if not int_mm_is_exact():
+        monkeypatch.setattr(torch, "_int_mm", lambda a, b: (a.double() @ b.double()).to(torch.int32))
+
 
 # (rows, in, out): row tiles of 8 and blocks of 128 rows with tails, column groups of 48 with
 # tails of whole and partial 16-column blocks
