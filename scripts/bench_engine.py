@@ -46,7 +46,7 @@ limit_openmp_spinning()  # as tandem-engine does, before torch loads: the in-pro
 from clients.bench.prompts import synthetic_prompts  # noqa: E402
 from scripts.bench_peers import SHARED_TOOLS, build_llama, floor_ms, floor_of_plans, run_floor, run_llama  # noqa: E402
 from scripts.bench_sides import (  # noqa: E402
-    WARM_UP, WARM_UP_TOKENS, GrpcSide, combine, in_process_round, stolen, transport_round,
+    WARM_UP, WARM_UP_TOKENS, GrpcSide, combine, in_process_round, transport_round, with_steal,
 )
 
 
@@ -194,13 +194,10 @@ def main() -> int:
             for n, prompts in workloads.items():
                 part = prompts[r::args.rounds]
                 engine.engine_core.reset_prefix_cache()  # the two in-process sides share the core: cold for each
-                with stolen(rounds[n]["in_process"]):
-                    rounds[n]["in_process"].append(in_process_round(engine, part, n))
+                rounds[n]["in_process"].append(with_steal(in_process_round, engine, part, n))
                 engine.engine_core.reset_prefix_cache()
-                with stolen(rounds[n]["transport"]):
-                    rounds[n]["transport"].append(transport_round(engine, model_path, model_path, part, n))
-                with stolen(rounds[n]["grpc"]):
-                    rounds[n]["grpc"].append(grpc_side.round(part, n))
+                rounds[n]["transport"].append(with_steal(transport_round, engine, model_path, model_path, part, n))
+                rounds[n]["grpc"].append(with_steal(grpc_side.round, part, n))
                 print(f"round {r + 1}/{args.rounds}, {n} streams: done", file=sys.stderr, flush=True)
     del engine
     llama = {} if args.no_llama else run_llama({n: p[:max(n, args.min_requests)] for n, p in workloads.items()})

@@ -104,11 +104,10 @@ def build_llama() -> None:
 def run_llama(workloads: dict[int, list[BenchPrompt]]) -> dict[int, dict]:
     """llama-server with -np N for each workload of N streams, warmed up, then the same prompts
     (after `build_llama()`)."""
-    script = LLAMA_SCRIPT
     results = {}
     for streams, prompts in workloads.items():
         port = free_port()
-        server = subprocess.Popen(["bash", str(script), "serve", str(streams), str(port)],
+        server = subprocess.Popen(["bash", str(LLAMA_SCRIPT), "serve", str(streams), str(port)],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             url = f"http://127.0.0.1:{port}"

@@ -27,6 +27,7 @@ import statistics
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from typing import Callable
 
 from clients.async_client import AsyncTandemClient
 from clients.bench.backends import TandemBackend
@@ -38,8 +39,8 @@ from scripts.bench_peers import cpu_seconds, steal_seconds
 from services.cpu_priority import set_cpu_priority
 
 STEP_METRIC = "tandem:engine_step_duration_seconds"
-WARM_UP = [BenchPrompt(None, (1, 2, 3, 4), 8)]  # a connection's first request; bench_engine warms each point too
 WARM_UP_TOKENS = 8
+WARM_UP = [BenchPrompt(None, (1, 2, 3, 4), WARM_UP_TOKENS)]  # a connection's first request (bench_engine: each point)
 PROCESSES = ("engine", "frontend", "client")
 _request_ids = itertools.count()
 
@@ -59,13 +60,12 @@ class Round:
         return 1000 * self.step_s / max(self.steps, 1)
 
 
-@contextlib.contextmanager
-def stolen(rounds: list[Round]):
-    """Adds the steal time over the block to the round it appends to `rounds`."""
-    before, count = steal_seconds(), len(rounds)
-    yield
-    if len(rounds) > count:
-        rounds[-1].steal_s = steal_seconds() - before
+def with_steal(run_round: Callable[..., Round], *args) -> Round:
+    """The round `run_round(*args)` returns, with the steal time over it."""
+    before = steal_seconds()
+    one = run_round(*args)
+    one.steal_s = steal_seconds() - before
+    return one
 
 
 def combine(rounds: list[Round]) -> dict:

@@ -8,12 +8,13 @@ and attention and every linear runs one of Tandem's own kernels (`OP_KERNELS`), 
 runs each layer as one op over scratch tensors made once per step. The op calls the same kernels
 in the same order as the module path, so the outputs are the same.
 
-Whether it pays is measured at load like every kernel choice (`choose_decode_layers`), per decode
-bucket up to 128 rows (decode batches and short prefill chunks): the model's layers run once through the op and once through the modules
-(each linear on its measured plan), on a scratch KV cache, and the op is kept for the buckets where
-it wins. Up to 8 rows the op runs every linear on the int8 GEMV (one read of each weight), and
-those linears' plans then name the GEMV; above, each linear runs the kernel its plan names for the
-bucket (int8_vnni, linear_bf16_packed, ...), if the op can call it.
+Whether it pays is measured at load like every kernel choice (`choose_decode_layers`), per
+bucket up to 128 rows (decode batches and short prefill chunks): the model's layers run once
+through the op and once through the modules (each linear on its measured plan), on a scratch KV
+cache, and the op is kept for the buckets where it wins. Up to 8 rows the op runs every linear
+on the int8 GEMV (one read of each weight), and those linears' plans then name the GEMV; above,
+each linear runs the kernel its plan names for the bucket (int8_vnni, linear_bf16_packed, ...),
+if the op can call it.
 Where the layers do not fit (biases, q/k norms, Gemma's layers, the torch attention or layer
 ops, `--enforce-eager`, quantization none) or the op loses, the model keeps its module path.
 """
@@ -26,7 +27,7 @@ import torch
 
 from engine_core.models.llama import LlamaDecoderLayer, LlamaModel
 from kernels import AttentionMetadata
-from kernels.cpu_linear import BUCKETS, CpuLinear, allowed_kernels, kernel_fits, prepare_int8_gemv
+from kernels.cpu_linear import BUCKETS, allowed_kernels, kernel_fits, prepare_int8_gemv
 from kernels.linear_timing import Timer, fastest_uncontended, one_thread, wall_timer
 
 logger = logging.getLogger(__name__)
@@ -158,12 +159,13 @@ def choose_decode_layers(
         if rows <= GEMV_MAX_ROWS:
             candidate = [[(GEMV, state) for state in layer] for layer in gemvs]
         else:
-            candidate = [[(linear.kernel_for(rows), linear.state(linear.kernel_for(rows))) for linear in layer]
-                         for layer in linears]
-            planned = {kernel for layer in candidate for kernel, _ in layer}
-            if not planned <= set(OP_KERNELS):
-                results.append(f"{rows} rows: not in the op ({', '.join(sorted(planned - set(OP_KERNELS)))})")
+            kernels = [[linear.kernel_for(rows) for linear in layer] for layer in linears]
+            outside = {kernel for layer in kernels for kernel in layer} - set(OP_KERNELS)
+            if outside:
+                results.append(f"{rows} rows: not in the op ({', '.join(sorted(outside))})")
                 break
+            candidate = [[(kernel, linear.state(kernel)) for linear, kernel in zip(layer, layer_kernels)]
+                         for layer, layer_kernels in zip(linears, kernels)]
         timings = _time_both(model, CpuDecodeLayers(model, {rows: candidate}), rows, timer)
         results.append(f"{rows} rows: op {timings['one_op'] * 1e3:.2f} ms, modules {timings['modules'] * 1e3:.2f} ms")
         if timings["one_op"] >= timings["modules"]:
