@@ -8,9 +8,10 @@ memory-bound decode), the same int8 weights through Tandem's C++ GEMV for a few 
 streaming the weight at close to memory speed), int8 dynamic W8A8 (per-token int8 activations x
 int8 weights through `torch._int_mm`, VNNI/AMX, compute-bound batches; or through Tandem's GEMM
 over a VNNI-packed weight, `int8_vnni`, for decode batches) or int4 in GGUF's 4-bit
-blocks (kernels/int4_linear.py). The loader times each allowed kernel on the model's real shapes
-per batch bucket (`choose_plan`) and swaps every `nn.Linear` for a `CpuLinear` that dispatches on
-the number of rows (`use_measured_linears`).
+blocks (kernels/int4_linear.py: torch's `int4`, or Tandem's C++ GEMV for a few rows, `int4_gemv`).
+The loader times each allowed kernel on the model's real shapes per batch bucket (`choose_plan`)
+and swaps every `nn.Linear` for a `CpuLinear` that dispatches on the number of rows
+(`use_measured_linears`).
 
 Quantized weights are made on load from the float ones: int8 in kernels/int8_linear.py, int4 in
 kernels/int4_linear.py (tests/kernels/test_cpu_linear.py states the tolerances and why).
@@ -26,7 +27,10 @@ from torch import nn
 
 from kernels import cpu_extension, linear_plan_cache, linear_timing
 from kernels.bf16_linear import bf16_packed_supported, prepare_bf16_packed, run_bf16_packed
-from kernels.int4_linear import GROUP_SIZE, dequantize_int4, int4_supported, prepare_int4, quantize_int4, run_int4
+from kernels.int4_linear import (
+    GROUP_SIZE, dequantize_int4, int4_gemv_supported, int4_supported, prepare_int4, prepare_int4_gemv, quantize_int4,
+    run_int4, run_int4_gemv,
+)
 from kernels.int8_linear import (  # noqa: F401 (quantize_int8 / dequantize_int8 re-exported)
     dequantize_int8, int8_vnni_supported, int_mm_is_exact, prepare_int8_dynamic, prepare_int8_gemv, prepare_int8_vnni,
     prepare_int8_weight_only, quantize_int8, run_int8_dynamic, run_int8_gemv, run_int8_vnni, run_int8_weight_only,
@@ -54,7 +58,10 @@ W8A8_KERNELS = ("int8_dynamic", "int8_vnni")  # activations rounded to int8 too 
 # 128, stays at 32: its sums round differently from oneDNN's in ~0.01 % of outputs, and on the
 # 128 bucket that flipped SmolLM2's greedy bf16 chat answer (tests/test_default_model.py) from
 # "Paris" to "L'Étoile ...", an answer on a knife's edge (W8A8 down_proj flipped it the same way).
-MAX_ROWS = {"int8_vnni": 128, "linear_bf16_packed": 32}
+# int4_gemv streams 5-bit weights for a few rows (1.1-1.45x int8_gemv at one row on the Zen 4) and
+# is level with int8_gemv by 8, where its group-by-group fp32 sums cost as much as the reads saved.
+MAX_ROWS = {"int8_vnni": 128, "linear_bf16_packed": 32, "int4_gemv": 8}
+INT4_KERNELS = ("int4", "int4_gemv")  # only where the weights are int4 (see _kernels_for)
 QUANTIZATIONS = ("auto", "int8", "int4", "none")
 _TIMING_BYTES = 64 * 2**20  # weights timed in turn: enough to leave the caches, as a real step does
 _MIN_CALLS = 8  # timed calls per kernel and bucket at least (more while under _BUDGET_S)
@@ -93,6 +100,7 @@ KERNELS = {
     "linear_onednn": (prepare_onednn, run_onednn),
     "linear_bf16_packed": (prepare_bf16_packed, run_bf16_packed),
     "int4": (prepare_int4, run_int4),
+    "int4_gemv": (prepare_int4_gemv, run_int4_gemv),
 }
 
 
@@ -100,9 +108,11 @@ def kernel_fits(kernel: str, weight: torch.Tensor) -> bool:
     """Whether `kernel` can hold this weight: torch packs int4 only for some shapes, oneDNN only
     the float types this build and CPU support, W8A8 needs an int8 GEMM that does not saturate, the
     int8 GEMV Tandem's C++ kernels and int8_vnni (linear_bf16_packed) those kernels built for
-    AVX512-VNNI (AVX512-BF16, bf16 weights)."""
+    AVX512-VNNI (AVX512-BF16, bf16 weights); int4_gemv like int8_vnni, in whole groups of 32."""
     if kernel == "int4":
         return int4_supported(*weight.shape)
+    if kernel == "int4_gemv":
+        return int4_gemv_supported(weight)
     if kernel == "linear_onednn":
         return onednn_supported(weight.dtype)
     if kernel == "int8_dynamic":
@@ -126,6 +136,12 @@ def int4_is_exact(weight: torch.Tensor) -> bool:
     error = (dequantize_int4(*quantize_int4(w)) - w).abs().reshape(w.shape[0], -1, GROUP_SIZE)
     group_max = w.abs().reshape(w.shape[0], -1, GROUP_SIZE).amax(-1, keepdim=True)
     return bool((error <= 2 * torch.finfo(weight.dtype).eps * group_max).all())
+
+
+def int4_allowed(quantization: str, weight: torch.Tensor) -> bool:
+    """Whether `quantization` lets this weight run an int4 kernel: `int4` always, `auto` where int4
+    holds it exactly (`int4_is_exact`)."""
+    return quantization == "int4" or (quantization == "auto" and int4_is_exact(weight))
 
 
 class CpuLinear(nn.Module):
@@ -187,9 +203,9 @@ class CpuLinear(nn.Module):
 # ---- choosing by measurement ----
 
 def allowed_kernels(quantization: str) -> tuple[str, ...]:
-    """none: float kernels only; int8: both int8 kernels; int4: int4 (the int8 kernels for shapes
-    torch cannot pack as int4); auto: float kernels and both int8 kernels, plus int4 for layers it
-    holds exactly (`int4_is_exact`, checked by `use_measured_linears`).
+    """none: float kernels only; int8: the int8 kernels; int4: the int4 kernels (the int8 ones for
+    shapes they cannot take); auto: float kernels and the int8 kernels, plus the int4 ones for layers
+    int4 holds exactly (`int4_is_exact`, checked by `_kernels_for`).
 
     In auto, W8A8 is timed like the rest and wins only where the GEMM is compute-bound: on the
     2-core EPYC Zen 4 from 32 rows on (prefill chunks 1.7x faster than oneDNN bf16 on q/k/v,
@@ -197,7 +213,7 @@ def allowed_kernels(quantization: str) -> tuple[str, ...]:
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    return {"none": FLOAT_KERNELS, "int8": INT8_KERNELS, "int4": ("int4",) + INT8_KERNELS,
+    return {"none": FLOAT_KERNELS, "int8": INT8_KERNELS, "int4": INT4_KERNELS + INT8_KERNELS,
             "auto": FLOAT_KERNELS + INT8_KERNELS}[quantization]
 
 
@@ -222,9 +238,9 @@ def _kernels_for(quantization: str, weights: list[torch.Tensor], role: str) -> t
     if role == "down_proj":  # outlier activations: see the docstring
         kernels = [k for k in kernels if k not in W8A8_KERNELS] or kernels
     if quantization == "int4" and "int4" in kernels:
-        kernels = ["int4"]  # int8 is only the fallback for shapes int4 cannot take
+        kernels = [k for k in INT4_KERNELS if k in kernels]  # int8 is only the fallback for shapes int4 cannot take
     elif quantization == "auto" and all(int4_is_exact(w) for w in weights):
-        kernels.append("int4")
+        kernels += [k for k in INT4_KERNELS if all(kernel_fits(k, w) for w in weights)]
     return tuple(kernels)
 
 

@@ -1,9 +1,11 @@
 """Int4 weights for CPU linear layers: groups of 32 inputs, one scale and one zero per group.
 
-The layout is GGUF's own 4-bit block (32 weights, a scale and a zero), and the multiply is
-torch's `_weight_int4pack_mm_for_cpu` (w = (q - 8) * scale + zero per group; bf16
-activations: its fp32 path is exact but 10-60x slower). Each group keeps whichever of two
-grids reconstructs it better:
+The layout is GGUF's own 4-bit block (32 weights, a scale and a zero). Two kernels multiply by it:
+torch's `_weight_int4pack_mm_for_cpu` (`int4`: w = (q - 8) * scale + zero per group; bf16
+activations: its fp32 path is exact but 10-60x slower), and for a few rows Tandem's C++ GEMV
+(`int4_gemv`, kernels/csrc/int4_gemv.cpp, where the CPU has AVX512-VNNI: 5 bits a weight read
+at close to memory speed, activations rounded to 16 bits per row as int8_gemv's are, fp16 scales
+and mins). Each group keeps whichever of two grids reconstructs it better:
 
 - asymmetric, GGUF Q4_1: scale = (max - min) / 15, zero = min (llama.cpp's Q4_1 quantizer)
 - symmetric, GGUF Q4_0: scale = -v / 8 where v is the group's value of largest magnitude
@@ -19,6 +21,9 @@ checkpoint this way is lossy (~8-10 % relative error per weight): that is the us
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+from kernels.packed_weights import COLUMNS, padded_columns
 
 GROUP_SIZE = 32  # GGUF's block; torch's kernel takes 32, 64, 128 or 256
 _N_MULTIPLE = 16  # torch's CPU int4 packing wants out_features divisible by 16
@@ -87,4 +92,40 @@ def run_int4(state, x: torch.Tensor) -> torch.Tensor:
     packed, group_size, scales_and_zeros, bias, dtype = state
     y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), packed, group_size, scales_and_zeros)
     y = y.to(dtype)
+    return y if bias is None else y + bias
+
+
+def int4_gemv_supported(weight: torch.Tensor) -> bool:
+    """Whether `int4_gemv` can hold this weight: Tandem's kernels built for AVX512-VNNI, float
+    weights, whole groups, and each group's scale and min within fp16's range."""
+    from kernels.int8_linear import int8_vnni_supported  # the same build requirement
+
+    if weight.dtype not in (torch.float32, torch.bfloat16) or weight.shape[1] % GROUP_SIZE:
+        return False
+    if not int8_vnni_supported():
+        return False
+    largest = weight.detach().abs().amax().item()  # a group's scale and min are at most ~this
+    return largest <= torch.finfo(torch.float16).max / 2
+
+
+def prepare_int4_gemv(weight: torch.Tensor, bias: torch.Tensor | None):
+    """Quantize and pack a float weight [out, in] for `run_int4_gemv`: the codes two to a byte,
+    [ceil(out/16), in/8, 16, 4] (column c's byte j of an 8-k chunk t: k = 8t + j low, 8t + 4 + j
+    high), and per group the scale and min (w = q * scale + min) in fp16, [ceil(out/16), in/32, 2, 16]."""
+    codes, scales, zeros = quantize_int4(weight)
+    out_f, in_f = codes.shape
+    pad = padded_columns(out_f) - out_f
+    codes = F.pad(codes, (0, 0, 0, pad)).reshape(-1, COLUMNS, in_f // 8, 2, 4)  # [block, col, t, half, j]
+    packed = (codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)).transpose(1, 2).contiguous()  # [block, t, col, j]
+    mins = zeros - 8 * scales  # (q - 8) * scale + zero = q * scale + min
+    pairs = torch.stack([scales, mins], dim=-1)  # [out, groups, 2]
+    pairs = F.pad(pairs, (0, 0, 0, 0, 0, pad)).reshape(-1, COLUMNS, in_f // GROUP_SIZE, 2)
+    return packed, pairs.permute(0, 2, 3, 1).to(torch.float16).contiguous(), bias, out_f
+
+
+def run_int4_gemv(state, x: torch.Tensor) -> torch.Tensor:
+    """Weight-only int4 for a few rows (decode) through the C++ GEMV; outputs in x's dtype."""
+    packed, scales, bias, out_f = state
+    y = torch.empty((x.shape[0], out_f), dtype=x.dtype)
+    torch.ops.tandem.int4_gemv(y, x if x.stride(-1) == 1 else x.contiguous(), packed, scales)
     return y if bias is None else y + bias

@@ -12,7 +12,8 @@ Whether it pays is measured at load like every kernel choice (`choose_decode_lay
 bucket up to 128 rows (decode batches and short prefill chunks): the model's layers run once
 through the op and once through the modules (each linear on its measured plan), on a scratch KV
 cache, and the op is kept for the buckets where it wins. Up to 8 rows the op runs every linear
-on the int8 GEMV (one read of each weight), and those linears' plans then name the GEMV; above,
+on a GEMV (one read of each weight): the int8 one, or the int4 one where the weights are int4 (a
+Q4_0 / Q4_1 GGUF, `--quantization int4`), both timed; those linears' plans then name the GEMV; above,
 each linear runs the kernel its plan names for the bucket (int8_vnni, linear_bf16_packed, ...),
 if the op can call it.
 Where the layers do not fit (biases, q/k norms, Gemma's layers, the torch attention or layer
@@ -27,15 +28,17 @@ import torch
 
 from engine_core.models.llama import LlamaDecoderLayer, LlamaModel
 from kernels import AttentionMetadata
-from kernels.cpu_linear import BUCKETS, allowed_kernels, kernel_fits, prepare_int8_gemv
+from kernels.cpu_linear import BUCKETS, allowed_kernels, int4_allowed, kernel_fits, prepare_int4_gemv, prepare_int8_gemv
 from kernels.linear_timing import Timer, fastest_uncontended, one_thread, wall_timer
 
 logger = logging.getLogger(__name__)
 
 GEMV = "int8_gemv"
-GEMV_MAX_ROWS = 8  # up to here the op runs every linear on the GEMV; above, each linear's own plan
+INT4_GEMV = "int4_gemv"  # the GEMV buckets' other candidate, for linears whose weights are int4
+GEMV_MAX_ROWS = 8  # up to here the op runs every linear on a GEMV; above, each linear's own plan
 MAX_ROWS = 128  # the decode buckets the op is timed for
-OP_KERNELS = {"int8_gemv": 0, "int8_vnni": 1, "linear_bf16_packed": 2}  # the linear kernels the op calls (kinds)
+OP_KERNELS = {"int8_gemv": 0, "int8_vnni": 1, "linear_bf16_packed": 2, "int4_gemv": 3}  # the kernels the op calls (kinds)
+CANDIDATES = {"one_op": "op", "one_op_int4": "op with int4 GEMVs"}  # the timed op variants, as logged
 _EMPTY = torch.empty(0)
 LayerLinears = list[tuple[str, object]]  # one layer's four linears: (kernel name, its prepared state)
 TIMING_CONTEXT = 128  # positions each row of the timing batch attends to
@@ -82,6 +85,9 @@ def _op_args(kernel: str, state) -> tuple:
     if kernel == "linear_bf16_packed":
         packed, bias = state[:2]
         return OP_KERNELS[kernel], packed, bias, _EMPTY, _EMPTY
+    if kernel == "int4_gemv":
+        packed, scales = state[:2]
+        return OP_KERNELS[kernel], packed, scales, _EMPTY, _EMPTY
     raise ValueError(f"the decoder-layer op cannot run {kernel}")
 
 
@@ -143,52 +149,65 @@ def choose_decode_layers(
 ) -> CpuDecodeLayers | None:
     """Time the layers as one op against the module path per decode bucket (up to MAX_ROWS, from the
     smallest, until the op first loses) and return the op for the buckets it wins; the linears of
-    the GEMV buckets have their plans switched to the GEMV. None where the layers do not fit
-    (`weights` None), the GEMV is not allowed, or the op never wins."""
+    the GEMV buckets have their plans switched to the GEMV the op won with there (int8, or int4 for
+    the linears whose weights are int4). None where the layers do not fit (`weights` None), the GEMV
+    is not allowed, or the op never wins."""
     if weights is None or GEMV not in allowed_kernels(quantization):
         return None
     if not all(kernel_fits(GEMV, w) for layer in weights for w in layer):
         return None
     linears = [_linears(layer) for layer in model.layers]
     with one_thread():  # many small packing ops: see linear_timing.one_thread
-        gemvs = [[linear.state(GEMV) or prepare_int8_gemv(w, None) for linear, w in zip(layer, layer_ws)]
-                 for layer, layer_ws in zip(linears, weights)]
+        gemv_candidates = {"one_op": [[(GEMV, linear.state(GEMV) or prepare_int8_gemv(w, None))
+                                       for linear, w in zip(layer, layer_ws)]
+                                      for layer, layer_ws in zip(linears, weights)]}
+        int4 = [[int4_allowed(quantization, w) and kernel_fits(INT4_GEMV, w) for w in layer_ws] for layer_ws in weights]
+        if any(any(layer) for layer in int4):
+            gemv_candidates["one_op_int4"] = [
+                [(INT4_GEMV, linear.state(INT4_GEMV) or prepare_int4_gemv(w, None)) if use else int8
+                 for linear, w, use, int8 in zip(layer, layer_ws, layer_int4, layer_int8)]
+                for layer, layer_ws, layer_int4, layer_int8 in zip(linears, weights, int4, gemv_candidates["one_op"])]
     chosen: dict[int, list[LayerLinears]] = {}
     results = []
     for rows in (b for b in BUCKETS if b <= MAX_ROWS):
         if rows <= GEMV_MAX_ROWS:
-            candidate = [[(GEMV, state) for state in layer] for layer in gemvs]
+            candidates = gemv_candidates
         else:
             kernels = [[linear.kernel_for(rows) for linear in layer] for layer in linears]
             outside = {kernel for layer in kernels for kernel in layer} - set(OP_KERNELS)
             if outside:
                 results.append(f"{rows} rows: not in the op ({', '.join(sorted(outside))})")
                 break
-            candidate = [[(kernel, linear.state(kernel)) for linear, kernel in zip(layer, layer_kernels)]
-                         for layer, layer_kernels in zip(linears, kernels)]
-        timings = _time_both(model, CpuDecodeLayers(model, {rows: candidate}), rows, timer)
-        results.append(f"{rows} rows: op {timings['one_op'] * 1e3:.2f} ms, modules {timings['modules'] * 1e3:.2f} ms")
-        if timings["one_op"] >= timings["modules"]:
+            candidates = {"one_op": [[(kernel, linear.state(kernel)) for linear, kernel in zip(layer, layer_kernels)]
+                                    for layer, layer_kernels in zip(linears, kernels)]}
+        timings = _time_passes(model, {name: CpuDecodeLayers(model, {rows: candidate})
+                                       for name, candidate in candidates.items()}, rows, timer)
+        best = min(candidates, key=timings.get)
+        results.append(f"{rows} rows: " + ", ".join(f"{CANDIDATES[name]} {timings[name] * 1e3:.2f} ms" for name in candidates)
+                       + f", modules {timings['modules'] * 1e3:.2f} ms")
+        if timings[best] >= timings["modules"]:
             break
-        chosen[rows] = candidate
+        chosen[rows] = candidates[best]
     logger.info("decoder layers as one C++ op: %s; %s", f"up to {max(chosen)} rows" if chosen else "not used",
                 "; ".join(results))
     if not chosen:
         return None
-    gemv_rows = max((rows for rows in chosen if rows <= GEMV_MAX_ROWS), default=0)
-    for layer, layer_gemvs in zip(linears, gemvs):
-        for linear, state in zip(layer, layer_gemvs):
-            linear.take_kernel_up_to(gemv_rows, GEMV, state)
+    # the GEMV buckets' plans, the largest first so that a smaller bucket's choice stands below it
+    for rows in sorted((rows for rows in chosen if rows <= GEMV_MAX_ROWS), reverse=True):
+        for layer, layer_linears in zip(linears, chosen[rows]):
+            for linear, (kernel, state) in zip(layer, layer_linears):
+                linear.take_kernel_up_to(rows, kernel, state)
     return CpuDecodeLayers(model, chosen)
 
 
 @torch.inference_mode()
-def _time_both(model: LlamaModel, layers_op: CpuDecodeLayers, rows: int, timer: Timer) -> dict[str, float]:
+def _time_passes(model: LlamaModel, ops: dict[str, CpuDecodeLayers], rows: int, timer: Timer) -> dict[str, float]:
     """Seconds per pass over every layer for `rows` decode rows of TIMING_CONTEXT positions each,
-    through the op and through the modules, on a scratch KV cache."""
+    through each of `ops` (by name) and through the modules ("modules"), on a scratch KV cache."""
     per_row = -(-(TIMING_CONTEXT + 1) // TIMING_BLOCK)
     dtype = model.norm.weight.dtype
-    shape = (rows * per_row + 1, layers_op.num_kv_heads, TIMING_BLOCK, layers_op.head_dim)  # block 0: null
+    some_op = next(iter(ops.values()))
+    shape = (rows * per_row + 1, some_op.num_kv_heads, TIMING_BLOCK, some_op.head_dim)  # block 0: null
     caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in model.layers]
     block_tables = torch.arange(1, rows * per_row + 1, dtype=torch.int32).view(rows, per_row)
     md = AttentionMetadata(
@@ -207,8 +226,9 @@ def _time_both(model: LlamaModel, layers_op: CpuDecodeLayers, rows: int, timer: 
         for layer, kv_cache in zip(model.layers, caches):
             h, residual = layer(rope, h, residual, kv_cache, md)
 
-    def one_op():
-        layers_op(h0.clone(), rope, caches, md)
+    def pass_through(op: CpuDecodeLayers):
+        return lambda: op(h0.clone(), rope, caches, md)
 
-    timings, _ = fastest_uncontended({"modules": modules, "one_op": one_op}, rows, timer)
+    timings, _ = fastest_uncontended({"modules": modules, **{name: pass_through(op) for name, op in ops.items()}},
+                                     rows, timer)
     return timings

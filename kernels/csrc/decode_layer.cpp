@@ -12,6 +12,7 @@
 //   kInt8Gemv    packed, scale                      int8 weight-only GEMV (a few rows)
 //   kInt8Vnni    packed, w_scale, offsets, bias     W8A8 over a VNNI-packed weight
 //   kBf16Packed  packed, bias                       bf16 over a vdpbf16ps-packed weight
+//   kInt4Gemv    packed, scales                     int4 weight-only GEMV (a few rows)
 // (unused slots: empty tensors).
 
 #include "ops.h"
@@ -19,13 +20,14 @@
 namespace tandem {
 namespace {
 
-enum LinearKind : int64_t { kInt8Gemv = 0, kInt8Vnni = 1, kBf16Packed = 2 };
+enum LinearKind : int64_t { kInt8Gemv = 0, kInt8Vnni = 1, kBf16Packed = 2, kInt4Gemv = 3 };
 
 void linear(int64_t kind, Tensor out, Tensor x, const Tensor& a, const Tensor& b, const Tensor& c, const Tensor& d) {
   switch (kind) {
     case kInt8Gemv: return int8_gemv(out, x, a, b);
     case kInt8Vnni: return int8_vnni_gemm(out, x, a, b, c, d);
     case kBf16Packed: return bf16_packed_gemm(out, x, a, b);
+    case kInt4Gemv: return int4_gemv(out, x, a, b);
     default: TANDEM_CHECK(false, "unknown linear kind ", kind);
   }
 }

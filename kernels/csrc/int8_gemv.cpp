@@ -74,43 +74,6 @@ inline void block_dot(const int8_t* w, int64_t k_len, const float* x, int64_t x_
 }
 
 #if TANDEM_HAS_VNNI
-constexpr float kInt16Peak = 32512.0f;  // 127 * 256: the high byte of xq stays a signed byte
-
-// One row of x as 16-bit integers split into bytes: xq = round(x / scale) = 256 * hi + lo, with
-// lo in [-128, 127] and hi in [-127, 127]; sums[0], sums[1]: the sums of lo and of hi, which undo
-// the weight's +128 (sum_k (q + 128) * a = sum_k q * a + 128 * sum_k a).
-template <typename T>
-void split_row(int8_t* lo, int8_t* hi, float* scale, int32_t* sums, const T* x, int64_t n) {
-  const float s = std::max(row_absmax(x, n) / kInt16Peak, 1e-30f);
-  *scale = s;
-  i32x16 lo_sums = {}, hi_sums = {};
-  int32_t lo_tail = 0, hi_tail = 0;
-  for_lanes(n, [&](auto lanes, int64_t i) {
-    using V = decltype(lanes);
-    const V r = round_even(load<V>(x + i) / s);  // |r| <= 32512
-    if constexpr (is_vector<V>) {
-      const i32x16 q = __builtin_convertvector(r, i32x16);
-      const i32x16 l = ((q + 128) & 255) - 128;
-      const i32x16 h = (q - l) >> 8;
-      const i8x16 lb = __builtin_convertvector(l, i8x16), hb = __builtin_convertvector(h, i8x16);
-      std::memcpy(lo + i, &lb, sizeof lb);
-      std::memcpy(hi + i, &hb, sizeof hb);
-      lo_sums += l;
-      hi_sums += h;
-    } else {
-      const int32_t q = int32_t(r), l = ((q + 128) & 255) - 128, h = (q - l) >> 8;
-      lo[i] = int8_t(l);
-      hi[i] = int8_t(h);
-      lo_tail += l;
-      hi_tail += h;
-    }
-  });
-  int32_t lo_total = lo_tail, hi_total = hi_tail;
-  for (int j = 0; j < 16; ++j) lo_total += lo_sums[j], hi_total += hi_sums[j];
-  sums[0] = lo_total;
-  sums[1] = hi_total;
-}
-
 // out[M, N] = (x . (packed - 128)^T) * scale, packed as [ceil(N / 16), K / 4, 16, 4] uint8
 void int8_gemv_vnni(Tensor& out, const Tensor& x, const Tensor& packed, const float* w_scale) {
   const int64_t rows = x.size(0), k_len = x.size(1), n = out.size(1);

@@ -142,6 +142,21 @@ def test_above_the_gemv_buckets_the_op_runs_each_linears_plan(tiny_model_dir, mo
     assert with_op == without
 
 
+@pytest.mark.skipif(not int8_vnni_supported(), reason="needs the AVX512-VNNI build (int4_gemv)")
+def test_int4_weights_run_the_int4_gemv_in_the_op(tiny_model_dir, monkeypatch):
+    """With int4 weights the op's GEMV buckets are timed with the int4 GEMV too; where that wins,
+    the op and the linears' plans both run it there, and the answers stay the modules'."""
+    engine = make_engine(tiny_model_dir, monkeypatch, winner="one_op_int4", quantization="int4")
+    model = engine.engine_core.model.model
+    # above the GEMV buckets the plans name torch's int4, which the op cannot call
+    assert model.decode_layers is not None and model.decode_layers.max_rows == GEMV_MAX_ROWS
+    for linear in linears_of(model):
+        assert linear.kernel_for(1) == linear.kernel_for(GEMV_MAX_ROWS) == "int4_gemv"
+        assert linear.state("int8_gemv") is None  # the int8 copy the op was also timed with is freed
+    with_op, without, _ = answers_with_and_without_op(engine, GEMV_MAX_ROWS)
+    assert with_op == without
+
+
 def test_the_modules_stay_where_they_measure_faster(tiny_model_dir, monkeypatch):
     engine = make_engine(tiny_model_dir, monkeypatch, winner="modules")
     assert engine.engine_core.model.model.decode_layers is None
