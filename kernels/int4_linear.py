@@ -109,23 +109,26 @@ def int4_gemv_supported(weight: torch.Tensor) -> bool:
 
 
 def prepare_int4_gemv(weight: torch.Tensor, bias: torch.Tensor | None):
-    """Quantize and pack a float weight [out, in] for `run_int4_gemv`: the codes two to a byte,
-    [ceil(out/16), in/8, 16, 4] (column c's byte j of an 8-k chunk t: k = 8t + j low, 8t + 4 + j
-    high), and per group the scale and min (w = q * scale + min) in fp16, [ceil(out/16), in/32, 2, 16]."""
+    """Quantize and pack a float weight [out, in] for `run_int4_gemv`: [ceil(out/16), in/32, 320]
+    uint8, per block of 16 columns and group of 32 k the codes two to a byte (four 8-k chunks of
+    64 bytes: column c's byte j of chunk t holds k = 8t + j low, 8t + 4 + j high), then the 16
+    columns' scales and their mins (w = q * scale + min) in fp16."""
     codes, scales, zeros = quantize_int4(weight)
     out_f, in_f = codes.shape
-    pad = padded_columns(out_f) - out_f
-    codes = F.pad(codes, (0, 0, 0, pad)).reshape(-1, COLUMNS, in_f // 8, 2, 4)  # [block, col, t, half, j]
-    packed = (codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)).transpose(1, 2).contiguous()  # [block, t, col, j]
+    pad, groups = padded_columns(out_f) - out_f, in_f // GROUP_SIZE
+    codes = F.pad(codes, (0, 0, 0, pad)).reshape(-1, COLUMNS, groups, 4, 2, 4)  # [block, col, g, t, half, j]
+    nibbles = codes[..., 0, :] | (codes[..., 1, :] << 4)  # [block, col, g, t, j]
+    chunks = nibbles.permute(0, 2, 3, 1, 4).reshape(-1, groups, 4 * COLUMNS * 4)  # [block, g, 256]
     mins = zeros - 8 * scales  # (q - 8) * scale + zero = q * scale + min
-    pairs = torch.stack([scales, mins], dim=-1)  # [out, groups, 2]
-    pairs = F.pad(pairs, (0, 0, 0, 0, 0, pad)).reshape(-1, COLUMNS, in_f // GROUP_SIZE, 2)
-    return packed, pairs.permute(0, 2, 3, 1).to(torch.float16).contiguous(), bias, out_f
+    pairs = F.pad(torch.stack([scales, mins], dim=-1), (0, 0, 0, 0, 0, pad))  # [out, g, 2]
+    pairs = pairs.reshape(-1, COLUMNS, groups, 2).permute(0, 2, 3, 1).to(torch.float16)  # [block, g, 2, 16]
+    scale_bytes = pairs.contiguous().view(torch.uint8).reshape(-1, groups, 4 * COLUMNS)  # [block, g, 64]
+    return torch.cat([chunks, scale_bytes], dim=-1).contiguous(), bias, out_f
 
 
 def run_int4_gemv(state, x: torch.Tensor) -> torch.Tensor:
     """Weight-only int4 for a few rows (decode) through the C++ GEMV; outputs in x's dtype."""
-    packed, scales, bias, out_f = state
+    packed, bias, out_f = state
     y = torch.empty((x.shape[0], out_f), dtype=x.dtype)
-    torch.ops.tandem.int4_gemv(y, x if x.stride(-1) == 1 else x.contiguous(), packed, scales)
+    torch.ops.tandem.int4_gemv(y, x if x.stride(-1) == 1 else x.contiguous(), packed)
     return y if bias is None else y + bias

@@ -86,8 +86,7 @@ def _op_args(kernel: str, state) -> tuple:
         packed, bias = state[:2]
         return OP_KERNELS[kernel], packed, bias, _EMPTY, _EMPTY
     if kernel == "int4_gemv":
-        packed, scales = state[:2]
-        return OP_KERNELS[kernel], packed, scales, _EMPTY, _EMPTY
+        return OP_KERNELS[kernel], state[0], _EMPTY, _EMPTY, _EMPTY
     raise ValueError(f"the decoder-layer op cannot run {kernel}")
 
 

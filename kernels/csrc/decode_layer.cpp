@@ -12,7 +12,7 @@
 //   kInt8Gemv    packed, scale                      int8 weight-only GEMV (a few rows)
 //   kInt8Vnni    packed, w_scale, offsets, bias     W8A8 over a VNNI-packed weight
 //   kBf16Packed  packed, bias                       bf16 over a vdpbf16ps-packed weight
-//   kInt4Gemv    packed, scales                     int4 weight-only GEMV (a few rows)
+//   kInt4Gemv    packed                             int4 weight-only GEMV (a few rows)
 // (unused slots: empty tensors).
 
 #include "ops.h"
@@ -27,7 +27,7 @@ void linear(int64_t kind, Tensor out, Tensor x, const Tensor& a, const Tensor& b
     case kInt8Gemv: return int8_gemv(out, x, a, b);
     case kInt8Vnni: return int8_vnni_gemm(out, x, a, b, c, d);
     case kBf16Packed: return bf16_packed_gemm(out, x, a, b);
-    case kInt4Gemv: return int4_gemv(out, x, a, b);
+    case kInt4Gemv: return int4_gemv(out, x, a);
     default: TANDEM_CHECK(false, "unknown linear kind ", kind);
   }
 }

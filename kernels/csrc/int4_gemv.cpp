@@ -10,12 +10,12 @@
 // (int8_quantize.h's split_row), multiplied by the unsigned codes with vpdpbusd into exact int32
 // sums, one group at a time; each group's sums then meet its scale and min in fp32.
 //
-// Layout (kernels/int4_linear.py packs it):
-//   packed [ceil(N / 16), K / 8, 16, 4] uint8: for each block of 16 output columns and each 8 k,
-//     column c's byte j holds q[c, 8t + j] in its low nibble and q[c, 8t + 4 + j] in its high one,
-//     so one 64-byte load, masked and shifted, is vpdpbusd's weight operand for 4 k twice over;
-//   scales [ceil(N / 16), K / 32, 2, 16] fp16: per block and group, the 16 columns' scales then
-//     their mins (zero-padded columns have both zero).
+// Layout (kernels/int4_linear.py packs it), [ceil(N / 16), K / 32, 320] uint8: per block of 16
+// output columns and group, as GGUF keeps a block's scale beside its codes (one stream to read):
+//   bytes 0-255, four 8-k chunks t of 64 bytes: column c's byte j holds q[c, 8t + j] in its low
+//     nibble and q[c, 8t + 4 + j] in its high one, so one load, masked and shifted, is vpdpbusd's
+//     weight operand for 4 k twice over;
+//   bytes 256-319: the 16 columns' scales, then their mins, in fp16 (padding columns: zeros).
 
 #include "int8_quantize.h"
 #include "ops.h"
@@ -31,6 +31,7 @@ namespace {
 using packed::kCols;
 constexpr int64_t kGroup = 32;        // k per scale: GGUF's block
 constexpr int64_t kChunkBytes = 64;   // one load: 8 k of 16 columns
+constexpr int64_t kGroupBytes = 320;  // a block's group: 4 chunks, then 16 fp16 scales and 16 mins
 constexpr int kMaxTileRows = 4;       // rows of x per pass over a block's codes
 constexpr int64_t kUnitBlocks = 4;    // blocks a thread claims at a time
 
@@ -40,7 +41,7 @@ inline __m512i broadcast4(const int8_t* p) {
   return _mm512_set1_epi32(four);
 }
 
-// y[r * C + c]: 16 columns of block c (block_codes / block_scales apart) for R rows of x, whose
+// y[r * C + c]: 16 columns of block c (block_bytes apart) for R rows of x, whose
 // byte rows 2r (low) and 2r + 1 (high) are `k_len` apart; group_sums[r * groups + g]: the sum of
 // row r's 16-bit integers over group g. R x C is chosen so the 2R x C int32 sums, the 2C weight
 // operands and the R x C fp32 totals stay in registers, with enough independent sums to keep
@@ -48,8 +49,7 @@ inline __m512i broadcast4(const int8_t* p) {
 // null), prefetched a line per block per step: the codes come from memory once per step, and
 // the hardware prefetchers alone left the int4 GEMV at 22 GB/s where int8_gemv streams 29.
 template <int R, int C>
-void tile_sums(const uint8_t* codes, int64_t block_codes, const uint16_t* scales, int64_t block_scales,
-               int64_t groups, const int8_t* bytes, int64_t k_len, const float* group_sums, const uint8_t* next,
+void tile_sums(const uint8_t* weight, int64_t block_bytes, int64_t groups, const int8_t* bytes, int64_t k_len, const float* group_sums, const uint8_t* next,
                f32x16* y) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 total[R][C];
@@ -61,11 +61,14 @@ void tile_sums(const uint8_t* codes, int64_t block_codes, const uint16_t* scales
       for (int c = 0; c < C; ++c) sums[b][c] = _mm512_setzero_si512();
     for (int64_t t = 0; t < kGroup / 8; ++t) {
       __m512i first[C], second[C];  // k 8t .. 8t + 3 and 8t + 4 .. 8t + 7
-      const int64_t offset = (g * (kGroup / 8) + t) * kChunkBytes;
-      if (next != nullptr)
-        for (int c = 0; c < C; ++c) __builtin_prefetch(next + c * block_codes + offset, 0, 2);
+      const int64_t offset = g * kGroupBytes + t * kChunkBytes;
+      if (next != nullptr) {
+        for (int c = 0; c < C; ++c) __builtin_prefetch(next + c * block_bytes + offset, 0, 2);
+        if (t == 0)  // the group's scales and mins: its fifth line
+          for (int c = 0; c < C; ++c) __builtin_prefetch(next + c * block_bytes + g * kGroupBytes + 256, 0, 2);
+      }
       for (int c = 0; c < C; ++c) {
-        const __m512i raw = _mm512_loadu_si512(codes + c * block_codes + offset);
+        const __m512i raw = _mm512_loadu_si512(weight + c * block_bytes + offset);
         first[c] = _mm512_and_si512(raw, nibble);
         second[c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
       }
@@ -79,9 +82,9 @@ void tile_sums(const uint8_t* codes, int64_t block_codes, const uint16_t* scales
       }
     }
     for (int c = 0; c < C; ++c) {
-      const uint16_t* sc = scales + c * block_scales + g * 2 * kCols;
+      const uint8_t* sc = weight + c * block_bytes + g * kGroupBytes + 256;
       const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
-      const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + kCols)));
+      const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 2 * kCols)));
       for (int r = 0; r < R; ++r) {
         // 256 * high + low: at most 32 * 15 * 32512 < 2^24, exact in int32 and in fp32
         const __m512i q = _mm512_add_epi32(_mm512_slli_epi32(sums[2 * r + 1][c], 8), sums[2 * r][c]);
@@ -94,7 +97,7 @@ void tile_sums(const uint8_t* codes, int64_t block_codes, const uint16_t* scales
     for (int c = 0; c < C; ++c) y[r * C + c] = bit_cast<f32x16>(total[r][c]);
 }
 
-void int4_gemv_vnni(Tensor& out, const Tensor& x, const uint8_t* codes, const uint16_t* scales) {
+void int4_gemv_vnni(Tensor& out, const Tensor& x, const uint8_t* weight) {
   const int64_t rows = x.size(0), k_len = x.size(1), n = out.size(1);
   const int64_t blocks = (n + kCols - 1) / kCols, groups = k_len / kGroup;
   std::vector<int8_t> bytes(2 * rows * k_len);  // byte rows: 2r the low bytes of row r, 2r + 1 the high
@@ -114,7 +117,7 @@ void int4_gemv_vnni(Tensor& out, const Tensor& x, const uint8_t* codes, const ui
       }
     }
   });
-  const int64_t block_codes = k_len / 8 * kChunkBytes, block_scales = groups * 2 * kCols;
+  const int64_t block_bytes = groups * kGroupBytes;
   const int64_t out_stride = out.stride(0), units = (blocks + kUnitBlocks - 1) / kUnitBlocks;
   dispatch_float_bf16(out, [&](auto tag) {
     using T = decltype(tag);
@@ -123,8 +126,7 @@ void int4_gemv_vnni(Tensor& out, const Tensor& x, const uint8_t* codes, const ui
     auto tile = [&](auto rows_tag, auto blocks_tag, int64_t r0, int64_t first, const uint8_t* next) {
       constexpr int R = decltype(rows_tag)::value, C = decltype(blocks_tag)::value;
       f32x16 y[R * C];
-      tile_sums<R, C>(codes + first * block_codes, block_codes, scales + first * block_scales, block_scales, groups,
-                      &bytes[2 * r0 * k_len], k_len, &group_sums[r0 * groups], next, y);
+      tile_sums<R, C>(weight + first * block_bytes, block_bytes, groups, &bytes[2 * r0 * k_len], k_len, &group_sums[r0 * groups], next, y);
       for (int c = 0; c < C; ++c) {
         const int64_t col = (first + c) * kCols, count = std::min<int64_t>(kCols, n - col);
         for (int r = 0; r < R; ++r)
@@ -149,7 +151,7 @@ void int4_gemv_vnni(Tensor& out, const Tensor& x, const uint8_t* codes, const ui
           const int64_t tile_rows = std::min<int64_t>(kMaxTileRows, rows - r0);
           for (int64_t b = first; b < first + count;) {
             const uint8_t* next =
-                prefetch && r0 == 0 ? codes + (following * kUnitBlocks + b - first) * block_codes : nullptr;
+                prefetch && r0 == 0 ? weight + (following * kUnitBlocks + b - first) * block_bytes : nullptr;
             if (tile_rows == 1 && b + 4 <= first + count) { tile(One{}, Four{}, r0, b, next); b += 4; continue; }
             if (tile_rows <= 2 && b + 2 <= first + count) {
               tile_rows == 1 ? tile(One{}, Two{}, r0, b, next) : tile(Two{}, Two{}, r0, b, next);
@@ -178,30 +180,27 @@ void int4_gemv_vnni(Tensor& out, const Tensor& x, const uint8_t* codes, const ui
 }  // namespace
 
 // out[M, N] = x[M, K] . w^T with w in 4-bit groups of 32 (see the top of this file)
-void int4_gemv(Tensor out, Tensor x, Tensor packed, Tensor scales) {
+void int4_gemv(Tensor out, Tensor x, Tensor packed) {
   TANDEM_CHECK(TANDEM_HAS_VNNI, "int4_gemv needs a build for a CPU with AVX512-VNNI");
   check_rows(x, 2, "x");
   check_rows(out, 2, "out");
   check_cpu_dtype(packed, ScalarType::Byte, "packed");
-  check_cpu_dtype(scales, ScalarType::Half, "scales");
   const int64_t rows = x.size(0), k_len = x.size(1), n = out.size(1);
   const int64_t blocks = (n + 15) / 16;
   TANDEM_CHECK(out.size(0) == rows && out.scalar_type() == x.scalar_type(), "out must be [M, N] in x's dtype");
   TANDEM_CHECK(k_len % 32 == 0, "x must be [M, K] with K a multiple of 32 (the int4 group)");
-  TANDEM_CHECK(packed.is_contiguous() && packed.dim() == 4 && packed.size(0) == blocks && packed.size(1) == k_len / 8 &&
-                   packed.size(2) == 16 && packed.size(3) == 4, "packed must be [ceil(N / 16), K / 8, 16, 4], contiguous");
-  TANDEM_CHECK(scales.is_contiguous() && scales.dim() == 4 && scales.size(0) == blocks &&
-                   scales.size(1) == k_len / 32 && scales.size(2) == 2 && scales.size(3) == 16,
-               "scales must be [ceil(N / 16), K / 32, 2, 16] fp16, contiguous");
+  TANDEM_CHECK(packed.is_contiguous() && packed.dim() == 3 && packed.size(0) == blocks &&
+                   packed.size(1) == k_len / 32 && packed.size(2) == kGroupBytes,
+               "packed must be [ceil(N / 16), K / 32, 320] uint8, contiguous");
 #if TANDEM_HAS_VNNI
-  int4_gemv_vnni(out, x, ptr<uint8_t>(packed), ptr<uint16_t>(scales));
+  int4_gemv_vnni(out, x, ptr<uint8_t>(packed));
 #endif
 }
 
 }  // namespace tandem
 
 STABLE_TORCH_LIBRARY_FRAGMENT(tandem, m) {
-  m.def("int4_gemv(Tensor(a!) out, Tensor x, Tensor packed, Tensor scales) -> ()");
+  m.def("int4_gemv(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(tandem, CPU, m) {

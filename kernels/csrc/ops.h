@@ -15,7 +15,7 @@ void silu_and_mul(Tensor out, Tensor x);
 // int8_gemv.cpp
 void int8_gemv(Tensor out, Tensor x, Tensor packed, Tensor scale);
 // int4_gemv.cpp
-void int4_gemv(Tensor out, Tensor x, Tensor packed, Tensor scales);
+void int4_gemv(Tensor out, Tensor x, Tensor packed);
 // int8_vnni.cpp
 void int8_vnni_gemm(Tensor out, Tensor x, Tensor packed, Tensor w_scale, Tensor offsets, Tensor bias);
 // bf16_packed.cpp

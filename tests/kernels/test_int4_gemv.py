@@ -57,10 +57,11 @@ def test_the_packing_puts_each_code_where_the_kernel_reads_it():
     torch.manual_seed(0)
     weight = torch.randn(20, 64) * 0.1  # two blocks of 16, the last zero-padded; two groups
     state = prepare_int4_gemv(weight, None)
-    packed, scales = state[:2]
-    assert packed.shape == (2, 8, 16, 4) and packed.dtype == torch.uint8
-    assert scales.shape == (2, 2, 2, 16) and scales.dtype == torch.float16
-    assert not scales[1, :, :, 4:].any()  # padding columns: no scale, no min
+    packed = state[0]
+    assert packed.shape == (2, 2, 320) and packed.dtype == torch.uint8  # [blocks, groups, codes + fp16 pairs]
+    pairs = packed[..., 256:].contiguous().view(torch.float16).reshape(2, 2, 2, 16)
+    assert not pairs[1, :, :, 4:].any()  # padding columns: no scale, no min
+    assert pairs[0, :, 0].abs().min() > 0  # the real columns' scales
     x = torch.eye(64)
     got = run_int4_gemv(state, x)  # [64 rows, 20]: row k is column k of the weight
     want = dequantize_int4(*quantize_int4(weight)).t().double()
@@ -79,4 +80,4 @@ def test_int4_gemv_reads_strided_rows():
 def test_int4_gemv_rejects_a_partial_group():
     state = prepare_int4_gemv(torch.randn(16, 64), None)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        torch.ops.tandem.int4_gemv(torch.empty(1, 16), torch.randn(1, 48), state[0], state[1])
+        torch.ops.tandem.int4_gemv(torch.empty(1, 16), torch.randn(1, 48), state[0])
