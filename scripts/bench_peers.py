@@ -68,7 +68,8 @@ def floor_ms(floor: dict | None, dtype: str, batch: int) -> float | None:
 
 # the floor's row for each of the engine's linear kernels: what the kernel's weights and arithmetic are
 FLOOR_ROW_OF_KERNEL = {"int8_weight_only": "int8-weight-only", "int8_gemv": "int8-weight-only",
-                       "int4": "int8-weight-only",  # no int4 row: int8 reads twice its bytes, a lenient floor
+                       # no int4 row: int8 reads 1.6-2x int4's bytes, a lenient floor
+                       "int4": "int8-weight-only", "int4_gemv": "int8-weight-only",
                        "int8_dynamic": "int8-dynamic-w8a8", "int8_vnni": "int8-dynamic-w8a8"}
 
 
