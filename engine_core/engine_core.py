@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from engine_core.config import EngineConfig, ModelArchConfig
+from engine_core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, ModelArchConfig, SchedulerConfig
 from engine_core.cuda_graphs import capture_sizes
 from engine_core.loader.registry import default_model_path, load_model
 from engine_core.model_runner import ModelRunner, kv_cache_bytes_per_block
@@ -77,6 +77,17 @@ def resolve_quantization(name: str, dtype_name: str, device: torch.device) -> st
     return "none" if name == "auto" and dtype_name == "float32" else name
 
 
+def resolve_scheduler(config: SchedulerConfig, device: torch.device, max_model_len: int) -> SchedulerConfig:
+    """The step's token budget, when none was given: the device's default (DEFAULT_MAX_NUM_BATCHED_TOKENS),
+    and without chunked prefill at least max_model_len (a prompt is prefilled in one step)."""
+    if config.max_num_batched_tokens is not None:
+        return config
+    budget = DEFAULT_MAX_NUM_BATCHED_TOKENS.get(device.type, DEFAULT_MAX_NUM_BATCHED_TOKENS["cuda"])
+    if not config.enable_chunked_prefill:
+        budget = max(budget, max_model_len)
+    return replace(config, max_num_batched_tokens=budget)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, *, log_stats: bool = False, kv_events: bool = False) -> None:
         """log_stats: outputs carry per-request events (queued, scheduled, preempted) as in vLLM v1.
@@ -98,6 +109,9 @@ class EngineCore:
         logger.info("loaded %s in %.1f s", self.model_path, time.perf_counter() - started)
 
         self.max_model_len = self._resolve_max_model_len(self.arch)
+        # the config as run: the defaults that depend on the device and model filled in
+        self.config = config = replace(config, scheduler=resolve_scheduler(config.scheduler, device, self.max_model_len))
+        logger.info("step token budget %d", config.scheduler.max_num_batched_tokens)
         block_size = config.cache.block_size
         num_blocks = config.cache.num_blocks or self._num_blocks_for_memory(dtype)
         self.structured = StructuredOutputs(self._tokenizer_path(), vocab_size=self.arch.vocab_size,

@@ -145,7 +145,7 @@ class EngineServer:
         """Listen (returns the port). The busy loop gets a thread of its own unless `start_busy_loop` is
         False, when the caller runs it (`tandem-engine` runs it on the main thread: services/engine/process.py)."""
         self.server = self.transport.server()
-        info = convert.engine_info_to_proto(self.engine.info, self.config)
+        info = convert.engine_info_to_proto(self.engine.info, self.engine.config)  # the budget as resolved
         servicer = EngineCoreServicer(self.busy_loop, info, self.max_pending_outputs)
         engine_core_pb2_grpc.add_EngineCoreServiceServicer_to_server(servicer, self.server)
         self.health.add_to_server(self.server)
