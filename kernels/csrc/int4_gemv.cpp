@@ -27,11 +27,12 @@
 namespace tandem {
 namespace {
 
-#if TANDEM_HAS_VNNI
 using packed::kCols;
 constexpr int64_t kGroup = 32;        // k per scale: GGUF's block
 constexpr int64_t kChunkBytes = 64;   // one load: 8 k of 16 columns
 constexpr int64_t kGroupBytes = 320;  // a block's group: 4 chunks, then 16 fp16 scales and 16 mins
+
+#if TANDEM_HAS_VNNI
 constexpr int kMaxTileRows = 4;       // rows of x per pass over a block's codes
 constexpr int64_t kUnitBlocks = 4;    // blocks a thread claims at a time
 
@@ -186,11 +187,11 @@ void int4_gemv(Tensor out, Tensor x, Tensor packed) {
   check_rows(out, 2, "out");
   check_cpu_dtype(packed, ScalarType::Byte, "packed");
   const int64_t rows = x.size(0), k_len = x.size(1), n = out.size(1);
-  const int64_t blocks = (n + 15) / 16;
+  const int64_t blocks = (n + kCols - 1) / kCols;
   TANDEM_CHECK(out.size(0) == rows && out.scalar_type() == x.scalar_type(), "out must be [M, N] in x's dtype");
-  TANDEM_CHECK(k_len % 32 == 0, "x must be [M, K] with K a multiple of 32 (the int4 group)");
+  TANDEM_CHECK(k_len % kGroup == 0, "x must be [M, K] with K a multiple of 32 (the int4 group)");
   TANDEM_CHECK(packed.is_contiguous() && packed.dim() == 3 && packed.size(0) == blocks &&
-                   packed.size(1) == k_len / 32 && packed.size(2) == kGroupBytes,
+                   packed.size(1) == k_len / kGroup && packed.size(2) == kGroupBytes,
                "packed must be [ceil(N / 16), K / 32, 320] uint8, contiguous");
 #if TANDEM_HAS_VNNI
   int4_gemv_vnni(out, x, ptr<uint8_t>(packed));
