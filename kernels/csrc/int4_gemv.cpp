@@ -50,8 +50,8 @@ inline __m512i broadcast4(const int8_t* p) {
 // null), prefetched a line per block per step: the codes come from memory once per step, and
 // the hardware prefetchers alone left the int4 GEMV at 22 GB/s where int8_gemv streams 29.
 template <int R, int C>
-void tile_sums(const uint8_t* weight, int64_t block_bytes, int64_t groups, const int8_t* bytes, int64_t k_len, const float* group_sums, const uint8_t* next,
-               f32x16* y) {
+void tile_sums(const uint8_t* weight, int64_t block_bytes, int64_t groups, const int8_t* bytes, int64_t k_len,
+               const float* group_sums, const uint8_t* next, f32x16* y) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 total[R][C];
   for (int r = 0; r < R; ++r)
@@ -84,13 +84,13 @@ void tile_sums(const uint8_t* weight, int64_t block_bytes, int64_t groups, const
     }
     for (int c = 0; c < C; ++c) {
       const uint8_t* sc = weight + c * block_bytes + g * kGroupBytes + 256;
-      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
-      const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 2 * kCols)));
+      const __m512 group_scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
+      const __m512 group_min = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 2 * kCols)));
       for (int r = 0; r < R; ++r) {
         // 256 * high + low: at most 32 * 15 * 32512 < 2^24, exact in int32 and in fp32
         const __m512i q = _mm512_add_epi32(_mm512_slli_epi32(sums[2 * r + 1][c], 8), sums[2 * r][c]);
-        total[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), scale, total[r][c]);
-        total[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(group_sums[r * groups + g]), min, total[r][c]);
+        total[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), group_scale, total[r][c]);
+        total[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(group_sums[r * groups + g]), group_min, total[r][c]);
       }
     }
   }
