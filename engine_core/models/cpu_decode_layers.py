@@ -38,7 +38,8 @@ INT4_GEMV = "int4_gemv"  # the GEMV buckets' other candidate, for linears whose 
 GEMV_MAX_ROWS = 8  # up to here the op runs every linear on a GEMV; above, each linear's own plan
 MAX_ROWS = 128  # the decode buckets the op is timed for
 OP_KERNELS = {"int8_gemv": 0, "int8_vnni": 1, "linear_bf16_packed": 2, "int4_gemv": 3}  # the kernels the op calls (kinds)
-CANDIDATES = {"one_op": "op", "one_op_int4": "op with int4 GEMVs"}  # the timed op variants, as logged
+# the timed op variants, as logged
+CANDIDATES = {"one_op": "op", "one_op_int4": "op with int4 GEMVs", "one_op_plans": "op on the linears' plans"}
 _EMPTY = torch.empty(0)
 LayerLinears = list[tuple[str, object]]  # one layer's four linears: (kernel name, its prepared state)
 TIMING_CONTEXT = 128  # positions each row of the timing batch attends to
@@ -169,16 +170,21 @@ def choose_decode_layers(
     chosen: dict[int, list[LayerLinears]] = {}
     results = []
     for rows in (b for b in BUCKETS if b <= MAX_ROWS):
+        kernels = [[linear.kernel_for(rows) for linear in layer] for layer in linears]
+        outside = {kernel for layer in kernels for kernel in layer} - set(OP_KERNELS)
+        plans = [[(kernel, linear.state(kernel)) for linear, kernel in zip(layer, layer_kernels)]
+                 for layer, layer_kernels in zip(linears, kernels)]
         if rows <= GEMV_MAX_ROWS:
-            candidates = gemv_candidates
+            # the GEMVs, and each linear's own plan where the op can run it and it is not a GEMV
+            # one already (at 8 rows W8A8 through int8_vnni may beat streaming the weight)
+            candidates = dict(gemv_candidates)
+            if not outside and all(_kernel_names(plans) != _kernel_names(c) for c in gemv_candidates.values()):
+                candidates["one_op_plans"] = plans
+        elif outside:
+            results.append(f"{rows} rows: not in the op ({', '.join(sorted(outside))})")
+            break
         else:
-            kernels = [[linear.kernel_for(rows) for linear in layer] for layer in linears]
-            outside = {kernel for layer in kernels for kernel in layer} - set(OP_KERNELS)
-            if outside:
-                results.append(f"{rows} rows: not in the op ({', '.join(sorted(outside))})")
-                break
-            candidates = {"one_op": [[(kernel, linear.state(kernel)) for linear, kernel in zip(layer, layer_kernels)]
-                                    for layer, layer_kernels in zip(linears, kernels)]}
+            candidates = {"one_op": plans}
         timings = _time_passes(model, {name: CpuDecodeLayers(model, {rows: candidate})
                                        for name, candidate in candidates.items()}, rows, timer)
         best = min(candidates, key=timings.get)
@@ -191,12 +197,17 @@ def choose_decode_layers(
                 "; ".join(results))
     if not chosen:
         return None
-    # the GEMV buckets' plans, the largest first so that a smaller bucket's choice stands below it
+    # the GEMV buckets' plans as the op runs them there, the largest first so that a smaller
+    # bucket's choice stands below it
     for rows in sorted((rows for rows in chosen if rows <= GEMV_MAX_ROWS), reverse=True):
         for layer, layer_linears in zip(linears, chosen[rows]):
             for linear, (kernel, state) in zip(layer, layer_linears):
                 linear.take_kernel_up_to(rows, kernel, state)
     return CpuDecodeLayers(model, chosen)
+
+
+def _kernel_names(candidate: list[LayerLinears]) -> list[list[str]]:
+    return [[kernel for kernel, _ in layer] for layer in candidate]
 
 
 @torch.inference_mode()

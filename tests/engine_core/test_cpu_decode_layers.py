@@ -13,7 +13,7 @@ import torch
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine_core.llm_engine import LLMEngine
 from engine_core.loader import registry
-from engine_core.models.cpu_decode_layers import GEMV_MAX_ROWS, MAX_ROWS
+from engine_core.models.cpu_decode_layers import GEMV_MAX_ROWS, MAX_ROWS, OP_KERNELS
 from engine_core.sampling_params import SamplingParams
 from kernels import cpu_extension
 from kernels.int8_linear import int8_vnni_supported
@@ -139,6 +139,22 @@ def test_above_the_gemv_buckets_the_op_runs_each_linears_plan(tiny_model_dir, mo
     assert layer.mlp.down_proj.kernel_for(GEMV_MAX_ROWS) == "int8_gemv"
     with_op, without, rows_seen = answers_with_and_without_op(engine, MAX_ROWS)
     assert any(rows > GEMV_MAX_ROWS for rows in rows_seen)  # the longer prompts' prefill steps
+    assert with_op == without
+
+
+@pytest.mark.skipif(not int8_vnni_supported(), reason="needs the AVX512-VNNI build (int8_vnni)")
+def test_at_the_gemv_buckets_the_op_may_run_the_linears_own_plans(tiny_model_dir, monkeypatch):
+    """Where the plans name kernels the op can call (W8A8's int8_vnni at a few rows), that variant
+    is timed beside the GEMVs; where it wins the plans stay, and the answers are the modules'."""
+    # the op on the plans fastest at the GEMV buckets, and faster than the modules above them
+    engine = make_engine(tiny_model_dir, monkeypatch, winner="one_op_plans", costs={**OP_PLANS, "one_op": 1.5})
+    model = engine.engine_core.model.model
+    assert model.decode_layers is not None and model.decode_layers.max_rows == MAX_ROWS
+    qkv_kind = 3  # the op's arguments per layer: two norms, eps, then qkv's kind
+    for rows in (1, GEMV_MAX_ROWS):
+        assert model.layers[0].self_attn.qkv_proj.kernel_for(rows) == "int8_vnni"
+        assert model.decode_layers.weights[rows][0][qkv_kind] == OP_KERNELS["int8_vnni"]
+    with_op, without, _ = answers_with_and_without_op(engine, MAX_ROWS)
     assert with_op == without
 
 
