@@ -110,7 +110,8 @@ class EngineCore:
 
         self.max_model_len = self._resolve_max_model_len(self.arch)
         # the config as run: the defaults that depend on the device and model filled in
-        self.config = config = replace(config, scheduler=resolve_scheduler(config.scheduler, device, self.max_model_len))
+        scheduler_config = resolve_scheduler(config.scheduler, device, self.max_model_len)
+        self.config = config = replace(config, scheduler=scheduler_config)
         logger.info("step token budget %d", config.scheduler.max_num_batched_tokens)
         block_size = config.cache.block_size
         num_blocks = config.cache.num_blocks or self._num_blocks_for_memory(dtype)

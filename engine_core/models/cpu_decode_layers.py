@@ -13,7 +13,8 @@ bucket up to 128 rows (decode batches and short prefill chunks): the model's lay
 through the op and once through the modules (each linear on its measured plan), on a scratch KV
 cache, and the op is kept for the buckets where it wins. Up to 8 rows the op runs every linear
 on a GEMV (one read of each weight): the int8 one, or the int4 one where the weights are int4 (a
-Q4_0 / Q4_1 GGUF, `--quantization int4`), both timed; those linears' plans then name the GEMV; above,
+Q4_0 / Q4_1 GGUF, `--quantization int4`), both timed, and beside them the linears' own plans where
+the op can run those; the linears' plans then name what the op won with; above,
 each linear runs the kernel its plan names for the bucket (int8_vnni, linear_bf16_packed, ...),
 if the op can call it.
 Where the layers do not fit (biases, q/k norms, Gemma's layers, the torch attention or layer
@@ -37,7 +38,7 @@ GEMV = "int8_gemv"
 INT4_GEMV = "int4_gemv"  # the GEMV buckets' other candidate, for linears whose weights are int4
 GEMV_MAX_ROWS = 8  # up to here the op runs every linear on a GEMV; above, each linear's own plan
 MAX_ROWS = 128  # the decode buckets the op is timed for
-OP_KERNELS = {"int8_gemv": 0, "int8_vnni": 1, "linear_bf16_packed": 2, "int4_gemv": 3}  # the kernels the op calls (kinds)
+OP_KERNELS = {"int8_gemv": 0, "int8_vnni": 1, "linear_bf16_packed": 2, "int4_gemv": 3}  # the op's kernels (kinds)
 # the timed op variants, as logged
 CANDIDATES = {"one_op": "op", "one_op_int4": "op with int4 GEMVs", "one_op_plans": "op on the linears' plans"}
 _EMPTY = torch.empty(0)
@@ -188,8 +189,8 @@ def choose_decode_layers(
         timings = _time_passes(model, {name: CpuDecodeLayers(model, {rows: candidate})
                                        for name, candidate in candidates.items()}, rows, timer)
         best = min(candidates, key=timings.get)
-        results.append(f"{rows} rows: " + ", ".join(f"{CANDIDATES[name]} {timings[name] * 1e3:.2f} ms" for name in candidates)
-                       + f", modules {timings['modules'] * 1e3:.2f} ms")
+        variants = ", ".join(f"{CANDIDATES[name]} {timings[name] * 1e3:.2f} ms" for name in candidates)
+        results.append(f"{rows} rows: {variants}, modules {timings['modules'] * 1e3:.2f} ms")
         if timings[best] >= timings["modules"]:
             break
         chosen[rows] = candidates[best]

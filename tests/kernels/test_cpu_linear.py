@@ -12,8 +12,8 @@ from engine_core.loader.safetensors import load_hf
 from engine_core.models.llama import LlamaForCausalLM
 from kernels import select_backend
 from kernels.cpu_linear import (
-    FLOAT_KERNELS, INT4_KERNELS, INT8_KERNELS, KERNELS, W8A8_KERNELS, CpuLinear, allowed_kernels, choose_plan, dequantize_int8,
-    int_mm_is_exact, kernel_fits, quantize_int8, use_measured_linears,
+    FLOAT_KERNELS, INT4_KERNELS, INT8_KERNELS, KERNELS, W8A8_KERNELS, CpuLinear, allowed_kernels, choose_plan,
+    dequantize_int8, int_mm_is_exact, kernel_fits, quantize_int8, use_measured_linears,
 )
 from kernels.float_dtype import fastest_float_dtype
 from kernels.int4_linear import dequantize_int4, quantize_int4
