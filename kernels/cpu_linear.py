@@ -58,7 +58,7 @@ W8A8_KERNELS = ("int8_dynamic", "int8_vnni")  # activations rounded to int8 too 
 # 128, stays at 32: its sums round differently from oneDNN's in ~0.01 % of outputs, and on the
 # 128 bucket that flipped SmolLM2's greedy bf16 chat answer (tests/test_default_model.py) from
 # "Paris" to "L'Étoile ...", an answer on a knife's edge (W8A8 down_proj flipped it the same way).
-# int4_gemv streams 5-bit weights for a few rows (1.1-1.45x int8_gemv at one row on the Zen 4) and
+# int4_gemv streams 5-bit weights for a few rows (1.3-1.56x int8_gemv at one row on the Zen 4) and
 # is level with int8_gemv by 8, where its group-by-group fp32 sums cost as much as the reads saved.
 MAX_ROWS = {"int8_vnni": 128, "linear_bf16_packed": 32, "int4_gemv": 8}
 INT4_KERNELS = ("int4", "int4_gemv")  # only where the weights are int4 (see _kernels_for)

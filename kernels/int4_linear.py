@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.int8_linear import int8_vnni_supported
 from kernels.packed_weights import COLUMNS, padded_columns
 
 GROUP_SIZE = 32  # GGUF's block; torch's kernel takes 32, 64, 128 or 256
@@ -97,9 +98,8 @@ def run_int4(state, x: torch.Tensor) -> torch.Tensor:
 
 def int4_gemv_supported(weight: torch.Tensor) -> bool:
     """Whether `int4_gemv` can hold this weight: Tandem's kernels built for AVX512-VNNI, float
-    weights, whole groups, and each group's scale and min within fp16's range."""
-    from kernels.int8_linear import int8_vnni_supported  # the same build requirement
-
+    weights, whole groups, and each group's scale and min within fp16's range (the build
+    requirement is int8_vnni's)."""
     if weight.dtype not in (torch.float32, torch.bfloat16) or weight.shape[1] % GROUP_SIZE:
         return False
     if not int8_vnni_supported():

@@ -159,15 +159,13 @@ def choose_decode_layers(
         return None
     linears = [_linears(layer) for layer in model.layers]
     with one_thread():  # many small packing ops: see linear_timing.one_thread
-        gemv_candidates = {"one_op": [[(GEMV, linear.state(GEMV) or prepare_int8_gemv(w, None))
-                                       for linear, w in zip(layer, layer_ws)]
-                                      for layer, layer_ws in zip(linears, weights)]}
-        int4 = [[int4_allowed(quantization, w) and kernel_fits(INT4_GEMV, w) for w in layer_ws] for layer_ws in weights]
-        if any(any(layer) for layer in int4):
-            gemv_candidates["one_op_int4"] = [
-                [(INT4_GEMV, linear.state(INT4_GEMV) or prepare_int4_gemv(w, None)) if use else int8
-                 for linear, w, use, int8 in zip(layer, layer_ws, layer_int4, layer_int8)]
-                for layer, layer_ws, layer_int4, layer_int8 in zip(linears, weights, int4, gemv_candidates["one_op"])]
+        int8_gemvs = [[(GEMV, linear.state(GEMV) or prepare_int8_gemv(w, None)) for linear, w in zip(layer, layer_ws)]
+                      for layer, layer_ws in zip(linears, weights)]
+        int4_gemvs = [[_int4_gemv_or(int8, linear, w, quantization) for int8, linear, w in zip(*layer)]
+                      for layer in zip(int8_gemvs, linears, weights)]
+    gemv_candidates = {"one_op": int8_gemvs}
+    if _kernel_names(int4_gemvs) != _kernel_names(int8_gemvs):  # some weights are int4
+        gemv_candidates["one_op_int4"] = int4_gemvs
     chosen: dict[int, list[LayerLinears]] = {}
     results = []
     for rows in (b for b in BUCKETS if b <= MAX_ROWS):
@@ -205,6 +203,14 @@ def choose_decode_layers(
             for linear, (kernel, state) in zip(layer, layer_linears):
                 linear.take_kernel_up_to(rows, kernel, state)
     return CpuDecodeLayers(model, chosen)
+
+
+def _int4_gemv_or(int8_gemv: tuple[str, object], linear, weight: torch.Tensor, quantization: str) -> tuple[str, object]:
+    """The linear on the int4 GEMV where `quantization` takes its weight as int4 and the kernel fits,
+    else its int8 GEMV."""
+    if not (int4_allowed(quantization, weight) and kernel_fits(INT4_GEMV, weight)):
+        return int8_gemv
+    return INT4_GEMV, linear.state(INT4_GEMV) or prepare_int4_gemv(weight, None)
 
 
 def _kernel_names(candidate: list[LayerLinears]) -> list[list[str]]:
