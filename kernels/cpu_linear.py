@@ -32,8 +32,9 @@ from kernels.int4_linear import (
     run_int4, run_int4_gemv,
 )
 from kernels.int8_linear import (  # noqa: F401 (quantize_int8 / dequantize_int8 re-exported)
-    dequantize_int8, int8_vnni_supported, int_mm_is_exact, prepare_int8_dynamic, prepare_int8_gemv, prepare_int8_vnni,
-    prepare_int8_weight_only, quantize_int8, run_int8_dynamic, run_int8_gemv, run_int8_vnni, run_int8_weight_only,
+    dequantize_int8, int8_grouped_fits, int8_vnni_supported, int_mm_is_exact, prepare_int8_dynamic, prepare_int8_gemv,
+    prepare_int8_grouped, prepare_int8_vnni, prepare_int8_weight_only, quantize_int8, run_int8_dynamic, run_int8_gemv,
+    run_int8_grouped, run_int8_vnni, run_int8_weight_only,
 )
 from kernels.linear_timing import Timer, fastest_uncontended, one_thread, rotating
 from kernels.linear_timing import wall_timer as _wall_timer  # a module global: tests swap the clock here
@@ -48,19 +49,21 @@ logger = logging.getLogger(__name__)
 BUCKETS = (1, 8, 32, 128, 512)
 HEAD_MAX_ROWS = 128  # the LM head sees one row per sampling request (max_num_seqs): not timed above
 FLOAT_KERNELS = ("linear", "linear_colmajor", "linear_onednn", "linear_bf16_packed")
-INT8_KERNELS = ("int8_weight_only", "int8_dynamic", "int8_gemv", "int8_vnni")
-W8A8_KERNELS = ("int8_dynamic", "int8_vnni")  # activations rounded to int8 too (the same arithmetic)
+INT8_KERNELS = ("int8_weight_only", "int8_dynamic", "int8_gemv", "int8_vnni", "int8_grouped")
+W8A8_KERNELS = ("int8_dynamic", "int8_vnni")  # activations rounded to int8 per token (the same arithmetic)
+GROUPED_KERNELS = ("int8_grouped",)  # activations rounded to int8 per token and group of k: down_proj's W8A8
 # Kernels built for small batches, never timed above this many rows: the last bucket's kernel also
 # serves every larger batch (prefill chunks of thousands of rows), which its timing cannot see.
 # int8_vnni keeps one 8-row register tile per weight pass: on a Zen 4 1.2-1.5x oneDNN's int8 GEMM
-# at 32 rows, 1.07-1.28x at 128 (a 128-token prompt, a 128-sequence decode), 0.66-0.87x at 2048,
-# with the same bits. linear_bf16_packed, the same tiles in bf16, 1.0-1.2x oneDNN at 32 and level at
+# (int8_dynamic) at 32 rows, 1.07-1.28x at 128 (a 128-token prompt, a 128-sequence decode),
+# 1.02-1.15x at 512 (a CPU step's default budget: its quantize and rescale run inside the GEMM,
+# not as two more passes over the rows), 0.91-0.99x at 2048, with the same bits. linear_bf16_packed, the same tiles in bf16, 1.0-1.2x oneDNN at 32 and level at
 # 128, stays at 32: its sums round differently from oneDNN's in ~0.01 % of outputs, and on the
 # 128 bucket that flipped SmolLM2's greedy bf16 chat answer (tests/test_default_model.py) from
 # "Paris" to "L'Étoile ...", an answer on a knife's edge (W8A8 down_proj flipped it the same way).
 # int4_gemv streams 5-bit weights for a few rows (1.3-1.56x int8_gemv at one row on the Zen 4) and
 # is level with int8_gemv by 8, where its group-by-group fp32 sums cost as much as the reads saved.
-MAX_ROWS = {"int8_vnni": 128, "linear_bf16_packed": 32, "int4_gemv": 8}
+MAX_ROWS = {"int8_vnni": 512, "linear_bf16_packed": 32, "int4_gemv": 8}
 INT4_KERNELS = ("int4", "int4_gemv")  # only where the weights are int4 (see _kernels_for)
 QUANTIZATIONS = ("auto", "int8", "int4", "none")
 _TIMING_BYTES = 64 * 2**20  # weights timed in turn: enough to leave the caches, as a real step does
@@ -97,6 +100,7 @@ KERNELS = {
     "int8_dynamic": (prepare_int8_dynamic, run_int8_dynamic),
     "int8_gemv": (prepare_int8_gemv, run_int8_gemv),
     "int8_vnni": (prepare_int8_vnni, run_int8_vnni),
+    "int8_grouped": (prepare_int8_grouped, run_int8_grouped),
     "linear_onednn": (prepare_onednn, run_onednn),
     "linear_bf16_packed": (prepare_bf16_packed, run_bf16_packed),
     "int4": (prepare_int4, run_int4),
@@ -108,7 +112,8 @@ def kernel_fits(kernel: str, weight: torch.Tensor) -> bool:
     """Whether `kernel` can hold this weight: torch packs int4 only for some shapes, oneDNN only
     the float types this build and CPU support, W8A8 needs an int8 GEMM that does not saturate, the
     int8 GEMV Tandem's C++ kernels and int8_vnni (linear_bf16_packed) those kernels built for
-    AVX512-VNNI (AVX512-BF16, bf16 weights); int4_gemv like int8_vnni, in whole groups of 32."""
+    AVX512-VNNI (AVX512-BF16, bf16 weights); int4_gemv like int8_vnni, in whole groups of 32;
+    int8_grouped like int8_vnni, in whole activation groups."""
     if kernel == "int4":
         return int4_supported(*weight.shape)
     if kernel == "int4_gemv":
@@ -123,6 +128,8 @@ def kernel_fits(kernel: str, weight: torch.Tensor) -> bool:
         return weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and bf16_packed_supported()
     if kernel == "int8_vnni":
         return weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[1] % 4 == 0 and int8_vnni_supported()
+    if kernel == "int8_grouped":
+        return int8_grouped_fits(weight)
     return True
 
 
@@ -225,11 +232,13 @@ def _kernels_for(quantization: str, weights: list[torch.Tensor], role: str) -> t
     an int4 head turned SmolLM2's "The capital of France is Paris." into "L'Étoile (The City of
     Lights) is the capital of France."
 
-    W8A8 never takes an MLP's down projection: the SiLU·mul product feeding down_proj has outlier
-    channels (as SmoothQuant found) that one int8 scale per token crushes. With W8A8 there the bf16
-    answer above became "L'Étoile ..."; without it, it stays exact. The LM head's input (the final
-    norm's output) takes it: teacher-forced over 414 tokens of chat text, W8A8 there moved SmolLM2's
-    mean |log-prob change| against fp32 from 0.159 (W8A8 on the other linears) to 0.175, its top-1
+    Per-token W8A8 never takes an MLP's down projection: the SiLU·mul product feeding down_proj has
+    outlier channels (as SmoothQuant found) that one int8 scale per token crushes. With it there the
+    bf16 answer above once became "L'Étoile ...", and teacher-forced over 480 tokens of text SmolLM2's
+    mean |log-prob change| against fp32 rose from 0.169 to 0.198. down_proj takes W8A8 with a scale
+    per token and group of 128 k instead (`int8_grouped`): 0.175 there, the answer unchanged; the other
+    linears keep per-token W8A8, a little faster. The LM head's input (the final norm's output) takes
+    per-token W8A8: over 414 tokens it moved the mean |log-prob change| from 0.159 to 0.175, its top-1
     agreement within noise (0.889 -> 0.906), and the answer above stayed.
     """
     if quantization == "int4" and role == "lm_head":
@@ -237,6 +246,8 @@ def _kernels_for(quantization: str, weights: list[torch.Tensor], role: str) -> t
     kernels = [k for k in allowed_kernels(quantization) if all(kernel_fits(k, w) for w in weights)]
     if role == "down_proj":  # outlier activations: see the docstring
         kernels = [k for k in kernels if k not in W8A8_KERNELS] or kernels
+    else:
+        kernels = [k for k in kernels if k not in GROUPED_KERNELS] or kernels
     if quantization == "int4" and "int4" in kernels:
         kernels = [k for k in INT4_KERNELS if k in kernels]  # int8 is only the fallback for shapes int4 cannot take
     elif quantization == "auto" and all(int4_is_exact(w) for w in weights):

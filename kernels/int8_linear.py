@@ -144,6 +144,48 @@ def run_int8_vnni(state, x):
     return y
 
 
+ACTIVATION_GROUP = 128  # k per activation scale in int8_grouped
+
+
+def int8_grouped_fits(weight: torch.Tensor) -> bool:
+    return (weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[1] % ACTIVATION_GROUP == 0
+            and int8_vnni_supported())
+
+
+def prepare_int8_grouped(w, b):
+    """int8_vnni's packing, with the sums that undo the activations' +128 per group of
+    ACTIVATION_GROUP k: [K / group, ceil(N / 16) * 16]."""
+    if not int8_grouped_fits(w):
+        raise RuntimeError(f"int8_grouped needs Tandem's C++ kernels built for a CPU with AVX512-VNNI and K a "
+                           f"multiple of {ACTIVATION_GROUP}, got a {w.dtype} weight of {tuple(w.shape)}")
+    q, scale = quantize_int8(w)
+    out_f, in_f = q.shape
+    group_sums = q.reshape(out_f, in_f // ACTIVATION_GROUP, ACTIVATION_GROUP).sum(dim=2, dtype=torch.int32) * 128
+    offsets = F.pad(group_sums.t(), (0, padded_columns(out_f) - out_f)).contiguous()
+    return pack_columns(q, 4), scale, offsets, _NO_BIAS if b is None else b.float().contiguous(), out_f, w.dtype
+
+
+def run_int8_grouped(state, x):
+    """W8A8 for inputs with outlier channels: each row of x rounded to int8 per group of
+    ACTIVATION_GROUP k with its own scale, so an outlier coarsens only its group; int32 sums per
+    group on VNNI, added in fp32 with the group's scale (kernels/csrc/int8_grouped.cpp)."""
+    packed, w_scale, offsets, b, out_f, dtype = state
+    y = torch.empty((x.shape[0], out_f), dtype=dtype)
+    torch.ops.tandem.int8_grouped_gemm(y, x if x.stride(-1) == 1 else x.contiguous(), packed, w_scale, offsets, b)
+    return y
+
+
+def reference_int8_grouped(w: torch.Tensor, x: torch.Tensor, group: int = ACTIVATION_GROUP) -> torch.Tensor:
+    """int8_grouped's arithmetic in torch (tests): x rounded in fp32 per row and group of k, as the
+    kernel rounds it, w per output channel; the products and sums in float64."""
+    q, scale = quantize_int8(w)
+    rows, in_f = x.shape
+    xg = x.float().reshape(rows, in_f // group, group)
+    x_scale = (xg.abs().amax(-1, keepdim=True) / 127.0).clamp(min=1e-12)
+    xq = torch.round(xg / x_scale).double() * x_scale.double()
+    return xq.reshape(rows, in_f) @ (q.double() * scale.double()[:, None]).t()
+
+
 def _run_int8_dynamic_torch(state, x):
     qt, w_scale, b, dtype, _ = state
     xf = x.float()

@@ -13,6 +13,7 @@
 //   kInt8Vnni    packed, w_scale, offsets, bias     W8A8 over a VNNI-packed weight
 //   kBf16Packed  packed, bias                       bf16 over a vdpbf16ps-packed weight
 //   kInt4Gemv    packed                             int4 weight-only GEMV (a few rows)
+//   kInt8Grouped packed, w_scale, offsets, bias     W8A8 with an activation scale per group of k
 // (unused slots: empty tensors).
 
 #include "ops.h"
@@ -20,7 +21,7 @@
 namespace tandem {
 namespace {
 
-enum LinearKind : int64_t { kInt8Gemv = 0, kInt8Vnni = 1, kBf16Packed = 2, kInt4Gemv = 3 };
+enum LinearKind : int64_t { kInt8Gemv = 0, kInt8Vnni = 1, kBf16Packed = 2, kInt4Gemv = 3, kInt8Grouped = 4 };
 
 void linear(int64_t kind, Tensor out, Tensor x, const Tensor& a, const Tensor& b, const Tensor& c, const Tensor& d) {
   switch (kind) {
@@ -28,6 +29,7 @@ void linear(int64_t kind, Tensor out, Tensor x, const Tensor& a, const Tensor& b
     case kInt8Vnni: return int8_vnni_gemm(out, x, a, b, c, d);
     case kBf16Packed: return bf16_packed_gemm(out, x, a, b);
     case kInt4Gemv: return int4_gemv(out, x, a);
+    case kInt8Grouped: return int8_grouped_gemm(out, x, a, b, c, d);
     default: TANDEM_CHECK(false, "unknown linear kind ", kind);
   }
 }

@@ -18,6 +18,8 @@ void int8_gemv(Tensor out, Tensor x, Tensor packed, Tensor scale);
 void int4_gemv(Tensor out, Tensor x, Tensor packed);
 // int8_vnni.cpp
 void int8_vnni_gemm(Tensor out, Tensor x, Tensor packed, Tensor w_scale, Tensor offsets, Tensor bias);
+// int8_grouped.cpp
+void int8_grouped_gemm(Tensor out, Tensor x, Tensor packed, Tensor w_scale, Tensor offsets, Tensor bias);
 // bf16_packed.cpp
 void bf16_packed_gemm(Tensor out, Tensor x, Tensor packed, Tensor bias);
 // paged_attention.cpp

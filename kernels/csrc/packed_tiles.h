@@ -110,14 +110,14 @@ void tile_rows(int64_t rows, const uint8_t* x, int64_t row_bytes, const uint8_t*
   table[rows - 1](x, row_bytes, w, block_bytes, steps, next, acc);
 }
 
-// The whole product: `rows` rows of x (row_bytes apart), `blocks` packed blocks of `steps` k groups
-// each. epilogue(acc, first row, tile rows, first block, blocks) stores one finished tile.
-// task_ops: multiply-adds per parallel task at least (a memory-bound GEMV wants every thread
-// streaming its share of the weight, however small the product).
-template <class Dot, class Epilogue>
-void gemm(int64_t rows, int64_t blocks, int64_t steps, const uint8_t* x, int64_t row_bytes, const uint8_t* w,
-          const Epilogue& epilogue, int64_t task_ops = kTaskOps) {
-  const int64_t block_bytes = steps * 64;
+// Walks the product's register tiles: `rows` rows, `blocks` packed blocks of `block_bytes` bytes
+// of weight each, split among the threads. tile(first row, tile rows, first block, blocks, their
+// weight, next) handles one tile; `next` is the weight of the group a thread takes next (or null),
+// to prefetch while this one streams. task_ops: multiply-adds per parallel task at least (a
+// memory-bound GEMV wants every thread streaming its share of the weight, however small the product).
+template <class TileFn>
+void for_each_tile(int64_t rows, int64_t blocks, int64_t block_bytes, int64_t steps, const uint8_t* w,
+                   const TileFn& tile, int64_t task_ops = kTaskOps) {
   const int64_t groups = (blocks + kTileBlocks - 1) / kTileBlocks;
   const int64_t row_blocks = (rows + kRowBlock - 1) / kRowBlock;
   const int64_t unit_ops = std::min(rows, kRowBlock) * steps * kTileBlocks * kCols;
@@ -129,7 +129,6 @@ void gemm(int64_t rows, int64_t blocks, int64_t steps, const uint8_t* x, int64_t
   const int64_t units = row_blocks * groups;
   std::atomic<int64_t> claimed{0};
   auto run = [&](int64_t, int64_t) {
-    Tile<Dot> acc;
     int64_t begin = claimed.fetch_add(grain);
     while (begin < units) {
       const int64_t end = std::min(units, begin + grain);
@@ -144,15 +143,8 @@ void gemm(int64_t rows, int64_t blocks, int64_t steps, const uint8_t* x, int64_t
         const bool prefetch = following < units && following % groups != 0 && following % groups + 1 < groups;
         const uint8_t* next_group = w + (following % groups) * kTileBlocks * block_bytes;
         for (int64_t r0 = (unit / groups) * kRowBlock; r0 < row_end; r0 += kTileRows) {
-          const int64_t tile = std::min<int64_t>(kTileRows, row_end - r0);
-          const uint8_t* xr = x + r0 * row_bytes;
           const uint8_t* next = prefetch && r0 == (unit / groups) * kRowBlock ? next_group : nullptr;
-          switch (count) {
-            case 1: tile_rows<Dot, 1>(tile, xr, row_bytes, wg, block_bytes, steps, next, acc); break;
-            case 2: tile_rows<Dot, 2>(tile, xr, row_bytes, wg, block_bytes, steps, next, acc); break;
-            default: tile_rows<Dot, 3>(tile, xr, row_bytes, wg, block_bytes, steps, next, acc);
-          }
-          epilogue(acc, r0, tile, first, count);
+          tile(r0, std::min<int64_t>(kTileRows, row_end - r0), first, count, wg, next);
         }
       }
       begin = next_begin;
@@ -164,6 +156,31 @@ void gemm(int64_t rows, int64_t blocks, int64_t steps, const uint8_t* x, int64_t
   } else {
     torch::stable::parallel_for(0, tasks, 1, run);
   }
+}
+
+// acc = the sums of one tile: `tile` rows of x from xr (row_bytes apart) with `count` blocks from wg
+template <class Dot>
+void tile_blocks(int64_t count, int64_t tile, const uint8_t* xr, int64_t row_bytes, const uint8_t* wg,
+                 int64_t block_bytes, int64_t steps, const uint8_t* next, Tile<Dot>& acc) {
+  switch (count) {
+    case 1: tile_rows<Dot, 1>(tile, xr, row_bytes, wg, block_bytes, steps, next, acc); break;
+    case 2: tile_rows<Dot, 2>(tile, xr, row_bytes, wg, block_bytes, steps, next, acc); break;
+    default: tile_rows<Dot, 3>(tile, xr, row_bytes, wg, block_bytes, steps, next, acc);
+  }
+}
+
+// The whole product: `rows` rows of x (row_bytes apart), `blocks` packed blocks of `steps` k groups
+// each. epilogue(acc, first row, tile rows, first block, blocks) stores one finished tile.
+template <class Dot, class Epilogue>
+void gemm(int64_t rows, int64_t blocks, int64_t steps, const uint8_t* x, int64_t row_bytes, const uint8_t* w,
+          const Epilogue& epilogue, int64_t task_ops = kTaskOps) {
+  const int64_t block_bytes = steps * 64;
+  for_each_tile(rows, blocks, block_bytes, steps, w, [&](int64_t r0, int64_t tile, int64_t first, int64_t count,
+                                                          const uint8_t* wg, const uint8_t* next) {
+    Tile<Dot> acc;
+    tile_blocks<Dot>(count, tile, x + r0 * row_bytes, row_bytes, wg, block_bytes, steps, next, acc);
+    epilogue(acc, r0, tile, first, count);
+  }, task_ops);
 }
 #endif
 

@@ -124,14 +124,16 @@ def test_the_op_stops_below_a_bucket_whose_plan_it_cannot_run(tiny_model_dir, mo
 
 @pytest.mark.skipif(not int8_vnni_supported(), reason="needs the AVX512-VNNI build (int8_vnni)")
 @pytest.mark.parametrize("dtype, quantization, down", [("float32", "int8", "int8_gemv"),
-                                                       ("bfloat16", "auto", "linear_bf16_packed")])
+                                                       ("bfloat16", "auto", "linear_bf16_packed"),
+                                                       ("bfloat16", "auto", "int8_grouped")])
 def test_above_the_gemv_buckets_the_op_runs_each_linears_plan(tiny_model_dir, monkeypatch, dtype, quantization, down):
     """Above 8 rows the op calls the kernels the linears' plans name there, so it answers as the modules."""
     from kernels.bf16_linear import bf16_packed_supported
 
     if down == "linear_bf16_packed" and not bf16_packed_supported():
         pytest.skip("needs the AVX512-BF16 build (linear_bf16_packed)")
-    engine = make_engine(tiny_model_dir, monkeypatch, dtype=dtype, quantization=quantization, costs=OP_PLANS)
+    costs = {**OP_PLANS, "int8_grouped": 1.1} if down == "int8_grouped" else OP_PLANS  # down_proj's W8A8
+    engine = make_engine(tiny_model_dir, monkeypatch, dtype=dtype, quantization=quantization, costs=costs)
     model = engine.engine_core.model.model
     assert model.decode_layers is not None and model.decode_layers.max_rows == MAX_ROWS
     layer = model.layers[0]

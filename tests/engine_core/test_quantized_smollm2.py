@@ -58,17 +58,19 @@ def assert_keeps_the_answer(engine: LLMEngine) -> None:
 def test_int8_greedy_chat_answer_is_unchanged(monkeypatch, kernel, dtype):
     if kernel == "int8_dynamic" and not cpu_linear.int_mm_is_exact():
         pytest.skip("this machine's int8 GEMM saturates (no VNNI): W8A8 is never a candidate here")
-    if not cpu_linear.kernel_fits(kernel, torch.empty(8, 8)):
+    if not cpu_linear.kernel_fits(kernel, torch.empty(8, 128)):
         pytest.skip(f"{kernel} is not a candidate on this machine")
     def prefer(name, rows, fn):  # every bucket of every layer takes `kernel` (up to its MAX_ROWS)
         return 1.0 if name == kernel else 2.0
     monkeypatch.setattr(cpu_linear, "_wall_timer", prefer)
     engine = LLMEngine(EngineConfig(model=ModelConfig(dtype=dtype, quantization="int8", max_model_len=512)))
     model = engine.engine_core.model
-    # W8A8 never takes down_proj (outlier activations): it falls back to weight-only
+    # per-token W8A8 never takes down_proj (outlier activations), the grouped one only down_proj:
+    # the others fall back to weight-only
     for layer_name, layer in model.named_modules():
         if isinstance(layer, cpu_linear.CpuLinear):
-            kept = kernel in cpu_linear.W8A8_KERNELS and layer_name.endswith("down_proj")
+            down = layer_name.endswith("down_proj")
+            kept = (kernel in cpu_linear.W8A8_KERNELS and down) or (kernel in cpu_linear.GROUPED_KERNELS and not down)
             for rows, name in layer.plan:
                 small = rows <= cpu_linear.MAX_ROWS.get(kernel, rows)
                 assert name == ("int8_weight_only" if kept or not small else kernel), layer_name

@@ -12,7 +12,8 @@ from engine_core.loader.safetensors import load_hf
 from engine_core.models.llama import LlamaForCausalLM
 from kernels import select_backend
 from kernels.cpu_linear import (
-    FLOAT_KERNELS, INT4_KERNELS, INT8_KERNELS, KERNELS, W8A8_KERNELS, CpuLinear, allowed_kernels, choose_plan,
+    FLOAT_KERNELS, GROUPED_KERNELS, INT4_KERNELS, INT8_KERNELS, KERNELS, W8A8_KERNELS, CpuLinear, allowed_kernels,
+    choose_plan,
     dequantize_int8, int_mm_is_exact, kernel_fits, quantize_int8, use_measured_linears,
 )
 from kernels.float_dtype import fastest_float_dtype
@@ -196,9 +197,10 @@ def test_int8_model_logits_match_the_dequantized_model(tmp_path, variant, kernel
     if not kernel_fits(kernel, reference.model.layers[0].mlp.down_proj.weight):
         pytest.skip(f"{kernel} is not a candidate on this machine")
     use_measured_cpu_linears(ours, "int8", timer=fixed_timer({k: 1.0 if k == kernel else 2.0 for k in INT8_KERNELS}))
-    for name, layer in ours.named_modules():  # W8A8 never takes down_proj (outliers)
+    for name, layer in ours.named_modules():  # per-token W8A8 never takes down_proj (outliers); grouped only it
         if isinstance(layer, CpuLinear):
-            kept = kernel in W8A8_KERNELS and name.endswith("down_proj")
+            down = name.endswith("down_proj")
+            kept = (kernel in W8A8_KERNELS and down) or (kernel in GROUPED_KERNELS and not down)
             assert layer.kernel_for(1) == ("int8_weight_only" if kept else kernel), name
 
     sequences = [[3, 17, 42, 5, 9, 100, 7], [250, 1, 2]]
@@ -207,13 +209,13 @@ def test_int8_model_logits_match_the_dequantized_model(tmp_path, variant, kernel
         want = run_step(reference, PagedBatch(reference.config, 2, 16), list(enumerate(sequences)))
     got, want = torch.cat(got), torch.cat(want)
     relative_rms = float((got - want).norm() / want.norm())
-    if kernel not in W8A8_KERNELS:  # weight-only: the dequantized model's matmuls, summation order aside,
+    if kernel not in W8A8_KERNELS + GROUPED_KERNELS:  # weight-only: the dequantized model's matmuls, summation order aside,
         # and for int8_gemv on AVX512-VNNI activations rounded to 16 bits per row (2^-16 of the row's
         # largest value, ~1e-4 of the logits here after 2 layers)
         tolerance = 1e-3 if kernel == "int8_gemv" else 1e-4
         assert (got - want).abs().max() <= tolerance * want.abs().max()
     else:
-        # W8A8 rounds each activation row to 8 bits too: ~0.5% relative error per linear,
+        # W8A8 rounds each activation row (or group of 128 k of it, down_proj's) to 8 bits too: ~0.5% relative error per linear,
         # compounding over 2 layers' q/k/v/o/gate/up. Measured ~2%; 5% leaves room for other CPUs.
         # Greedy answers on the real model: tests/engine_core/test_quantized_smollm2.py.
         assert relative_rms <= 0.05, relative_rms
@@ -235,14 +237,15 @@ def test_dtype_auto_keeps_the_flags_choice_unless_the_other_dtype_is_clearly_fas
 
 def test_w8a8_is_never_planned_where_the_int8_gemm_saturates(tmp_path, monkeypatch):
     """int_mm_is_exact() False (oneDNN's AVX2 path without VNNI sums u8 x s8 pairs in saturating
-    16-bit lanes): --quantization int8 never plans torch._int_mm's W8A8. (int8_vnni sums exactly
-    and exists only where the CPU has VNNI; here it is the slowest candidate.)"""
+    16-bit lanes): --quantization int8 never plans torch._int_mm's W8A8. (int8_vnni and int8_grouped
+    sum exactly and exist only where the CPU has VNNI; here they are the slowest candidates.)"""
     import kernels.cpu_linear as cpu_linear
 
     monkeypatch.setattr(cpu_linear, "int_mm_is_exact", lambda: False)
     model = build_model(write_tiny_model(tmp_path))
     use_measured_cpu_linears(model, "int8", timer=fixed_timer({"int8_dynamic": 1.0, "int8_weight_only": 2.0,
-                                                                "int8_gemv": 3.0, "int8_vnni": 4.0}))
+                                                                "int8_gemv": 3.0, "int8_vnni": 4.0,
+                                                                "int8_grouped": 4.0}))
     layers = [m for m in model.modules() if isinstance(m, CpuLinear)]
     assert layers and all(name == "int8_weight_only" for m in layers for _, name in m.plan)
 

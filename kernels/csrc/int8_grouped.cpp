@@ -1,0 +1,162 @@
+// W8A8 GEMM with one activation scale per token *and group of k*, for inputs with outlier channels
+// (an MLP's down projection: the SiLU·mul product has a few channels tens of times larger than
+// the rest, and one int8 scale per token rounds every other channel of that token to a few levels):
+//   xq[M, K], x_scale[M, K / G] = int8 of each group of G consecutive k of each row (int8_quantize.h)
+//   out[M, N] = w_scale[N] * sum_g x_scale[M, g] * (xq[:, g] . q[N, g]^T) (+ bias[N])
+//
+// An outlier now coarsens only its own group of G. The GEMM is int8_vnni's (the weight packed in
+// vpdpbusd's order, [ceil(N / 16), K / 4, 16, 4], register tiles from packed_tiles.h), run one
+// group of k at a time: each group's exact int32 sums are turned to fp32 and added into the
+// tile's fp32 sums with that group's activation scale. With G = 128 that is 3 extra operations a
+// sum per 32 vpdpbusd.
+//
+// vpdpbusd multiplies unsigned by signed bytes, so the activations go in as xq + 128 and each
+// group's sums drop 128 * sum_{k in g} q[n, k] (`offsets`, [K / G, ceil(N / 16) * 16], made with
+// the packing).
+
+#include "int8_quantize.h"
+#include "ops.h"
+#include "packed_tiles.h"
+
+#include <vector>
+
+namespace tandem {
+namespace {
+
+#if TANDEM_HAS_VNNI
+constexpr int kGroupedRows = 4;  // rows per register tile: 4 x 3 int32 sums + 4 x 3 fp32 sums + 4 operands
+
+// sums[r][c] = sum_g x_scale[r, g] * (the int32 dot products of row r and block c over group g,
+// less the group's offsets), for R rows of x (row_bytes apart) and C blocks (block_bytes apart).
+// The int32 and fp32 sums both stay in registers: the 8-row tiles of packed_tiles.h leave no room
+// for a second set. `next`: the weight of the tile after this one, prefetched as this one streams.
+template <int R, int C>
+void grouped_tile(const uint8_t* x, int64_t row_bytes, const uint8_t* w, int64_t block_bytes, int64_t groups,
+                  int64_t group_steps, const int32_t* offsets, int64_t offsets_stride, const float* x_scales,
+                  const uint8_t* next, f32x16 (&out)[kGroupedRows][packed::kTileBlocks]) {
+  __m512 sums[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) sums[r][c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i dots[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) dots[r][c] = _mm512_setzero_si512();
+    for (int64_t s = g * group_steps; s < (g + 1) * group_steps; ++s) {
+      __m512i wv[C];
+      for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + c * block_bytes + s * 64);
+      if (next != nullptr)
+        for (int c = 0; c < C; ++c) __builtin_prefetch(next + c * block_bytes + s * 64, 0, 2);
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, x + r * row_bytes + s * 4, sizeof four);
+        const __m512i a = _mm512_set1_epi32(four);
+        for (int c = 0; c < C; ++c) dots[r][c] = packed::Int8Dot::dot(dots[r][c], a, wv[c]);
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const __m512i offset = _mm512_loadu_si512(offsets + g * offsets_stride + c * packed::kCols);
+      for (int r = 0; r < R; ++r)
+        sums[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dots[r][c], offset)),
+                                     _mm512_set1_ps(x_scales[r * groups + g]), sums[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r][c] = bit_cast<f32x16>(sums[r][c]);
+}
+
+using GroupedTileFn = void (*)(const uint8_t*, int64_t, const uint8_t*, int64_t, int64_t, int64_t, const int32_t*,
+                               int64_t, const float*, const uint8_t*, f32x16 (&)[kGroupedRows][packed::kTileBlocks]);
+
+template <int C>
+constexpr GroupedTileFn kGroupedTiles[kGroupedRows] = {grouped_tile<1, C>, grouped_tile<2, C>, grouped_tile<3, C>,
+                                                       grouped_tile<4, C>};
+#endif
+
+}  // namespace
+
+// The group size is K / offsets.size(0).
+void int8_grouped_gemm(Tensor out, Tensor x, Tensor packed, Tensor w_scale, Tensor offsets, Tensor bias) {
+  using packed::kCols;
+  using packed::kTileBlocks;
+  TANDEM_CHECK(TANDEM_HAS_VNNI, "int8_grouped_gemm needs a build for a CPU with AVX512-VNNI");
+  check_rows(out, 2, "out");
+  check_rows(x, 2, "x");
+  check_cpu_dtype(out, x.scalar_type(), "out");
+  check_cpu_dtype(packed, ScalarType::Char, "packed");
+  check_cpu_dtype(w_scale, ScalarType::Float, "w_scale");
+  check_cpu_dtype(offsets, ScalarType::Int, "offsets");
+  const int64_t rows = x.size(0), k_len = x.size(1), n = out.size(1);
+  const int64_t blocks = (n + kCols - 1) / kCols;
+  TANDEM_CHECK(offsets.dim() == 2 && offsets.size(0) > 0 && k_len % offsets.size(0) == 0,
+               "offsets must be [K / group, ceil(N / 16) * 16]");
+  const int64_t groups = offsets.size(0), group = k_len / groups;
+  TANDEM_CHECK(group % 4 == 0, "the group (K / offsets.size(0)) must be a multiple of 4");
+  TANDEM_CHECK(out.size(0) == rows, "out must be [M, N]");
+  TANDEM_CHECK(packed.is_contiguous() && packed.dim() == 4 && packed.size(0) == blocks && packed.size(1) == k_len / 4 &&
+                   packed.size(2) == kCols && packed.size(3) == 4, "packed must be [ceil(N / 16), K / 4, 16, 4], contiguous");
+  TANDEM_CHECK(w_scale.is_contiguous() && w_scale.numel() == n, "w_scale must be [N], contiguous");
+  TANDEM_CHECK(offsets.is_contiguous() && offsets.size(1) == blocks * kCols,
+               "offsets must be [K / group, ceil(N / 16) * 16], contiguous");
+  const bool has_bias = bias.numel() > 0;
+  if (has_bias) {
+    check_cpu_dtype(bias, ScalarType::Float, "bias");
+    TANDEM_CHECK(bias.is_contiguous() && bias.numel() == n, "bias must be [N] fp32, contiguous, or empty");
+  }
+#if TANDEM_HAS_VNNI
+  std::vector<uint8_t> xu(rows * k_len);  // xq + 128, vpdpbusd's unsigned operand
+  std::vector<float> x_scales(rows * groups);
+  dispatch_float_bf16(x, [&](auto tag) {
+    using T = decltype(tag);
+    const T* src = ptr<T>(x);
+    torch::stable::parallel_for(0, rows, row_grain(k_len), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t g = 0; g < groups; ++g)
+          quantize_row(reinterpret_cast<int8_t*>(xu.data() + r * k_len + g * group), &x_scales[r * groups + g],
+                       src + r * x.stride(0) + g * group, group, /*flip=*/0x80);
+    });
+  });
+  const float* cs = ptr<float>(w_scale);
+  const int32_t* off = ptr<int32_t>(offsets);
+  const float* b = has_bias ? ptr<float>(bias) : nullptr;
+  const int64_t out_stride = out.stride(0), padded = blocks * kCols;
+  const int64_t steps = k_len / 4, group_steps = group / 4, block_bytes = steps * 64;
+  dispatch_float_bf16(out, [&](auto tag) {
+    using T = decltype(tag);
+    T* dst = ptr<T>(out);
+    packed::for_each_tile(rows, blocks, block_bytes, steps, ptr<uint8_t>(packed), [&](int64_t r0, int64_t tile, int64_t first,
+                                                                                     int64_t count, const uint8_t* wg,
+                                                                                     const uint8_t* next) {
+      for (int64_t r1 = r0; r1 < r0 + tile; r1 += kGroupedRows) {
+        const int64_t part = std::min<int64_t>(kGroupedRows, r0 + tile - r1);
+        f32x16 sums[kGroupedRows][kTileBlocks];
+        const GroupedTileFn fn = count == 1   ? kGroupedTiles<1>[part - 1]
+                                 : count == 2 ? kGroupedTiles<2>[part - 1]
+                                              : kGroupedTiles<3>[part - 1];
+        fn(xu.data() + r1 * k_len, k_len, wg, block_bytes, groups, group_steps, off + first * kCols, padded,
+           x_scales.data() + r1 * groups, r1 == r0 ? next : nullptr, sums);
+        for (int64_t c = 0; c < count; ++c) {
+          const int64_t col = (first + c) * kCols, valid = std::min<int64_t>(kCols, n - col);
+          f32x16 col_scale = {}, col_bias = {};
+          std::memcpy(&col_scale, cs + col, valid * sizeof(float));
+          if (has_bias) std::memcpy(&col_bias, b + col, valid * sizeof(float));
+          for (int64_t r = 0; r < part; ++r) {
+            f32x16 y = sums[r][c] * col_scale;
+            if (has_bias) y = y + col_bias;
+            packed::store_columns(dst + (r1 + r) * out_stride + col, y, valid);
+          }
+        }
+      }
+    });
+  });
+#endif
+}
+
+}  // namespace tandem
+
+STABLE_TORCH_LIBRARY_FRAGMENT(tandem, m) {
+  m.def("int8_grouped_gemm(Tensor(a!) out, Tensor x, Tensor packed, Tensor w_scale, Tensor offsets, Tensor bias) -> ()");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(tandem, CPU, m) {
+  m.impl("int8_grouped_gemm", TORCH_BOX(&tandem::int8_grouped_gemm));
+}
