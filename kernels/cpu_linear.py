@@ -57,10 +57,11 @@ GROUPED_KERNELS = ("int8_grouped",)  # activations rounded to int8 per token and
 # int8_vnni keeps one 8-row register tile per weight pass: on a Zen 4 1.2-1.5x oneDNN's int8 GEMM
 # (int8_dynamic) at 32 rows, 1.07-1.28x at 128 (a 128-token prompt, a 128-sequence decode),
 # 1.02-1.15x at 512 (a CPU step's default budget: its quantize and rescale run inside the GEMM,
-# not as two more passes over the rows), 0.91-0.99x at 2048, with the same bits. linear_bf16_packed, the same tiles in bf16, 1.0-1.2x oneDNN at 32 and level at
-# 128, stays at 32: its sums round differently from oneDNN's in ~0.01 % of outputs, and on the
-# 128 bucket that flipped SmolLM2's greedy bf16 chat answer (tests/test_default_model.py) from
-# "Paris" to "L'Étoile ...", an answer on a knife's edge (W8A8 down_proj flipped it the same way).
+# not as two more passes over the rows), 0.91-0.99x at 2048, with the same bits. linear_bf16_packed,
+# the same tiles in bf16, 1.0-1.2x oneDNN at 32 and level at 128, stays at 32: its sums round
+# differently from oneDNN's in ~0.01 % of outputs, and on the 128 bucket that flipped SmolLM2's
+# greedy bf16 chat answer (tests/test_default_model.py) from "Paris" to "L'Étoile ...", an answer
+# on a knife's edge (per-token W8A8 on down_proj flipped it the same way).
 # int4_gemv streams 5-bit weights for a few rows (1.3-1.56x int8_gemv at one row on the Zen 4) and
 # is level with int8_gemv by 8, where its group-by-group fp32 sums cost as much as the reads saved.
 MAX_ROWS = {"int8_vnni": 512, "linear_bf16_packed": 32, "int4_gemv": 8}

@@ -38,7 +38,8 @@ GEMV = "int8_gemv"
 INT4_GEMV = "int4_gemv"  # the GEMV buckets' other candidate, for linears whose weights are int4
 GEMV_MAX_ROWS = 8  # up to here the op runs every linear on a GEMV; above, each linear's own plan
 MAX_ROWS = 128  # the decode buckets the op is timed for
-OP_KERNELS = {"int8_gemv": 0, "int8_vnni": 1, "linear_bf16_packed": 2, "int4_gemv": 3, "int8_grouped": 4}  # the op's kernels (kinds)
+# the op's kernels (kinds, kernels/csrc/decode_layer.cpp)
+OP_KERNELS = {"int8_gemv": 0, "int8_vnni": 1, "linear_bf16_packed": 2, "int4_gemv": 3, "int8_grouped": 4}
 # the timed op variants, as logged
 CANDIDATES = {"one_op": "op", "one_op_int4": "op with int4 GEMVs", "one_op_plans": "op on the linears' plans"}
 _EMPTY = torch.empty(0)

@@ -139,30 +139,14 @@ constexpr GroupedTileFn kGroupedTiles[kGroupedRows] = {grouped_tile<1, C>, group
 void int8_grouped_gemm(Tensor out, Tensor x, Tensor packed, Tensor w_scale, Tensor offsets, Tensor bias) {
   using packed::kCols;
   using packed::kTileBlocks;
-  TANDEM_CHECK(TANDEM_HAS_VNNI, "int8_grouped_gemm needs a build for a CPU with AVX512-VNNI");
-  check_rows(out, 2, "out");
-  check_rows(x, 2, "x");
-  check_cpu_dtype(out, x.scalar_type(), "out");
-  check_cpu_dtype(packed, ScalarType::Char, "packed");
-  check_cpu_dtype(w_scale, ScalarType::Float, "w_scale");
-  check_cpu_dtype(offsets, ScalarType::Int, "offsets");
-  const int64_t rows = x.size(0), k_len = x.size(1), n = out.size(1);
-  const int64_t blocks = (n + kCols - 1) / kCols;
-  TANDEM_CHECK(offsets.dim() == 2 && offsets.size(0) > 0 && k_len % offsets.size(0) == 0,
-               "offsets must be [K / group, ceil(N / 16) * 16]");
+  const packed::W8A8Shape shape = packed::check_w8a8_args("int8_grouped_gemm", out, x, packed, w_scale, offsets, bias);
+  const int64_t rows = shape.rows, k_len = shape.k_len, n = shape.n, blocks = shape.blocks;
+  const bool has_bias = shape.has_bias;
+  TANDEM_CHECK(offsets.is_contiguous() && offsets.dim() == 2 && offsets.size(0) > 0 && k_len % offsets.size(0) == 0 &&
+                   offsets.size(1) == blocks * kCols,
+               "offsets must be [K / group, ceil(N / 16) * 16], contiguous");
   const int64_t groups = offsets.size(0), group = k_len / groups;
   TANDEM_CHECK(group % 4 == 0, "the group (K / offsets.size(0)) must be a multiple of 4");
-  TANDEM_CHECK(out.size(0) == rows, "out must be [M, N]");
-  TANDEM_CHECK(packed.is_contiguous() && packed.dim() == 4 && packed.size(0) == blocks && packed.size(1) == k_len / 4 &&
-                   packed.size(2) == kCols && packed.size(3) == 4, "packed must be [ceil(N / 16), K / 4, 16, 4], contiguous");
-  TANDEM_CHECK(w_scale.is_contiguous() && w_scale.numel() == n, "w_scale must be [N], contiguous");
-  TANDEM_CHECK(offsets.is_contiguous() && offsets.size(1) == blocks * kCols,
-               "offsets must be [K / group, ceil(N / 16) * 16], contiguous");
-  const bool has_bias = bias.numel() > 0;
-  if (has_bias) {
-    check_cpu_dtype(bias, ScalarType::Float, "bias");
-    TANDEM_CHECK(bias.is_contiguous() && bias.numel() == n, "bias must be [N] fp32, contiguous, or empty");
-  }
 #if TANDEM_HAS_VNNI
   std::vector<uint8_t> xu(rows * k_len);  // xq + 128, vpdpbusd's unsigned operand
   std::vector<float> x_scales(rows * groups);

@@ -256,6 +256,38 @@ void gemm(int64_t rows, int64_t blocks, int64_t steps, const uint8_t* x, int64_t
 }
 #endif
 
+// The arguments the VNNI W8A8 GEMMs share (int8_vnni.cpp, int8_grouped.cpp; kernels/int8_linear.py
+// makes them): out [M, N] and x [M, K] of one float dtype, packed [ceil(N / 16), K / 4, 16, 4] int8,
+// w_scale [N] fp32, offsets int32 (each kernel checks its shape), bias [N] fp32 or empty.
+struct W8A8Shape {
+  int64_t rows, k_len, n, blocks;
+  bool has_bias;
+};
+
+inline W8A8Shape check_w8a8_args(const char* op, const Tensor& out, const Tensor& x, const Tensor& packed,
+                                 const Tensor& w_scale, const Tensor& offsets, const Tensor& bias) {
+  TANDEM_CHECK(TANDEM_HAS_VNNI, op, " needs a build for a CPU with AVX512-VNNI");
+  check_rows(out, 2, "out");
+  check_rows(x, 2, "x");
+  check_cpu_dtype(out, x.scalar_type(), "out");
+  check_cpu_dtype(packed, ScalarType::Char, "packed");
+  check_cpu_dtype(w_scale, ScalarType::Float, "w_scale");
+  check_cpu_dtype(offsets, ScalarType::Int, "offsets");
+  const int64_t rows = x.size(0), k_len = x.size(1), n = out.size(1);
+  const int64_t blocks = (n + kCols - 1) / kCols;
+  TANDEM_CHECK(k_len % 4 == 0, "x must be [M, K] with K a multiple of 4");
+  TANDEM_CHECK(out.size(0) == rows, "out must be [M, N]");
+  TANDEM_CHECK(packed.is_contiguous() && packed.dim() == 4 && packed.size(0) == blocks && packed.size(1) == k_len / 4 &&
+                   packed.size(2) == kCols && packed.size(3) == 4, "packed must be [ceil(N / 16), K / 4, 16, 4], contiguous");
+  TANDEM_CHECK(w_scale.is_contiguous() && w_scale.numel() == n, "w_scale must be [N], contiguous");
+  const bool has_bias = bias.numel() > 0;
+  if (has_bias) {
+    check_cpu_dtype(bias, ScalarType::Float, "bias");
+    TANDEM_CHECK(bias.is_contiguous() && bias.numel() == n, "bias must be [N] fp32, contiguous, or empty");
+  }
+  return {rows, k_len, n, blocks, has_bias};
+}
+
 // the first `count` lanes of y to out
 template <typename T>
 inline void store_columns(T* out, f32x16 y, int64_t count) {

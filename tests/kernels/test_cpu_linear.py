@@ -209,14 +209,16 @@ def test_int8_model_logits_match_the_dequantized_model(tmp_path, variant, kernel
         want = run_step(reference, PagedBatch(reference.config, 2, 16), list(enumerate(sequences)))
     got, want = torch.cat(got), torch.cat(want)
     relative_rms = float((got - want).norm() / want.norm())
-    if kernel not in W8A8_KERNELS + GROUPED_KERNELS:  # weight-only: the dequantized model's matmuls, summation order aside,
-        # and for int8_gemv on AVX512-VNNI activations rounded to 16 bits per row (2^-16 of the row's
-        # largest value, ~1e-4 of the logits here after 2 layers)
+    if kernel not in W8A8_KERNELS + GROUPED_KERNELS:
+        # weight-only: the dequantized model's matmuls, summation order aside, and for int8_gemv on
+        # AVX512-VNNI activations rounded to 16 bits per row (2^-16 of the row's largest value, ~1e-4
+        # of the logits here after 2 layers)
         tolerance = 1e-3 if kernel == "int8_gemv" else 1e-4
         assert (got - want).abs().max() <= tolerance * want.abs().max()
     else:
-        # W8A8 rounds each activation row (or group of 128 k of it, down_proj's) to 8 bits too: ~0.5% relative error per linear,
-        # compounding over 2 layers' q/k/v/o/gate/up. Measured ~2%; 5% leaves room for other CPUs.
+        # W8A8 rounds each activation row (or group of 128 k of it, down_proj's) to 8 bits too: ~0.5%
+        # relative error per linear, compounding over 2 layers' linears. Measured ~2%; 5% leaves room
+        # for other CPUs.
         # Greedy answers on the real model: tests/engine_core/test_quantized_smollm2.py.
         assert relative_rms <= 0.05, relative_rms
 
