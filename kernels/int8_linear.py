@@ -175,17 +175,6 @@ def run_int8_grouped(state, x):
     return y
 
 
-def reference_int8_grouped(w: torch.Tensor, x: torch.Tensor, group: int = ACTIVATION_GROUP) -> torch.Tensor:
-    """int8_grouped's arithmetic in torch (tests): x rounded in fp32 per row and group of k, as the
-    kernel rounds it, w per output channel; the products and sums in float64."""
-    q, scale = quantize_int8(w)
-    rows, in_f = x.shape
-    xg = x.float().reshape(rows, in_f // group, group)
-    x_scale = (xg.abs().amax(-1, keepdim=True) / 127.0).clamp(min=1e-12)
-    xq = torch.round(xg / x_scale).double() * x_scale.double()
-    return xq.reshape(rows, in_f) @ (q.double() * scale.double()[:, None]).t()
-
-
 def _run_int8_dynamic_torch(state, x):
     qt, w_scale, b, dtype, _ = state
     xf = x.float()

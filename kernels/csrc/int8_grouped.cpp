@@ -7,8 +7,8 @@
 // An outlier now coarsens only its own group of G. The GEMM is int8_vnni's (the weight packed in
 // vpdpbusd's order, [ceil(N / 16), K / 4, 16, 4], register tiles from packed_tiles.h), run one
 // group of k at a time: each group's exact int32 sums are turned to fp32 and added into the
-// tile's fp32 sums with that group's activation scale. With G = 128 that is 3 extra operations a
-// sum per 32 vpdpbusd.
+// tile's fp32 sums with that group's activation scale. With G = 128 that is 4 extra operations a
+// sum (subtract the offsets, convert, multiply-add, clear) per 32 vpdpbusd.
 //
 // vpdpbusd multiplies unsigned by signed bytes, so the activations go in as xq + 128 and each
 // group's sums drop 128 * sum_{k in g} q[n, k] (`offsets`, [K / G, ceil(N / 16) * 16], made with
@@ -79,8 +79,6 @@ void grouped_tile(const uint8_t* x, int64_t row_bytes, const uint8_t* w, int64_t
   "vmovdqu64 " #OFFSET "(%[op]), %%zmm29\n\t"                                                       \
   TANDEM_GROUPED_ADD(I0, F0, "(%[sp])") TANDEM_GROUPED_ADD(I1, F1, "(%[sp],%[ss],1)")                  \
   TANDEM_GROUPED_ADD(I2, F2, "(%[sp],%[ss],2)") TANDEM_GROUPED_ADD(I3, F3, "(%[sp3])")
-#define TANDEM_ZERO(I) "vpxord %%zmm" #I ", %%zmm" #I ", %%zmm" #I "\n\t"
-#define TANDEM_STORE(I, OFFSET) "vmovups %%zmm" #I ", " #OFFSET "(%[x0])\n\t"
 
 void grouped_full_tile(const uint8_t* x, int64_t row_bytes, const uint8_t* w, int64_t block_bytes, int64_t groups,
                        int64_t group_steps, const int32_t* offsets, int64_t offsets_stride, const float* x_scales,
@@ -93,10 +91,7 @@ void grouped_full_tile(const uint8_t* x, int64_t row_bytes, const uint8_t* w, in
   f32x16* out_ptr = &out[0][0];
   int64_t count, left = groups;
   asm volatile(
-      TANDEM_ZERO(0) TANDEM_ZERO(1) TANDEM_ZERO(2) TANDEM_ZERO(3) TANDEM_ZERO(4) TANDEM_ZERO(5)
-      TANDEM_ZERO(6) TANDEM_ZERO(7) TANDEM_ZERO(8) TANDEM_ZERO(9) TANDEM_ZERO(10) TANDEM_ZERO(11)
-      TANDEM_ZERO(12) TANDEM_ZERO(13) TANDEM_ZERO(14) TANDEM_ZERO(15) TANDEM_ZERO(16) TANDEM_ZERO(17)
-      TANDEM_ZERO(18) TANDEM_ZERO(19) TANDEM_ZERO(20) TANDEM_ZERO(21) TANDEM_ZERO(22) TANDEM_ZERO(23)
+      TANDEM_ZERO_0_TO_23
       "2:\n\t"
       "mov %[gs], %[count]\n\t"
       "1:\n\t"
@@ -112,10 +107,11 @@ void grouped_full_tile(const uint8_t* x, int64_t row_bytes, const uint8_t* w, in
       TANDEM_GROUPED_BLOCK(2, 128, 2, 5, 8, 11, 14, 17, 20, 23)
       "add $4, %[sp]\n\tadd $4, %[sp3]\n\tadd %[ob], %[op]\n\t"
       "dec %[left]\n\tjnz 2b\n\t"
-      "mov %[out], %[x0]\n\t"
-      TANDEM_STORE(12, 0) TANDEM_STORE(13, 64) TANDEM_STORE(14, 128) TANDEM_STORE(15, 192)
-      TANDEM_STORE(16, 256) TANDEM_STORE(17, 320) TANDEM_STORE(18, 384) TANDEM_STORE(19, 448)
-      TANDEM_STORE(20, 512) TANDEM_STORE(21, 576) TANDEM_STORE(22, 640) TANDEM_STORE(23, 704)
+      "mov %[out], %[x0]\n\t"  // x0 is spent: it takes the address of `out`
+      TANDEM_STORE(12, 0, "%[x0]") TANDEM_STORE(13, 64, "%[x0]") TANDEM_STORE(14, 128, "%[x0]")
+      TANDEM_STORE(15, 192, "%[x0]") TANDEM_STORE(16, 256, "%[x0]") TANDEM_STORE(17, 320, "%[x0]")
+      TANDEM_STORE(18, 384, "%[x0]") TANDEM_STORE(19, 448, "%[x0]") TANDEM_STORE(20, 512, "%[x0]")
+      TANDEM_STORE(21, 576, "%[x0]") TANDEM_STORE(22, 640, "%[x0]") TANDEM_STORE(23, 704, "%[x0]")
       : [x0] "+r"(x0), [x3] "+r"(x3), [w] "+r"(wp), [sp] "+r"(sp), [sp3] "+r"(sp3), [op] "+r"(op),
         [count] "=&r"(count), [left] "+r"(left)
       : [rb] "r"(row_bytes), [bb] "r"(block_bytes), [ss] "r"(scale_stride), [gs] "m"(group_steps),

@@ -132,21 +132,26 @@ void tile_sums(const uint8_t* x, int64_t row_bytes, const uint8_t* w, int64_t bl
   "add $4, %[x0]\n\tadd $4, %[x3]\n\tadd $4, %[x6]\n\tadd $64, %[w]\n\tadd $64, %[n]\n\t"               \
   "dec %[steps]\n\tjnz 1b\n\t"
 #define TANDEM_FULL_TILE_PREFETCH "prefetcht1 (%[n])\n\tprefetcht1 (%[n],%[bb],1)\n\tprefetcht1 (%[n],%[bb],2)\n\t"
+// zmm0-23 to zero; zmm{I} to OFFSET bytes past the address in BASE (an operand, e.g. "%[acc]")
 #define TANDEM_ZERO(I) "vpxord %%zmm" #I ", %%zmm" #I ", %%zmm" #I "\n\t"
-#define TANDEM_STORE(I, OFFSET) "vmovdqu64 %%zmm" #I ", " #OFFSET "(%[acc])\n\t"
+#define TANDEM_ZERO_0_TO_23                                                                        \
+  TANDEM_ZERO(0) TANDEM_ZERO(1) TANDEM_ZERO(2) TANDEM_ZERO(3) TANDEM_ZERO(4) TANDEM_ZERO(5)        \
+  TANDEM_ZERO(6) TANDEM_ZERO(7) TANDEM_ZERO(8) TANDEM_ZERO(9) TANDEM_ZERO(10) TANDEM_ZERO(11)      \
+  TANDEM_ZERO(12) TANDEM_ZERO(13) TANDEM_ZERO(14) TANDEM_ZERO(15) TANDEM_ZERO(16) TANDEM_ZERO(17)  \
+  TANDEM_ZERO(18) TANDEM_ZERO(19) TANDEM_ZERO(20) TANDEM_ZERO(21) TANDEM_ZERO(22) TANDEM_ZERO(23)
+#define TANDEM_STORE(I, OFFSET, BASE) "vmovdqu64 %%zmm" #I ", " #OFFSET "(" BASE ")\n\t"
 #define TANDEM_FULL_TILE_ASM(LOOP)                                                                          \
   asm volatile(                                                                                            \
-      TANDEM_ZERO(0) TANDEM_ZERO(1) TANDEM_ZERO(2) TANDEM_ZERO(3) TANDEM_ZERO(4) TANDEM_ZERO(5)              \
-      TANDEM_ZERO(6) TANDEM_ZERO(7) TANDEM_ZERO(8) TANDEM_ZERO(9) TANDEM_ZERO(10) TANDEM_ZERO(11)            \
-      TANDEM_ZERO(12) TANDEM_ZERO(13) TANDEM_ZERO(14) TANDEM_ZERO(15) TANDEM_ZERO(16) TANDEM_ZERO(17)        \
-      TANDEM_ZERO(18) TANDEM_ZERO(19) TANDEM_ZERO(20) TANDEM_ZERO(21) TANDEM_ZERO(22) TANDEM_ZERO(23)        \
+      TANDEM_ZERO_0_TO_23                                                                                  \
       LOOP                                                                                                 \
-      TANDEM_STORE(0, 0) TANDEM_STORE(1, 64) TANDEM_STORE(2, 128) TANDEM_STORE(3, 192)                       \
-      TANDEM_STORE(4, 256) TANDEM_STORE(5, 320) TANDEM_STORE(6, 384) TANDEM_STORE(7, 448)                    \
-      TANDEM_STORE(8, 512) TANDEM_STORE(9, 576) TANDEM_STORE(10, 640) TANDEM_STORE(11, 704)                  \
-      TANDEM_STORE(12, 768) TANDEM_STORE(13, 832) TANDEM_STORE(14, 896) TANDEM_STORE(15, 960)                \
-      TANDEM_STORE(16, 1024) TANDEM_STORE(17, 1088) TANDEM_STORE(18, 1152) TANDEM_STORE(19, 1216)            \
-      TANDEM_STORE(20, 1280) TANDEM_STORE(21, 1344) TANDEM_STORE(22, 1408) TANDEM_STORE(23, 1472)            \
+      TANDEM_STORE(0, 0, "%[acc]") TANDEM_STORE(1, 64, "%[acc]") TANDEM_STORE(2, 128, "%[acc]")              \
+      TANDEM_STORE(3, 192, "%[acc]") TANDEM_STORE(4, 256, "%[acc]") TANDEM_STORE(5, 320, "%[acc]")           \
+      TANDEM_STORE(6, 384, "%[acc]") TANDEM_STORE(7, 448, "%[acc]") TANDEM_STORE(8, 512, "%[acc]")           \
+      TANDEM_STORE(9, 576, "%[acc]") TANDEM_STORE(10, 640, "%[acc]") TANDEM_STORE(11, 704, "%[acc]")         \
+      TANDEM_STORE(12, 768, "%[acc]") TANDEM_STORE(13, 832, "%[acc]") TANDEM_STORE(14, 896, "%[acc]")        \
+      TANDEM_STORE(15, 960, "%[acc]") TANDEM_STORE(16, 1024, "%[acc]") TANDEM_STORE(17, 1088, "%[acc]")      \
+      TANDEM_STORE(18, 1152, "%[acc]") TANDEM_STORE(19, 1216, "%[acc]") TANDEM_STORE(20, 1280, "%[acc]")     \
+      TANDEM_STORE(21, 1344, "%[acc]") TANDEM_STORE(22, 1408, "%[acc]") TANDEM_STORE(23, 1472, "%[acc]")     \
       : [x0] "+r"(x0), [x3] "+r"(x3), [x6] "+r"(x6), [w] "+r"(wp), [n] "+r"(np), [steps] "+r"(steps)       \
       : [rb] "r"(row_bytes), [bb] "r"(block_bytes), [acc] "r"(&acc[0][0])                                  \
       : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",         \

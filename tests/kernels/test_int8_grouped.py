@@ -18,7 +18,6 @@ from kernels.int8_linear import (
     prepare_int8_grouped,
     prepare_int8_vnni,
     quantize_int8,
-    reference_int8_grouped,
     run_int8_grouped,
     run_int8_vnni,
 )
@@ -29,6 +28,17 @@ pytestmark = pytest.mark.skipif(not int8_vnni_supported(),
 # (rows, in, out): register tiles of 4 rows inside 8-row tiles and 128-row blocks, with tails;
 # column groups of 48 with whole and partial 16-column blocks; one group of k and several
 SHAPES = [(1, 128, 16), (3, 256, 100), (8, 1536, 576), (13, 384, 3072), (40, 128, 17), (131, 256, 200), (600, 512, 48)]
+
+
+def reference_int8_grouped(w: torch.Tensor, x: torch.Tensor, group: int = ACTIVATION_GROUP) -> torch.Tensor:
+    """The kernel's arithmetic in torch: x rounded in fp32 per row and group of k, as the kernel
+    rounds it, w per output channel; the products and sums in float64."""
+    q, scale = quantize_int8(w)
+    rows, in_f = x.shape
+    xg = x.float().reshape(rows, in_f // group, group)
+    x_scale = (xg.abs().amax(-1, keepdim=True) / 127.0).clamp(min=1e-12)
+    xq = torch.round(xg / x_scale).double() * x_scale.double()
+    return xq.reshape(rows, in_f) @ (q.double() * scale.double()[:, None]).t()
 
 
 def within_rounding(got: torch.Tensor, want: torch.Tensor) -> bool:
