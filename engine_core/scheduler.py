@@ -1,9 +1,17 @@
-"""Continuous batching under one token budget (vLLM v1's scheduling model).
+"""Continuous batching under a per-step budget of prompt tokens (vLLM v1's scheduling model).
 
 There are no prefill and decode phases: every request's `num_computed_tokens`
 catches up with its `num_tokens`, a chunk per step. Each step serves the running
 requests first (preempting from the tail when the KV cache is full), then admits
 waiting ones while the budget, the KV cache and `max_num_seqs` allow.
+
+`max_num_batched_tokens` bounds the prompt chunks of a step; each running request's
+decode token rides on top of it (as in SGLang's mixed chunked prefill), so a step holds
+at most the budget plus `max_num_seqs` tokens. Counting the decodes against the budget, as
+vLLM does, shrank every chunk of a burst by the decodes already running, so the last prompt
+of each step spilled into the next: 32 prompts of 128 tokens at a budget of 512 saw their
+16th first token after 5 steps instead of 4 (TTFT p50 0.98-1.01 s against 0.90-0.97 s
+in-process on a 2-core Xeon, SmolLM2 W8A8).
 """
 
 from __future__ import annotations
@@ -128,27 +136,33 @@ class Scheduler:
         )
 
     def _schedule_running(self, budget: int, num_scheduled: dict[str, int], preempted: set[str]) -> int:
-        """Give each running request its next chunk, preempting when the KV cache is full; returns the budget left."""
+        """Give each running request its next chunk, preempting when the KV cache is full; returns the budget left.
+
+        A decode (one token to compute) rides on top of the budget, which only prompt chunks spend."""
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running):
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = 1 if _is_decode(request) else min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
                 continue
             while self.kv_cache_manager.allocate_slots(request, num_new) is None:
                 victim_index = self._pick_victim()
                 victim = self.running[victim_index]
+                # Only the newest running request can be mid-prompt (while one is, its chunk takes the whole
+                # budget and nobody is admitted behind it), so a victim scheduled earlier in this pass had
+                # a decode: it spent no budget to give back.
+                num_scheduled.pop(victim.request_id, None)
                 self._preempt(victim_index)
                 preempted.add(victim.request_id)
-                budget += num_scheduled.pop(victim.request_id, 0)
                 if victim_index < i:
                     i -= 1
                 if victim is request:
                     break
             else:
                 num_scheduled[request.request_id] = num_new
-                budget -= num_new
+                if not _is_decode(request):
+                    budget -= num_new
                 i += 1
         return budget
 
@@ -298,3 +312,8 @@ class Scheduler:
             num_prompt_tokens=self._num_prompt_tokens,
             num_generation_tokens=self._num_generation_tokens,
         )
+
+
+def _is_decode(request: Request) -> bool:
+    """One token left to compute: its next sampled token's input (not yet counted as computed)."""
+    return request.num_tokens - request.num_computed_tokens == 1

@@ -93,9 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = p.add_argument_group("scheduler")
     s.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens,
-                   help="token budget of one step (default: 512 on CPU, where a 2,048-token step takes ~1 s "
-                        "and stalls every stream that long; 2048 on CUDA; without chunked prefill at least "
-                        "--max-model-len)")
+                   help="prompt tokens one step computes, its running decodes on top (default: 512 on CPU, "
+                        "where a 2,048-token step takes ~1 s and stalls every stream that long; 2048 on CUDA; "
+                        "without chunked prefill at least --max-model-len)")
     s.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs, help="most requests running at once")
     s.add_argument("--policy", default=sched.policy, choices=["fcfs", "priority"], help="scheduling policy")
     s.add_argument("--no-chunked-prefill", action="store_true", help="turn chunked prefill off")

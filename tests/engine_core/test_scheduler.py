@@ -88,12 +88,12 @@ def test_priority_policy_preempts_the_least_important_request():
     assert [r.request_id for r in out.scheduled_requests] == ["high"]
 
 
-def test_preempting_an_already_scheduled_request_returns_its_budget():
+def test_a_request_scheduled_earlier_in_the_pass_can_still_be_preempted():
     scheduler = make_scheduler(num_blocks=9, max_model_len=16, budget=4, policy="priority",
                                caching=False, block_size=2)
     runner = FakeRunner(2)
     arrivals = {0: (1, 1), 1: (3, 1), 2: (3, 0), 3: (2, 2), 4: (6, 0), 5: (5, 2)}  # step: (prompt len, priority)
-    for step in range(7):
+    for step in range(6):
         if step in arrivals:
             length, priority = arrivals[step]
             scheduler.add_request(make_request(
@@ -101,11 +101,15 @@ def test_preempting_an_already_scheduled_request_returns_its_budget():
                 arrival_time=1.0 + step, block_size=2, max_model_len=16,
             ))
         run_step(scheduler, runner)
+        check_accounting(scheduler)
     assert [r.request_id for r in scheduler.running] == ["r0", "r2", "r4"]
     out = scheduler.schedule()
-    # r0 was scheduled first, then preempted to make room for r2: its token funds r4's chunk.
+    # r0's decode was scheduled first, then r0 was preempted to make room for r2's: it leaves the step
+    # (a decode spends no budget, so nothing is given back) and r4 finishes its prompt.
     assert out.preempted_request_ids == {"r0"}
-    assert out.num_scheduled_tokens == {"r2": 1, "r4": 3}
+    assert out.num_scheduled_tokens == {"r2": 1, "r4": 2}
+    scheduler.update_from_output(out, runner.execute(out))
+    check_accounting(scheduler)
 
 
 def test_priority_policy_admits_in_priority_then_arrival_order():
@@ -197,6 +201,22 @@ def test_chunked_prefill_respects_the_token_budget():
         for o in outputs.outputs:  # tokens only once the prompt is fully computed
             assert scheduler.requests.get(o.request_id) is None or o.new_token_ids
     assert steps[:4] == [{"long": 8}, {"long": 8}, {"long": 4, "short": 4}, {"long": 1, "short": 1}]
+
+
+def test_decodes_ride_on_top_of_the_prompt_budget():
+    # Counted against the budget, a's decode would cut b's chunk to 7 and push b's last token, and
+    # its first output, into the next step.
+    scheduler = make_scheduler(budget=8)
+    runner = FakeRunner(BLOCK)
+    for request_id, first in (("a", 0), ("b", 20), ("c", 40)):
+        scheduler.add_request(make_request(request_id, range(first, first + 8), max_tokens=4))
+    steps = []
+    for _ in range(3):
+        out = scheduler.schedule()
+        steps.append(dict(out.num_scheduled_tokens))
+        outputs = scheduler.update_from_output(out, runner.execute(out))
+        assert {o.request_id for o in outputs.outputs if o.new_token_ids} == set(steps[-1])  # each step's prompt done
+    assert steps == [{"a": 8}, {"a": 1, "b": 8}, {"a": 1, "b": 1, "c": 8}]
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_room_in_the_budget():

@@ -4,8 +4,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine_core.request import RequestStatus
-from tests.engine_core.fake_runner import FakeRunner, run_step, run_to_completion
+from tests.engine_core.fake_runner import FakeRunner, run_to_completion
 from tests.engine_core.scheduler_harness import all_blocks_free, check_accounting, make_request, make_scheduler
+
+def check_step(scheduler, out, budget):
+    """Prompt chunks within the budget; every running decode in the step (decodes ride on top)."""
+    decodes = {r.request_id for r in out.scheduled_requests
+               if out.num_scheduled_tokens[r.request_id] == 1 and r.num_computed_tokens == r.num_tokens}
+    assert sum(n for request_id, n in out.num_scheduled_tokens.items() if request_id not in decodes) <= budget
+    if not out.preempted_request_ids:
+        assert all(r.request_id in out.num_scheduled_tokens for r in scheduler.running)
+
 
 # ---- property: block accounting ------------------------------------------------------
 PREFIXES = [list(range(k * 30, k * 30 + 16)) for k in range(3)]
@@ -41,7 +50,9 @@ def test_block_accounting_survives_any_sequence(ops, policy, caching, drain_by_a
             scheduler.finish_requests(ids[op[1] % len(ids)], RequestStatus.FINISHED_ABORTED)
         elif op[0] == "step":
             for _ in range(op[1]):
-                run_step(scheduler, runner)
+                out = scheduler.schedule()
+                check_step(scheduler, out, budget=6)
+                scheduler.update_from_output(out, runner.execute(out))
         elif op[0] == "abort_between" and ids:
             out = scheduler.schedule()
             scheduler.finish_requests(ids[op[1] % len(ids)], RequestStatus.FINISHED_ABORTED)
