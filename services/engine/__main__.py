@@ -19,6 +19,7 @@ from pathlib import Path
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine_core.openmp_env import limit_openmp_spinning
 from services.cpu_priority import CPU_PRIORITIES
+from services.engine.busy_loop import DEFAULT_BURST_WINDOW_S
 from services.engine.outbox import DEFAULT_MAX_PENDING_OUTPUTS
 from services.security import flags as security_flags
 from services.security.transport import ENGINE_LINK_MAX_MESSAGE_BYTES
@@ -55,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--max-pending-outputs", type=int, default=DEFAULT_MAX_PENDING_OUTPUTS,
                         help="output messages buffered per connection for a client that does not read; "
                              "beyond that the connection ends with RESOURCE_EXHAUSTED and its requests are aborted")
+    server.add_argument("--burst-window-ms", type=float, default=1000 * DEFAULT_BURST_WINDOW_S,
+                        help="the longest an idle engine waits for the rest of a burst after its first request, "
+                             "taking requests that come within 2 ms of each other, so they start in one step "
+                             "(0: step at once)")
     server.add_argument("--io-cpu-priority", default="normal", choices=CPU_PRIORITIES,
                         help="CPU priority of the gRPC I/O threads beside the stepping main thread: idle "
                              "(SCHED_IDLE) runs them only on a core the engine's OpenMP team leaves free, so "
@@ -157,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         from services.engine.server import EngineServer  # torch loads here, after the flags are checked
 
         server = EngineServer(config, f"{args.host}:{args.port}", stall_timeout=args.stall_timeout,
-                              max_pending_outputs=args.max_pending_outputs,
+                              max_pending_outputs=args.max_pending_outputs, burst_window_s=args.burst_window_ms / 1000,
                               transport=transport, tracer_provider=tracer_provider,
                               metrics_port=args.metrics_port, metrics_host=args.host)
         from services.engine.process import serve_on_main_thread

@@ -20,7 +20,7 @@ from tandem.v1 import engine_core_pb2, engine_core_pb2_grpc
 from engine_core.config import EngineConfig
 from engine_core.engine_core import EngineCore
 from services.engine import convert
-from services.engine.busy_loop import EngineBusyLoop
+from services.engine.busy_loop import DEFAULT_BURST_WINDOW_S, EngineBusyLoop
 from services.engine.health import ENGINE_CORE_SERVICE, EngineHealth
 from services.engine.messages import ConnectionOutputs, EngineDied, PauseMode, Utility, UtilityMethod
 from services.engine.outbox import DEFAULT_MAX_PENDING_OUTPUTS, ConnectionOutbox, Overflowed
@@ -116,7 +116,7 @@ class EngineServer:
                  max_pending_outputs: int = DEFAULT_MAX_PENDING_OUTPUTS,
                  transport: ServerTransport = ServerTransport(max_message_bytes=ENGINE_LINK_MAX_MESSAGE_BYTES),
                  tracer_provider=None, metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
-                 ) -> None:
+                 burst_window_s: float = DEFAULT_BURST_WINDOW_S) -> None:
         self.config = config
         self.address = address
         self.transport = transport
@@ -126,7 +126,7 @@ class EngineServer:
         # outputs carry queued/scheduled/preempted events and the prefix cache's changes (for frontends' routers)
         self.engine = EngineCore(config, log_stats=True, kv_events=True)
         self._init_telemetry(tracer_provider, metrics_port, metrics_host)
-        self.busy_loop = EngineBusyLoop(self.engine, self.telemetry)
+        self.busy_loop = EngineBusyLoop(self.engine, self.telemetry, burst_window_s)
         self.health = EngineHealth(self.busy_loop, stall_timeout)
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
