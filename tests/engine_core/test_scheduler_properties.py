@@ -7,6 +7,7 @@ from engine_core.request import RequestStatus
 from tests.engine_core.fake_runner import FakeRunner, run_to_completion
 from tests.engine_core.scheduler_harness import all_blocks_free, check_accounting, make_request, make_scheduler
 
+
 def check_step(scheduler, out, budget):
     """Prompt chunks within the budget; every running decode in the step (decodes ride on top)."""
     decodes = {r.request_id for r in out.scheduled_requests
