@@ -142,7 +142,8 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             request = self.running[i]
-            num_new = 1 if _is_decode(request) else min(request.num_tokens - request.num_computed_tokens, budget)
+            decode = _is_decode(request)
+            num_new = 1 if decode else min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -161,7 +162,7 @@ class Scheduler:
                     break
             else:
                 num_scheduled[request.request_id] = num_new
-                if not _is_decode(request):
+                if not decode:
                     budget -= num_new
                 i += 1
         return budget

@@ -28,8 +28,9 @@ constexpr int kGroupedRows = 4;  // rows per register tile: 4 x 3 int32 sums + 4
 
 // sums[r][c] = sum_g x_scale[r, g] * (the int32 dot products of row r and block c over group g,
 // less the group's offsets), for R rows of x (row_bytes apart) and C blocks (block_bytes apart).
-// The int32 and fp32 sums both stay in registers: the 8-row tiles of packed_tiles.h leave no room
-// for a second set. `next`: the weight of the tile after this one, prefetched as this one streams.
+// packed_tiles.h's tile_sums gives each group's int32 sums (this path serves the edge tiles; the
+// full one, below, keeps both sets in registers). `next`: the weight of the tile after this one,
+// prefetched as this one streams.
 template <int R, int C>
 void grouped_tile(const uint8_t* x, int64_t row_bytes, const uint8_t* w, int64_t block_bytes, int64_t groups,
                   int64_t group_steps, const int32_t* offsets, int64_t offsets_stride, const float* x_scales,
@@ -38,21 +39,10 @@ void grouped_tile(const uint8_t* x, int64_t row_bytes, const uint8_t* w, int64_t
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) sums[r][c] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i dots[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) dots[r][c] = _mm512_setzero_si512();
-    for (int64_t s = g * group_steps; s < (g + 1) * group_steps; ++s) {
-      __m512i wv[C];
-      for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + c * block_bytes + s * 64);
-      if (next != nullptr)
-        for (int c = 0; c < C; ++c) __builtin_prefetch(next + c * block_bytes + s * 64, 0, 2);
-      for (int r = 0; r < R; ++r) {
-        int32_t four;
-        std::memcpy(&four, x + r * row_bytes + s * 4, sizeof four);
-        const __m512i a = _mm512_set1_epi32(four);
-        for (int c = 0; c < C; ++c) dots[r][c] = packed::Int8Dot::dot(dots[r][c], a, wv[c]);
-      }
-    }
+    packed::Tile<packed::Int8Dot> dots;  // the group's int32 sums
+    const int64_t k_step = g * group_steps;
+    packed::tile_sums<packed::Int8Dot, R, C>(x + k_step * 4, row_bytes, w + k_step * 64, block_bytes, group_steps,
+                                             next != nullptr ? next + k_step * 64 : nullptr, dots);
     for (int c = 0; c < C; ++c) {
       const __m512i offset = _mm512_loadu_si512(offsets + g * offsets_stride + c * packed::kCols);
       for (int r = 0; r < R; ++r)
