@@ -31,13 +31,21 @@ async def run_closed_loop(backend, prompts: list[BenchPrompt], streams: int = 1)
 
 
 def cpu_seconds(pids: list[int | None]) -> list[float]:
-    """User + system CPU seconds of each process (from /proc), then of this one (the client)."""
+    """User + system CPU seconds of each process and its live children (tandem-engine's gRPC server
+    process), from /proc, then of this one (the client)."""
     ticks = os.sysconf("SC_CLK_TCK")
-    seconds = []
-    for pid in pids:
+
+    def of(pid: int) -> float:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        seconds.append((int(fields[11]) + int(fields[12])) / ticks)  # utime, stime
-    return [*seconds, time.process_time()]
+        return (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+
+    def children(pid: int) -> list[int]:
+        try:
+            return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        except OSError:
+            return []
+
+    return [*(of(pid) + sum(of(child) for child in children(pid)) for pid in pids), time.process_time()]
 
 
 def steal_seconds() -> float:

@@ -171,10 +171,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tandem-engine listening on {args.host}:{port}", flush=True)
 
         try:
-            # the engine steps on this, the main thread
-            serve_on_main_thread(server, args.grace, announce, io_cpu_priority=args.io_cpu_priority)
-        except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
+            # the engine steps on this, the main thread; gRPC is served from a process of its own
+            status = serve_on_main_thread(server, sys.argv[1:] if argv is None else list(argv), announce,
+                                          grace=args.grace)
+        except RuntimeError as exc:  # the server process could not listen: "Failed to bind to address ..."
             raise ValueError(f"cannot listen on {args.host}:{args.port}: {exc}") from None
+        if status != 0:
+            logging.getLogger("tandem.engine").error("the gRPC server process exited with status %d", status)
+            return 1
     except (ValueError, FileNotFoundError, NotADirectoryError) as exc:
         parser.exit(2, f"tandem-engine: error: {exc}\n")
     finally:

@@ -7,11 +7,11 @@ Outputs: `messages.ConnectionOutputs` -> `EngineCoreOutputs`; `EngineInfo` -> pr
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from tandem.v1 import common_pb2, engine_core_pb2
 
 from engine_core.config import EngineConfig
-from engine_core.engine_core import EngineInfo
 from engine_core.pooling_params import PoolingParams, PoolingType
 from engine_core.sampling_params import SamplingParams, validate_sampling_params
 from engine_core.types import EngineCoreEventType, EngineCoreOutput, EngineCoreRequest, SchedulerStats
@@ -26,6 +26,9 @@ from services.engine.messages import (
     UtilityMethod,
     UtilityResult,
 )
+
+if TYPE_CHECKING:  # torch-free to import: the gRPC server process (services/engine/io_process.py) converts too
+    from engine_core.engine_core import EngineInfo
 
 # ---- enum maps ------------------------------------------------------------------------
 _EVENT_TYPES = {

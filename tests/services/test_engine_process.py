@@ -1,8 +1,10 @@
-"""The engine process's thread structure: the model steps on the main thread, gRPC I/O elsewhere.
+"""tandem-engine's structure: the model steps on the engine process's main thread, gRPC is served by a
+process of its own (services/engine/process.py, services/engine/bridge.py).
 
-torch's parallel CPU work runs 1.4-1.65x slower when started from a non-main thread, so this
-pins where `tandem-engine` steps (services/engine/process.py): a later refactor that moves the
-step back onto a side thread fails here, whatever machine it runs on.
+torch's parallel CPU work runs 1.4-1.65x slower when started from a non-main thread, and a gRPC
+server on a thread of the engine's own process took the GIL from the stepping thread on every
+output; so this pins both: a later refactor that moves the step back onto a side thread, or the
+gRPC server back into the engine's process, fails here, whatever machine it runs on.
 """
 
 from __future__ import annotations
@@ -10,18 +12,29 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from pathlib import Path
 
 import grpc
 import pytest
 
-from services.cpu_priority import set_cpu_priority
 from services.engine.process import serve_on_main_thread
 from services.engine.server import EngineServer
 from tests.services.conftest import WAIT_S, Stream
 
+SERVER_ARGV = ["--host", "127.0.0.1", "--port", "0", "--log-level", "WARNING"]
+
+
+def _children() -> list[int]:
+    """This process's child processes (started from its main thread)."""
+    return [int(pid) for pid in Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()]
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="needs pytest's main thread")
-def test_tandem_engine_steps_on_the_main_thread_and_stops_on_sigterm(engine_config):
+def test_tandem_engine_steps_on_the_main_thread_serves_from_its_own_process_and_stops_on_sigterm(engine_config):
     server = EngineServer(engine_config, "127.0.0.1:0")
     step_threads: list[threading.Thread] = []
     step = server.engine.step
@@ -36,13 +49,13 @@ def test_tandem_engine_steps_on_the_main_thread_and_stops_on_sigterm(engine_conf
     def client(port: int) -> None:
         """One greedy request over the real Connect stream, then SIGTERM to this process."""
         try:
+            servers = [pid for pid in _children() if "services.engine.io_process" in _cmdline(pid)]
+            served["server_pids"] = servers
+            served["policies"] = {pid: os.sched_getscheduler(pid) for pid in servers}
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stream = Stream(channel)
                 stream.add("r", [7, 8, 9], temperature=0.0, max_tokens=4, ignore_eos=True)
                 served["tokens"] = stream.wait_finished("r")["r"]
-                served["io_threads"] = {t.name for t in threading.enumerate()}
-                served["policies"] = {t.name: os.sched_getscheduler(t.native_id) for t in threading.enumerate()
-                                      if t.name in ("engine-grpc-io", "MainThread")}
                 stream.close()
         except Exception as exc:  # noqa: BLE001 - reported by the assertions below
             served["error"] = exc
@@ -56,22 +69,31 @@ def test_tandem_engine_steps_on_the_main_thread_and_stops_on_sigterm(engine_conf
         drivers.append(threading.Thread(target=client, args=(port,), name="test-client", daemon=True))
         drivers[0].start()
 
-    try:
-        serve_on_main_thread(server, grace=1.0, on_listening=start_client,  # returns after SIGTERM's drain
-                             io_cpu_priority="idle")
-        drivers[0].join(WAIT_S)
-    finally:
-        set_cpu_priority("normal")  # gRPC threads started from the I/O thread are idle: not for later tests
+    status = serve_on_main_thread(server, [*SERVER_ARGV, "--io-cpu-priority", "idle"], on_listening=start_client,
+                                  grace=1.0)  # returns after SIGTERM's drain
+    drivers[0].join(WAIT_S)
 
     assert "error" not in served, served.get("error")
+    assert status == 0
     assert len(served["tokens"]) == 4
     assert step_threads and all(t is threading.main_thread() for t in step_threads)
     assert server.busy_loop.thread is threading.main_thread()
-    assert "engine-grpc-io" in served["io_threads"] and "engine-busy-loop" not in served["io_threads"]
-    # --io-cpu-priority reaches the I/O thread, never the stepping one (services/cpu_priority.py)
-    assert served["policies"] == {"engine-grpc-io": os.SCHED_IDLE, "MainThread": os.SCHED_OTHER}
+    # gRPC is served by one child process, which --io-cpu-priority reaches; this process keeps its priority
+    assert len(served["server_pids"]) == 1
+    assert served["policies"] == {served["server_pids"][0]: os.SCHED_IDLE}
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+    assert not any(pid in _children() for pid in served["server_pids"])  # it exited and was reaped
     assert not server.busy_loop.alive  # drained and stopped; the handler we replaced is back
     assert signal.getsignal(signal.SIGTERM) is previous
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="needs pytest's main thread")
+def test_an_address_the_server_process_cannot_bind_fails_the_start_and_leaves_no_process(engine_config):
+    server = EngineServer(engine_config, "127.0.0.1:0")
+    with pytest.raises(RuntimeError, match="bind|listen"):
+        serve_on_main_thread(server, ["--host", "203.0.113.1", "--port", "1", "--log-level", "ERROR"],
+                             on_listening=lambda port: pytest.fail("it cannot listen"), grace=0)
+    assert not [pid for pid in _children() if "services.engine.io_process" in _cmdline(pid)]
 
 
 def test_serving_off_the_main_thread_is_refused(engine_config):
@@ -85,6 +107,6 @@ def test_serving_off_the_main_thread_is_refused(engine_config):
 
 def _capture(errors: list, server: EngineServer) -> None:
     try:
-        serve_on_main_thread(server, grace=0, on_listening=lambda port: None)
+        serve_on_main_thread(server, SERVER_ARGV, on_listening=lambda port: None, grace=0)
     except RuntimeError as exc:
         errors.append(exc)
