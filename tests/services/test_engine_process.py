@@ -9,14 +9,19 @@ gRPC server back into the engine's process, fails here, whatever machine it runs
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import grpc
 import pytest
 
+from clients.local_stack import free_port
 from services.engine.process import serve_on_main_thread
 from services.engine.server import EngineServer
 from tests.services.conftest import WAIT_S, Stream
@@ -110,3 +115,56 @@ def _capture(errors: list, server: EngineServer) -> None:
         serve_on_main_thread(server, SERVER_ARGV, on_listening=lambda port: None, grace=0)
     except RuntimeError as exc:
         errors.append(exc)
+
+
+# ---- either process dies: the other follows ------------------------------------------------------
+def _start_tandem_engine(model_dir) -> tuple[subprocess.Popen, int]:
+    """tandem-engine on a tiny model (loopback, an OS-picked port); (process, its gRPC server process's pid)."""
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "services.engine", "--model", str(model_dir), "--dtype", "float32",
+         "--num-blocks", "64", "--host", "127.0.0.1", "--port", str(free_port()), "--log-level", "ERROR"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert "listening" in engine.stdout.readline()
+        children = Path(f"/proc/{engine.pid}/task/{engine.pid}/children").read_text().split()
+        assert len(children) == 1 and "services.engine.io_process" in _cmdline(int(children[0]))
+    except BaseException:
+        engine.kill()
+        engine.wait()
+        raise
+    return engine, int(children[0])
+
+
+def _exits_within(pid: int, seconds: float) -> bool:
+    """The process is gone (or a zombie whose parent died, soon reaped by init) within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_killed_engine_process_takes_its_grpc_server_process_with_it(tiny_model_dir):
+    engine, server_pid = _start_tandem_engine(tiny_model_dir)
+    try:
+        engine.kill()  # SIGKILL: no handler runs; the socket pair closes with the process
+        engine.wait()
+        assert _exits_within(server_pid, WAIT_S), "the gRPC server process outlived its engine"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server_pid, signal.SIGKILL)
+
+
+def test_a_killed_grpc_server_process_stops_the_engine_with_a_failure_status(tiny_model_dir):
+    engine, server_pid = _start_tandem_engine(tiny_model_dir)
+    try:
+        os.kill(server_pid, signal.SIGKILL)
+        assert engine.wait(WAIT_S) != 0  # nothing can reach it any more: it ends, and says it failed
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait()
