@@ -25,14 +25,14 @@ MESSAGE_MODULES = {
     "services/frontend/convert.py",
     "clients/messages.py",
     "clients/embeddings.py",
-    "services/engine/server.py",  # servicers (request/response types in signatures, reflection names)
+    "services/engine/grpc_service.py",  # servicers (request/response types in signatures, reflection names)
     "services/frontend/server.py",
     "services/engine/health.py",  # the grpc.health.v1 servicer
     "clients/local_stack.py",  # waits on grpc.health.v1 before handing out a stack
 }
 # Files that may import stubs and servicer bases (*_pb2_grpc).
 WIRING = {
-    "services/engine/server.py",
+    "services/engine/grpc_service.py",
     "services/engine/health.py",
     "services/frontend/server.py",
     "services/frontend/engine_connection.py",

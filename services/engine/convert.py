@@ -166,3 +166,8 @@ def engine_info_to_proto(info: EngineInfo, config: EngineConfig) -> engine_core_
         max_num_seqs=config.scheduler.max_num_seqs,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
     )
+
+
+def engine_info_from_bytes(data: bytes) -> engine_core_pb2.GetEngineInfoResponse:
+    """The engine process's GetEngineInfo answer, as it crosses to the gRPC server process (bridge.py)."""
+    return engine_core_pb2.GetEngineInfoResponse.FromString(data)

@@ -17,9 +17,8 @@ import signal
 import socket
 import sys
 
-from tandem.v1 import engine_core_pb2
-
 from services.cpu_priority import lower_cpu_priority
+from services.engine import convert
 from services.engine.bridge import RemoteBusyLoop
 from services.engine.grpc_service import EngineGrpcServer
 from services.security import flags as security_flags
@@ -30,7 +29,7 @@ logger = logging.getLogger("tandem.engine.io")
 
 async def serve(sock: socket.socket, args) -> int:
     remote = RemoteBusyLoop(sock)
-    info = engine_core_pb2.GetEngineInfoResponse.FromString(await remote.connect())
+    info = convert.engine_info_from_bytes(await remote.connect())
     transport = security_flags.server_transport_from_args(args)
     server = EngineGrpcServer(remote, info, f"{args.host}:{args.port}", stall_timeout=args.stall_timeout,
                               max_pending_outputs=args.max_pending_outputs, transport=transport)

@@ -92,7 +92,9 @@ def run_beside_engine(busy_loop, main: Callable[[], Awaitable[T]], io_cpu_priori
     The in-process transport's counterpart of `serve_on_main_thread`: a frontend (AsyncLLM over
     InProcessEngineClient) and whatever drives it run on the background loop, the busy loop runs here
     until `main()` returns (or raises), then stops. The background thread runs at `io_cpu_priority`, as
-    `serve_on_main_thread`'s does. Returns what `main()` returned; re-raises what it raised.
+    `serve_on_main_thread`'s server process does. It shares this process's GIL with the step (a thread,
+    not a process: the transport hands Python objects across). Returns what `main()` returned; re-raises
+    what it raised.
     """
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("run_beside_engine must run on the main thread: the engine steps there")

@@ -86,5 +86,5 @@ def test_the_frontend_flag_and_tandem_serve_lowers_it(monkeypatch):
     monkeypatch.setattr(local_stack, "wait_until_serving", lambda *args: None)
     local_stack.LocalStack(frontend_port=1, engine_port=2, frontend_args=["--log-level", "WARNING"]).start()
     engine, frontend = spawned
-    assert "--cpu-priority" not in engine  # the engine sets its own I/O threads (--io-cpu-priority)
+    assert "--cpu-priority" not in engine  # the engine sets its gRPC server process's (--io-cpu-priority)
     assert frontend[frontend.index("--cpu-priority") + 1] == "low"
