@@ -220,6 +220,9 @@ class RemoteBusyLoop:
     # ---- EngineBusyLoop's interface
     def open(self, sink: Callable[[object], None]) -> int:
         connection, self._next_connection = self._next_connection, self._next_connection + 1
+        if self.engine_gone:  # as EngineBusyLoop answers an Open after it died
+            sink(EngineDied(self.error))
+            return connection
         self._sinks[connection] = sink
         self._send(("open", connection))
         return connection

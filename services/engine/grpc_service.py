@@ -100,8 +100,6 @@ def drain(busy_loop) -> asyncio.Future:
     connection = busy_loop.open(sink)
     busy_loop.submit(connection, Utility(call_id=0, method=UtilityMethod.PAUSE, pause_mode=PauseMode.WAIT))
     drained.add_done_callback(lambda _: busy_loop.close(connection))
-    if getattr(busy_loop, "engine_gone", False):
-        resolve()
     return drained
 
 
