@@ -256,11 +256,37 @@ def _kernels_for(quantization: str, weights: list[torch.Tensor], role: str) -> t
     return tuple(kernels)
 
 
+# A float kernel may be timed only if it computes what `F.linear` does in the weights' dtype, up to
+# summation order: a library may pick a reduced-precision path for some CPU or shape (oneDNN's
+# fpmath modes, AMX), and an fp32 model must not silently run bf16 or tf32 products. Of the output's
+# spread: fp32 reorderings measured ~1e-6 at these shapes, tf32 inputs ~3e-4, bf16 inputs ~3e-3; the
+# half-precision bounds allow one rounding of the output.
+_FLOAT_TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def float_kernel_is_accurate(name: str, state, weight: tuple[torch.Tensor, torch.Tensor | None],
+                             x: torch.Tensor) -> bool:
+    """Whether float kernel `name` (prepared as `state`) matches `F.linear` on `x` within the
+    weights' dtype (`_FLOAT_TOLERANCE`); quantized kernels are lossy by design and always pass."""
+    if name not in FLOAT_KERNELS or name == "linear":
+        return True
+    w, b = weight
+    expected = F.linear(x, w, b).float()
+    error = (KERNELS[name][1](state, x).float() - expected).abs().max().item()
+    spread = expected.abs().max().item()
+    if error <= _FLOAT_TOLERANCE.get(w.dtype, 2e-2) * spread:
+        return True
+    logger.warning("linear %dx%d: %s is off by %.2g (outputs up to %.2g) from F.linear in %s at %d rows "
+                   "on this machine; not used", *w.shape, name, error, spread, w.dtype, x.shape[0])
+    return False
+
+
 def choose_plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], kernels: tuple[str, ...],
                 buckets: tuple[int, ...] = BUCKETS, timer: Timer = _wall_timer,
                 states: dict[str, list] | None = None) -> tuple[Plan, dict]:
-    """Time each kernel on `weights` (same-shape layers, taken in turn) at each bucket;
-    `states`: each kernel's prepared state per weight, when the caller made them already.
+    """Time each kernel on `weights` (same-shape layers, taken in turn) at each bucket, a float
+    kernel only where it is accurate here (`float_kernel_is_accurate`); `states`: each kernel's
+    prepared state per weight, when the caller made them already.
 
     Returns the plan (fastest kernel per bucket) and the timings {rows: {kernel: seconds per layer}}.
     """
@@ -271,6 +297,7 @@ def choose_plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], kernels
     for rows in buckets:
         x = torch.randn(rows, in_features, dtype=dtype)
         fit = [name for name in kernels if rows <= MAX_ROWS.get(name, rows)] or list(kernels)
+        fit = [name for name in fit if float_kernel_is_accurate(name, states[name][0], weights[0], x)] or fit
         candidates = {name: rotating(KERNELS[name][1], states[name], x) for name in fit}
         timings[rows], contended = fastest_uncontended(candidates, rows, timer, min_rounds=_MIN_CALLS,
                                                        max_rounds=4 * _MIN_CALLS, budget_s=_BUDGET_S)

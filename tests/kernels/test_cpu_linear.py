@@ -109,6 +109,26 @@ def test_choose_plan_keeps_the_fastest_kernel_per_bucket(monkeypatch):
     assert set(timings) == {1, 8, 32} and set(timings[1]) == set(kernels)
 
 
+@pytest.mark.parametrize("rounding", [torch.bfloat16, torch.float16])
+def test_a_float_kernel_that_rounds_below_the_weights_dtype_is_never_timed(monkeypatch, rounding):
+    """An fp32 kernel that multiplies in bf16 or fp16 (as oneDNN may under a reduced fpmath mode) is
+    dropped from the race however fast it is; fp32 is what an fp32 model asked for."""
+    import kernels.cpu_linear as cpu_linear
+
+    def rounded(state, x):
+        w, b = state
+        return F.linear(x.to(rounding).float(), w.to(rounding).float(), b)
+
+    monkeypatch.setitem(cpu_linear.KERNELS, "linear_colmajor", (KERNELS["linear"][0], rounded))
+    weights = [(torch.randn(64, 576), None)]
+    def timer(kernel, rows, fn):
+        fn()
+        return 1.0 if kernel == "linear_colmajor" else 2.0
+    plan, timings = choose_plan(weights, ("linear", "linear_colmajor"), buckets=(1, 32), timer=timer)
+    assert plan == [(1, "linear"), (32, "linear")]
+    assert set(timings[1]) == set(timings[32]) == {"linear"}
+
+
 def test_a_small_batch_kernel_is_never_planned_above_its_rows(monkeypatch):
     """A kernel in MAX_ROWS (int8_vnni: 32) is not timed at larger buckets, however fast: the last
     bucket's kernel serves every larger batch too, prefill chunks its timing never saw."""
