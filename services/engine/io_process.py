@@ -1,7 +1,8 @@
-"""`tandem-engine`'s gRPC server process: `python -m services.engine.io_process FD <tandem-engine flags>`.
+"""`tandem-engine`'s gRPC server process: `python -m services.engine.io_process FD CPUS <tandem-engine flags>`.
 
 Started by the engine process (services/engine/process.py) with its end of the socket pair as
-file descriptor FD; it reads the same flags (address, TLS, limits, --io-cpu-priority, logging)
+file descriptor FD and the CPUs to run on as CPUS ("1,2"; "-": all of the engine's); it reads
+the same flags (address, TLS, limits, --io-cpu-priority, logging)
 and serves `tandem.v1.EngineCoreService`, health and reflection over the engine's busy loop
 through that socket (services/engine/bridge.py). It never imports torch.
 
@@ -17,6 +18,7 @@ import signal
 import socket
 import sys
 
+from services.cpu_affinity import keep_off, parse_cpus
 from services.cpu_priority import lower_cpu_priority
 from services.engine import convert
 from services.engine.bridge import RemoteBusyLoop
@@ -55,9 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     from services.engine.__main__ import build_parser  # torch-free: the flags only
 
     argv = sys.argv[1:] if argv is None else argv
-    fd, args = int(argv[0]), build_parser().parse_args(argv[1:])
+    fd, cpus, args = int(argv[0]), parse_cpus(argv[1]), build_parser().parse_args(argv[2:])
     configure_logging(args.log_level, args.log_format)
     lower_cpu_priority(args.io_cpu_priority)  # before gRPC starts its threads: they inherit it
+    keep_off(cpus)  # off the CPU the engine steps on (--step-cpu), likewise before the threads
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the engine process too, which forwards it
     return asyncio.run(serve(socket.socket(fileno=fd), args))
 

@@ -8,7 +8,8 @@ does. The gRPC server (grpc.aio, its health watchdog) does not share that proces
 beside the step it took the GIL on every output, and the step waited ~0.2 ms a token for it.
 `serve_on_main_thread` starts it as a child (services/engine/io_process.py, torch-free) joined by
 a socket pair (services/engine/bridge.py), at the CPU priority of --io-cpu-priority
-(services/cpu_priority.py). /metrics and the request spans stay with the engine, which records
+(services/cpu_priority.py), and on the CPUs besides the one the stepping thread keeps to (--step-cpu,
+services/cpu_affinity.py). /metrics and the request spans stay with the engine, which records
 them. Both `tandem-engine` and `tandem serve` (which starts `tandem-engine` processes) run
 through it; the in-process transport (InProcessEngineClient) and `make bench` step on the main
 thread as well, with the frontend on a thread beside it (`run_beside_engine`).
@@ -33,6 +34,7 @@ import sys
 import threading
 from typing import Awaitable, Callable, TypeVar
 
+from services.cpu_affinity import choose_step_cpu, cpus_besides, format_cpus, keep_off, pinned
 from services.cpu_priority import lower_cpu_priority
 from services.engine.bridge import EngineBridge, socket_pair
 from services.engine.server import EngineServer
@@ -45,10 +47,11 @@ _CHILD_EXIT_S = 10.0  # how long the gRPC server process gets to exit once told 
 
 
 def serve_on_main_thread(server: EngineServer, server_argv: list[str], on_listening: Callable[[int], None],
-                         grace: float) -> int:
+                         grace: float, step_cpu: str = "auto") -> int:
     """Serve until SIGTERM / SIGINT, stepping `server`'s engine on this thread (which must be the main one)
     and serving gRPC from a process of its own, started with `server_argv` (tandem-engine's flags: it reads
-    the address, TLS, limits, --io-cpu-priority and logging from them).
+    the address, TLS, limits, --io-cpu-priority and logging from them). `step_cpu` (--step-cpu): the CPU
+    this thread keeps to, the server process running on the others (services/cpu_affinity.py).
 
     `on_listening(port)` is called once the gRPC server listens. Raises RuntimeError with the server
     process's reason if it could not start (e.g. the address is taken). Returns after a graceful drain
@@ -57,10 +60,12 @@ def serve_on_main_thread(server: EngineServer, server_argv: list[str], on_listen
     """
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("serve_on_main_thread must run on the main thread: the engine steps there")
+    cpu = choose_step_cpu(step_cpu)
+    io_cpus = cpus_besides(cpu)
     engine_end, server_end = socket_pair()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path or os.getcwd() for path in sys.path)}
     child = subprocess.Popen([sys.executable, "-m", "services.engine.io_process", str(server_end.fileno()),
-                              *server_argv], pass_fds=(server_end.fileno(),), env=env)
+                              format_cpus(io_cpus), *server_argv], pass_fds=(server_end.fileno(),), env=env)
     server_end.close()
     bridge = EngineBridge(server.busy_loop, engine_end)
     previous = {signum: signal.signal(signum, lambda *_: bridge.request_shutdown(grace)) for signum in _STOP_SIGNALS}
@@ -69,7 +74,8 @@ def serve_on_main_thread(server: EngineServer, server_argv: list[str], on_listen
         port = bridge.wait_listening()
         server.start_metrics()
         on_listening(port)
-        server.busy_loop.run()  # until the server process lets it end (after its drain), or it crashes
+        with pinned(cpu):  # after the bridge's threads started: they keep every CPU
+            server.busy_loop.run()  # until the server process lets it end (after its drain), or it crashes
         return child.wait()  # after a crash it still answers NOT_SERVING / UNAVAILABLE until told to stop
     finally:
         for signum, handler in previous.items():
@@ -86,22 +92,26 @@ def serve_on_main_thread(server: EngineServer, server_argv: list[str], on_listen
         server.busy_loop.stop(timeout=0)
 
 
-def run_beside_engine(busy_loop, main: Callable[[], Awaitable[T]], io_cpu_priority: str = "normal") -> T:
+def run_beside_engine(busy_loop, main: Callable[[], Awaitable[T]], io_cpu_priority: str = "normal",
+                      step_cpu: str = "auto") -> T:
     """Run `main()` on an asyncio loop in a background thread while this (the main) thread steps the engine.
 
     The in-process transport's counterpart of `serve_on_main_thread`: a frontend (AsyncLLM over
     InProcessEngineClient) and whatever drives it run on the background loop, the busy loop runs here
-    until `main()` returns (or raises), then stops. The background thread runs at `io_cpu_priority`, as
-    `serve_on_main_thread`'s server process does. It shares this process's GIL with the step (a thread,
+    until `main()` returns (or raises), then stops. The background thread runs at `io_cpu_priority`, and
+    this thread keeps to `step_cpu` while the background one keeps off it, as in `serve_on_main_thread`
+    (the pin ends with the busy loop). It shares this process's GIL with the step (a thread,
     not a process: the transport hands Python objects across). Returns what `main()` returned; re-raises
     what it raised.
     """
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("run_beside_engine must run on the main thread: the engine steps there")
     outcome: dict[str, object] = {}
+    cpu = choose_step_cpu(step_cpu)
 
     def io() -> None:
         lower_cpu_priority(io_cpu_priority, whole_process=False)
+        keep_off(cpus_besides(cpu), whole_process=False)
         try:
             outcome["value"] = asyncio.run(main())
         except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread below
@@ -111,7 +121,8 @@ def run_beside_engine(busy_loop, main: Callable[[], Awaitable[T]], io_cpu_priori
 
     thread = threading.Thread(target=io, name="in-process-io", daemon=True)
     thread.start()
-    busy_loop.run()
+    with pinned(cpu):
+        busy_loop.run()
     thread.join()
     if "error" in outcome:
         raise outcome["error"]

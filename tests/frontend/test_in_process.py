@@ -154,13 +154,16 @@ def test_run_beside_engine_steps_on_the_main_thread(engine_config, tokenizer):
     core = EngineCore(engine_config)
     busy_loop = EngineBusyLoop(core)
     step_threads: list[threading.Thread] = []
+    step_cpus: list[set[int]] = []
     step = core.step
 
     def recording_step():
         step_threads.append(threading.current_thread())
+        step_cpus.append(os.sched_getaffinity(0))
         return step()
 
     core.step = recording_step
+    allowed = os.sched_getaffinity(0)
 
     async def main():
         client = InProcessEngineClient(busy_loop, engine_info_from_core(core.info))
@@ -168,15 +171,21 @@ def test_run_beside_engine_steps_on_the_main_thread(engine_config, tokenizer):
         llm = AsyncLLM(client, tokenizer)
         try:
             tokens = (await token_ids(llm, TokensPrompt(PROMPTS[0]), SamplingParams(max_tokens=6, **GREEDY)))[0]
-            return tokens, os.sched_getscheduler(0)
+            return tokens, os.sched_getscheduler(0), os.sched_getaffinity(0)
         finally:
             await llm.shutdown()
             await client.close()
 
-    tokens, io_policy = run_beside_engine(busy_loop, main, io_cpu_priority="idle")
+    tokens, io_policy, io_cpus = run_beside_engine(busy_loop, main, io_cpu_priority="idle")
     assert len(tokens) == 6
     assert io_policy == os.SCHED_IDLE  # the frontend's side at the priority asked for (make bench's transport side)
     assert step_threads and all(t is threading.main_thread() for t in step_threads)
+    # --step-cpu's default: the step on one CPU, the frontend's side on the others; unpinned afterwards
+    if len(allowed) > 1:
+        assert len(step_cpus[0]) == 1 and io_cpus == allowed - step_cpus[0]
+    else:
+        assert step_cpus[0] == io_cpus == allowed
+    assert os.sched_getaffinity(0) == allowed
     assert not busy_loop.alive  # stopped once main() returned
 
 

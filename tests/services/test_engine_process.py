@@ -34,6 +34,16 @@ def _children() -> list[int]:
     return [int(pid) for pid in Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()]
 
 
+def _thread_cpus(pid: int, but: int | None = None) -> dict[int, set[int]]:
+    """The CPUs each thread of process `pid` may run on (but thread `but`)."""
+    cpus = {}
+    for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+        if tid != but:
+            with contextlib.suppress(ProcessLookupError):
+                cpus[tid] = os.sched_getaffinity(tid)
+    return cpus
+
+
 def _cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
 
@@ -42,10 +52,15 @@ def _cmdline(pid: int) -> str:
 def test_tandem_engine_steps_on_the_main_thread_serves_from_its_own_process_and_stops_on_sigterm(engine_config):
     server = EngineServer(engine_config, "127.0.0.1:0")
     step_threads: list[threading.Thread] = []
+    step_cpus: list[set[int]] = []  # the stepping thread's CPUs, each step
+    others_cpus: dict[int, set[int]] = {}  # the other threads' CPUs, at the first step
     step = server.engine.step
 
     def recording_step():
         step_threads.append(threading.current_thread())
+        step_cpus.append(os.sched_getaffinity(0))
+        if not others_cpus:
+            others_cpus.update(_thread_cpus(os.getpid(), but=threading.get_native_id()))
         return step()
 
     server.engine.step = recording_step
@@ -57,6 +72,7 @@ def test_tandem_engine_steps_on_the_main_thread_serves_from_its_own_process_and_
             servers = [pid for pid in _children() if "services.engine.io_process" in _cmdline(pid)]
             served["server_pids"] = servers
             served["policies"] = {pid: os.sched_getscheduler(pid) for pid in servers}
+            served["server_cpus"] = {cpus for pid in servers for cpus in map(frozenset, _thread_cpus(pid).values())}
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stream = Stream(channel)
                 stream.add("r", [7, 8, 9], temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -88,6 +104,15 @@ def test_tandem_engine_steps_on_the_main_thread_serves_from_its_own_process_and_
     assert served["policies"] == {served["server_pids"][0]: os.SCHED_IDLE}
     assert os.sched_getscheduler(0) == os.SCHED_OTHER
     assert not any(pid in _children() for pid in served["server_pids"])  # it exited and was reaped
+    # --step-cpu auto: the step keeps to one CPU, every thread of the server process to the others; the
+    # engine's other threads (OpenMP workers among them) keep all, and so does this thread afterwards
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) > 1:
+        assert len(step_cpus[0]) == 1 and all(cpus == step_cpus[0] for cpus in step_cpus)
+        assert served["server_cpus"] == {frozenset(allowed - step_cpus[0])}
+    else:  # one CPU: nothing to keep apart, nothing pinned
+        assert step_cpus[0] == allowed and served["server_cpus"] == {frozenset(allowed)}
+    assert others_cpus and all(cpus == allowed for cpus in others_cpus.values())
     assert not server.busy_loop.alive  # drained and stopped; the handler we replaced is back
     assert signal.getsignal(signal.SIGTERM) is previous
 
