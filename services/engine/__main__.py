@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "stall a step, but outputs then wait for a core and reach clients in clumps (measured: "
                              "tok/s within noise of normal, inter-token p50 0.5 ms instead of one step); low: nice "
                              "19; normal: as the process was started")
-    server.add_argument("--step-cpu", default="auto", type=step_cpu_flag,
+    server.add_argument("--step-cpu", default="auto", type=step_cpu_flag, metavar="{auto,none,N}",
                         help="the CPU the model steps on, the gRPC server process running on the others, so that "
                              "its wake-ups do not preempt the step: auto (the CPU the engine's main thread is on), "
                              "none (no pinning), or a CPU number of this process's set (measured on a 2-core Xeon: "
