@@ -114,6 +114,8 @@ def test_tandem_engine_steps_on_the_main_thread_serves_from_its_own_process_and_
         assert step_cpus[0] == allowed and served["server_cpus"] == {frozenset(allowed)}
     assert others_cpus and all(cpus == allowed for cpus in others_cpus.values())
     assert not server.busy_loop.alive  # drained and stopped; the handler we replaced is back
+    # its bridge threads were joined: left to the interpreter's exit, one freed the engine's tensors there
+    assert not [t for t in threading.enumerate() if t.name.startswith("engine-bridge")]
     assert signal.getsignal(signal.SIGTERM) is previous
 
 
