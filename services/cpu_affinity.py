@@ -23,6 +23,8 @@ import os
 from contextlib import contextmanager
 from typing import Iterator
 
+from services.cpu_priority import thread_ids
+
 logger = logging.getLogger(__name__)
 
 STEP_CPU_CHOICES = "auto (the CPU the engine's main thread runs on), none, or a CPU number"
@@ -106,13 +108,12 @@ def cpus_besides(cpu: int | None) -> set[int] | None:
     return allowed - {cpu}
 
 
-def keep_off(cpus: set[int] | None, whole_process: bool = True) -> None:
+def run_on(cpus: set[int] | None, whole_process: bool = True) -> None:
     """Run this process's threads (or only the calling one) on `cpus`; None leaves them be. Threads
     started afterwards inherit it from their starter."""
     if cpus is None:
         return
-    threads = [int(t) for t in os.listdir("/proc/self/task")] if whole_process else [0]
-    for thread in threads:
+    for thread in thread_ids() if whole_process else [0]:
         try:
             os.sched_setaffinity(thread, cpus)
         except ProcessLookupError:  # the thread ended meanwhile

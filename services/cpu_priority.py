@@ -33,7 +33,7 @@ def set_cpu_priority(priority: str, whole_process: bool = True) -> bool:
     if not hasattr(os, "sched_setscheduler"):
         logger.warning("CPU priority %r is not available on this OS; running at the default", priority)
         return False
-    threads = _thread_ids() if whole_process else [0]
+    threads = thread_ids() if whole_process else [0]
     try:
         for thread in threads:
             try:
@@ -53,7 +53,8 @@ def lower_cpu_priority(priority: str, whole_process: bool = True) -> None:
         set_cpu_priority(priority, whole_process)
 
 
-def _thread_ids() -> list[int]:
+def thread_ids() -> list[int]:
+    """This process's thread ids (the calling thread's 0 where /proc is missing)."""
     try:
         return [int(tid) for tid in os.listdir("/proc/self/task")]
     except FileNotFoundError:  # no /proc: the calling thread only

@@ -18,7 +18,7 @@ import signal
 import socket
 import sys
 
-from services.cpu_affinity import keep_off, parse_cpus
+from services.cpu_affinity import parse_cpus, run_on
 from services.cpu_priority import lower_cpu_priority
 from services.engine import convert
 from services.engine.bridge import RemoteBusyLoop
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     fd, cpus, args = int(argv[0]), parse_cpus(argv[1]), build_parser().parse_args(argv[2:])
     configure_logging(args.log_level, args.log_format)
     lower_cpu_priority(args.io_cpu_priority)  # before gRPC starts its threads: they inherit it
-    keep_off(cpus)  # off the CPU the engine steps on (--step-cpu), likewise before the threads
+    run_on(cpus)  # off the CPU the engine steps on (--step-cpu), likewise before the threads
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the engine process too, which forwards it
     return asyncio.run(serve(socket.socket(fileno=fd), args))
 

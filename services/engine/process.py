@@ -34,7 +34,7 @@ import sys
 import threading
 from typing import Awaitable, Callable, TypeVar
 
-from services.cpu_affinity import choose_step_cpu, cpus_besides, format_cpus, keep_off, pinned
+from services.cpu_affinity import choose_step_cpu, cpus_besides, format_cpus, pinned, run_on
 from services.cpu_priority import lower_cpu_priority
 from services.engine.bridge import EngineBridge, socket_pair
 from services.engine.server import EngineServer
@@ -111,7 +111,7 @@ def run_beside_engine(busy_loop, main: Callable[[], Awaitable[T]], io_cpu_priori
 
     def io() -> None:
         lower_cpu_priority(io_cpu_priority, whole_process=False)
-        keep_off(cpus_besides(cpu), whole_process=False)
+        run_on(cpus_besides(cpu), whole_process=False)
         try:
             outcome["value"] = asyncio.run(main())
         except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread below
