@@ -10,7 +10,12 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import socket
+import socketserver
+import threading
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
 
 # ---- buckets (vLLM's, extended downwards for CPU-sized latencies) -------------------------
@@ -200,8 +205,33 @@ def metrics_port(value: str) -> int | None:
     return None if port < 0 else port
 
 
+TEXT_FORMAT_0_0_4 = "text/plain; version=0.0.4; charset=utf-8"  # newer text formats escape ':' as well
+
+
+class _ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # a scrape every few seconds is not worth a log line
+        pass
+
+
+def text_format_only(app):
+    """Answer every scrape in the Prometheus text format (0.0.4), whatever the scraper's Accept header says.
+
+    prometheus-client's OpenMetrics output, which Prometheus 2.x asks for first, escapes the `:` of our
+    (vLLM's) metric names to `_` (prometheus/client_python#1177), so Prometheus would store `tandem_*` where
+    the docs and dashboards query `tandem:*`; the text format keeps the names as they are.
+    """
+    def wrapped(environ, start_response):
+        return app({**environ, "HTTP_ACCEPT": TEXT_FORMAT_0_0_4}, start_response)
+
+    return wrapped
+
+
 class MetricsServer:
-    """prometheus-client's HTTP server for one registry on its own port (a daemon thread)."""
+    """A /metrics HTTP server for one registry on its own port (a daemon thread), in the text format."""
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
         self.registry, self.host, self.requested_port = registry, host, port
@@ -211,10 +241,14 @@ class MetricsServer:
     def start(self) -> int:
         """Bind (port 0 picks a free one) and serve; returns the port. ValueError if it cannot bind."""
         try:
-            self._server, _ = start_http_server(self.requested_port, self.host, self.registry)
+            family = socket.getaddrinfo(self.host, self.requested_port, type=socket.SOCK_STREAM)[0][0]
+            server_class = type("MetricsHTTPServer", (_ThreadingWSGIServer,), {"address_family": family})
+            self._server = make_server(self.host, self.requested_port, text_format_only(make_wsgi_app(self.registry)),
+                                       server_class, handler_class=_QuietHandler)
         except OSError as exc:
             raise ValueError(f"cannot serve /metrics on {self.host}:{self.requested_port}: {exc}") from None
         self.port = self._server.server_port
+        threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True).start()
         return self.port
 
     def stop(self) -> None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import urllib.request
+
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry, Counter
 from tandem.v1 import admin_pb2, common_pb2
 
-from services.telemetry.metrics import metrics_port, one_two_five_buckets
+from services.telemetry.metrics import MetricsServer, metrics_port, one_two_five_buckets
 from tests.observability.conftest import metric
 
 N = 4  # concurrent streams
@@ -99,3 +102,23 @@ def test_metrics_port_flag_values():
     with pytest.raises(Exception, match="port number"):
         metrics_port("nine")
     assert one_two_five_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
+
+
+# Prometheus 2.x's default Accept header: OpenMetrics first (prometheus-client escapes ':' there)
+PROMETHEUS_2_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+                       "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+
+
+def test_a_prometheus_scrape_keeps_the_colons_of_the_metric_names():
+    registry = CollectorRegistry()
+    Counter("tandem:prompt_tokens", "Prompt tokens.", registry=registry).inc(3)
+    server = MetricsServer(registry, "127.0.0.1", 0)
+    port = server.start()
+    try:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Accept": PROMETHEUS_2_ACCEPT})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            content_type, text = response.headers["Content-Type"], response.read().decode()
+    finally:
+        server.stop()
+    assert content_type.startswith("text/plain; version=0.0.4")
+    assert "\ntandem:prompt_tokens_total 3.0\n" in text and "tandem_prompt_tokens" not in text
