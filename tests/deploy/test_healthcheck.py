@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.security.tls import server_credentials
 from tests.deploy.conftest import ROOT
+from tests.deploy.conftest import healthcheck as healthcheck_script
 
 SERVICE = "tandem.v1.Test"
 
@@ -62,3 +63,21 @@ def test_rejects_incomplete_tls_flags(pki):
     assert code == 2 and "--tls-cert and --tls-key go together" in output
     code, output = healthcheck("--tls-server-name=x", "127.0.0.1:1")
     assert code == 2 and "need --tls-ca" in output
+
+
+def test_without_an_address_it_probes_the_port_its_server_was_started_with():
+    find = healthcheck_script.server_port
+    engine = ["/opt/tandem/bin/python", "/opt/tandem/bin/tandem-engine", "--host", "0.0.0.0", "--port", "6000"]
+    assert find([["/bin/sh", "-c", "sleep 1"], engine]) == 6000
+    assert find([["/opt/tandem/bin/tandem-frontend", "--engine", "engine:50061", "--port=7000"]]) == 7000
+    assert find([["python3", "/opt/tandem/bin/tandem-frontend", "--metrics-port", "8051"]]) == 50051  # its default
+    assert find([["python", "/app/docker/healthcheck.py"], ["bash"]]) is None
+
+
+def test_it_reads_the_command_lines_of_the_processes_it_can_see(tmp_path):
+    for pid, argv in (("1", b"python3\0/opt/tandem/bin/tandem-engine\0--port\0006000\0"), ("42", b"")):
+        (tmp_path / pid).mkdir()
+        (tmp_path / pid / "cmdline").write_bytes(argv)  # a kernel thread's cmdline is empty
+    (tmp_path / "self").mkdir()
+    assert healthcheck_script.running_commands(tmp_path) == [["python3", "/opt/tandem/bin/tandem-engine", "--port",
+                                                              "6000"]]
