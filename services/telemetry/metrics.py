@@ -8,11 +8,10 @@ vLLM's `model_name` label.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterable
-
 import socket
 import socketserver
 import threading
+from collections.abc import Callable, Iterable
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app

@@ -1,8 +1,8 @@
 """compose.yaml, the Dockerfiles and deploy/ agree with the services' flags and ports.
 
-Docker has no daemon on the development and CI machines, so the stack is never started here:
-these checks catch the drift that would break `docker compose up` (a renamed flag, a port
-that moved, a scrape target that points nowhere, a COPY of a file that is gone).
+These checks need no Docker daemon and run in `make test`: they catch the drift that would break
+`docker compose up` (a renamed flag, a port that moved, a scrape target that points nowhere, a COPY of a
+file that is gone). `make test-compose` (tests/compose) builds the images and runs the stack for real.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from packaging.requirements import Requirement
 
 from services.engine.__main__ import build_parser as engine_parser
 from services.frontend.__main__ import parse_args as frontend_parse_args
+from tests.deploy.conftest import healthcheck as healthcheck_script
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD_ONLY = {"grpcio-tools"}  # in the build's own environment only (grpc imports it where it is installed)
@@ -59,8 +60,12 @@ def test_service_commands_parse_with_the_real_flags_and_ports_line_up(services):
     assert engine.otel and frontend.otel and engine.log_format == frontend.log_format == "json"
     for name, args in (("engine", engine), ("frontend", frontend)):
         health = services[name]["healthcheck"]["test"]
-        assert health[-1] == f"127.0.0.1:{args.port}", f"{name} healthcheck probes the wrong port"
-        assert (ROOT / health[-2].removeprefix("/app/")).is_file()
+        assert health[1:] == ["python", "/app/docker/healthcheck.py"], "the healthcheck finds the port itself"
+        assert (ROOT / health[-1].removeprefix("/app/")).is_file()
+        container_argv = ["python3", f"/opt/tandem/bin/tandem-{name}", *services[name]["command"]]
+        probed = healthcheck_script.server_port([container_argv])
+        assert probed == args.port, f"{name}'s healthcheck probes port {probed}, not {args.port}"
+        assert services[name]["restart"] == "unless-stopped", f"a crashed {name} must come back"
 
 
 def test_traces_flow_from_the_services_through_the_collector_to_jaeger(services):
@@ -85,10 +90,13 @@ def test_prometheus_scrapes_both_metrics_ports(services):
     assert targets == {f"engine:{engine.metrics_port}", f"frontend:{frontend.metrics_port}"}
 
 
-def test_mounted_configs_and_dockerfiles_exist(services):
+def test_mounted_configs_and_dockerfiles_exist(compose, services):
     for name, service in services.items():
         for volume in service.get("volumes", []):
             host = volume.split(":")[0]
+            if not host.startswith((".", "/")):  # a named volume
+                assert host in compose["volumes"], f"{name} mounts the undeclared volume {host}"
+                continue
             assert (ROOT / host).is_file(), f"{name} mounts {host}, which does not exist"
         if "build" in service:
             assert dockerfile(service).is_file()
@@ -97,16 +105,16 @@ def test_mounted_configs_and_dockerfiles_exist(services):
 @pytest.mark.parametrize("name", ["engine", "frontend"])
 def test_dockerfiles_copy_existing_files_and_expose_the_compose_ports(services, name):
     text = dockerfile(services[name]).read_text()
-    copies = re.findall(r"^COPY\s+(.+)$", text, flags=re.M)
+    copies = re.findall(r"^COPY\s+(?!--from)(.+)$", text, flags=re.M)  # --from: a path of an earlier stage
     assert copies
     for line in copies:
         for source in line.split()[:-1]:
             assert (ROOT / source).exists(), f"{dockerfile(services[name]).name}: COPY {source}: no such path"
-    copied = {source for line in copies for source in line.split()[:-1]}
+    copied = {source.split("/")[-1] for line in copies for source in line.split()[:-1]}
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
-    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
     generated = {"tandem"}  # generated from protos/ inside the image
-    missing = {p.split(".")[0] for p in packages} - generated - copied
+    missing = {pattern.rstrip("*") for pattern in found["include"]} - generated - copied
     assert not missing, f"pip install . needs these package folders, which are not copied: {sorted(missing)}"
     exposed = {int(p) for line in re.findall(r"^EXPOSE\s+(.+)$", text, flags=re.M) for p in line.split()}
     assert exposed == container_ports(services[name])
@@ -116,7 +124,7 @@ def test_dockerfiles_copy_existing_files_and_expose_the_compose_ports(services, 
 def test_the_frontend_image_is_the_torch_free_install_with_what_the_frontend_imports(services):
     text = dockerfile(services["frontend"]).read_text()
     installs = [spec.strip() for spec in re.findall(r"pip install ([^\\&\n]+)", text)]
-    assert "." in installs and "[engine]" not in text, "the frontend image installs the project without extras"
+    assert "/wheels/tandem-*.whl" in installs and "[engine]" not in text, "the wheel, installed without extras"
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     in_image = with_dependencies({Requirement(spec).name for spec in dependencies})
@@ -130,7 +138,7 @@ def test_the_frontend_image_is_the_torch_free_install_with_what_the_frontend_imp
     assert needed <= in_image, f"missing from pyproject.toml's dependencies: {sorted(needed - in_image)}"
     engine_text = dockerfile(services["engine"]).read_text()
     assert re.search(r'"torch==2\.13\.0"', engine_text) and "ARG TORCH_INDEX=cpu" in engine_text
-    assert 'pip install ".[engine]"' in engine_text
+    assert 'pip install "$(ls /wheels/tandem-*.whl)[engine]"' in engine_text
 
 
 def canonical(name: str) -> str:
