@@ -8,7 +8,7 @@ GENERATED := build/generated/.stamp
 
 PYTEST := $(PY) -m pytest -q
 
-.PHONY: install protos proto-check proto-baseline ts-stubs api-docs run test test-slow test-install test-faults test-faults-long \
+.PHONY: install protos proto-check proto-baseline ts-stubs api-docs run test test-slow test-install test-compose test-faults test-faults-long \
 	test-all test-portability bench clean
 
 # The virtualenv with everything: the project (editable) with the engine (torch==2.13.0, CPU) and the
@@ -65,11 +65,16 @@ api-docs: $(GENERATED)  ## rewrite docs/api.md from the proto comments
 run: install  ## start engine + frontend on the embedded SmolLM2, stream a chat answer over gRPC, stop them
 	$(PY) -m clients.demo
 
-test: install  ## the fast suite on CPU: everything but the SmolLM2 end-to-end tests (slow), the install checks and the fault suite
-	$(PYTEST) -m "not slow and not faults and not install"
+test: install  ## the fast suite on CPU: everything but the SmolLM2 end-to-end tests (slow), the install and compose checks and the fault suite
+	$(PYTEST) -m "not slow and not faults and not install and not compose"
 
 test-slow: install  ## the real SmolLM2 end to end: chat through the stack, parity with transformers, fp32 and auto dtype
 	$(PYTEST) -m "slow and not faults"
+
+# Docker: the engine (dockerd), Docker Compose v2 and the stand-in images are set up by the script (as root).
+test-compose: install  ## build both images, run the compose stack, check chat, traces, metrics, a killed engine, down
+	bash scripts/docker_standins.sh
+	$(PYTEST) -s -m compose tests/compose
 
 test-install: install  ## build the sdist and wheel, pip install them into fresh virtualenvs and run the stack from there
 	$(PYTEST) -m install tests/install
@@ -80,7 +85,7 @@ test-faults: install  ## the quick fault probes: fuzzing, cancels, kills, drains
 test-faults-long: install  ## the long fault suite (>= 1,000 cancelled streams, a 3-minute soak); writes bench_results/faults.json
 	TANDEM_FAULTS=long $(PYTEST) tests/faults
 
-test-all: test test-slow test-install test-faults  ## what CI runs (.ci/run)
+test-all: test test-slow test-install test-compose test-faults  ## what CI runs (.ci/run)
 
 test-portability: install  ## engine + kernel tests under other CPU dispatch settings (AVX2-only, scalar ATen, MKL CBWR, 1 thread)
 	$(PY) scripts/test_portability.py

@@ -33,7 +33,7 @@ QUESTION = "What is the capital of France?"
 def _run(command: list[str], cwd: Path, timeout: float = 600.0, **kwargs) -> subprocess.CompletedProcess:
     result = subprocess.run(command, cwd=cwd, env=_clean_env(), capture_output=True, text=True,
                             timeout=timeout, **kwargs)
-    assert result.returncode == 0, f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+    assert result.returncode == 0, f"{' '.join(command)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
     return result
 
 
