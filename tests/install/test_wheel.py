@@ -111,6 +111,7 @@ def test_installed_stack_serves_a_chat(base_venv, engine_venv, scratch):
     log = open(scratch / "serve.log", "w")
     with contextlib.ExitStack() as stack:
         stack.callback(log.close)
+        # float32: the greedy answer the parity tests pin; `auto`'s kernels are chosen by timing on this CPU
         serve = _start(stack, [str(engine_venv / "tandem"), "serve", "--port", str(port), "--engine-port",
                                str(engine_port), "--", "--dtype", "float32", "--max-model-len", "1024",
                                "--kv-cache-memory-gib", "0.25"],
