@@ -121,7 +121,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def GetServerInfo(self, request, context):
         return convert.server_info_to_proto(VERSION, self.llm.num_in_flight, self.llm.max_waiting_requests,
-                                            self.llm.engine_client.engines())
+                                            self.llm.engine_client.engines(), draining=self.llm.draining,
+                                            serving=self.llm.serving)
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
@@ -150,13 +151,19 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         return await self._forward(context, self.llm.reset_prefix_cache(), admin_pb2.ResetPrefixCacheResponse)
 
     async def StartProfile(self, request, context):
+        if not request.output_dir:
+            await _abort(context, InvalidRequest("output_dir is empty: give the folder for the trace, on the "
+                                                 "engine's machine (made if missing)"))
         return await self._forward(context, self.llm.start_profile(request.output_dir), admin_pb2.StartProfileResponse)
 
     async def StopProfile(self, request, context):
         return await self._forward(context, self.llm.stop_profile(), admin_pb2.StopProfileResponse)
 
     async def Drain(self, request, context):
-        left = await self.llm.drain(request.timeout_s)
+        try:
+            left = await self.llm.drain(request.timeout_s)
+        except InvalidRequest as e:
+            await _abort(context, e)
         return convert.drain_response(left, request.timeout_s)
 
     async def _forward(self, context, call, response_type):
@@ -212,7 +219,8 @@ class FrontendServer:
     async def stop(self, grace_s: float = 5.0) -> None:
         """Drain, then stop: health NOT_SERVING, new requests UNAVAILABLE ("draining") while the server still
         listens, in-flight streams get up to `grace_s` to finish, then whatever is left is cancelled."""
-        deadline = asyncio.get_running_loop().time() + max(grace_s, 0.0)
+        grace_s = max(grace_s, 0.0)
+        deadline = asyncio.get_running_loop().time() + grace_s
         self.llm.engine_client.remove_listener(self._schedule_health)
         await self.update_health(serving=False)
         await self.llm.drain(grace_s)  # sets draining: admits nothing new
