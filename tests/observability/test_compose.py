@@ -18,6 +18,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 from packaging.requirements import Requirement
+from tandem.v1 import admin_pb2
 
 from services.engine.__main__ import build_parser as engine_parser
 from services.frontend.__main__ import parse_args as frontend_parse_args
@@ -165,6 +166,6 @@ def test_the_healthcheck_script_speaks_the_grpc_health_protocol(make_stack):
 
     assert stack.run(probe(stack.engine.port)) == (0, f"127.0.0.1:{stack.engine.port}: SERVING\n")
     assert stack.run(probe(stack.frontend.port))[0] == 0
-    stack.run(stack.frontend.update_health(serving=False))
+    assert stack.run(stack.admin.Drain(admin_pb2.DrainRequest(timeout_s=0))).ok  # readiness NOT_SERVING
     code, output = stack.run(probe(stack.frontend.port))
     assert code == 1 and "NOT_SERVING" in output
