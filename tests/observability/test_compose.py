@@ -8,6 +8,7 @@ that moved, a scrape target that points nowhere, a COPY of a file that is gone).
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import subprocess
 import sys
@@ -61,7 +62,15 @@ def test_service_commands_parse_with_the_real_flags_and_ports_line_up(services):
     for name, args in (("engine", engine), ("frontend", frontend)):
         health = services[name]["healthcheck"]["test"]
         assert health[-1] == f"127.0.0.1:{args.port}", f"{name} healthcheck probes the wrong port"
-        assert (ROOT / health[-2].removeprefix("/app/")).is_file()
+        assert health[:2] == ["CMD", "python"] and (ROOT / health[2].removeprefix("/app/")).is_file()
+        assert health[1:] == image_healthcheck(dockerfile(services[name])), f"{name}: compose and image disagree"
+
+
+def image_healthcheck(path: Path) -> list[str]:
+    """The command of a Dockerfile's HEALTHCHECK (its exec form, continuation lines joined)."""
+    text = path.read_text().replace("\\\n", " ")
+    (command,) = re.findall(r"^HEALTHCHECK .*?CMD (\[.*\])$", text, re.MULTILINE)
+    return json.loads(command)
 
 
 def test_traces_flow_from_the_services_through_the_collector_to_jaeger(services):
@@ -154,18 +163,21 @@ def with_dependencies(names: set[str]) -> set[str]:
     return seen
 
 
-def test_the_healthcheck_script_speaks_the_grpc_health_protocol(make_stack):
+def test_the_healthcheck_script_speaks_the_grpc_health_protocol(make_stack, services):
     stack = make_stack()
 
-    async def probe(port: int) -> tuple[int, str]:
+    async def probe(*args: str) -> tuple[int, str]:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, str(ROOT / "docker" / "healthcheck.py"), f"127.0.0.1:{port}",
+            sys.executable, str(ROOT / "docker" / "healthcheck.py"), *args,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         output, _ = await asyncio.wait_for(process.communicate(), 30)
         return process.returncode, output.decode()
 
-    assert stack.run(probe(stack.engine.port)) == (0, f"127.0.0.1:{stack.engine.port}: SERVING\n")
-    assert stack.run(probe(stack.frontend.port))[0] == 0
-    assert stack.run(stack.admin.Drain(admin_pb2.DrainRequest(timeout_s=0))).ok  # readiness NOT_SERVING
-    code, output = stack.run(probe(stack.frontend.port))
+    frontend = f"127.0.0.1:{stack.frontend.port}"
+    container_check = [*services["frontend"]["healthcheck"]["test"][3:-1], frontend]  # compose's flags, our port
+    assert stack.run(probe(f"127.0.0.1:{stack.engine.port}")) == (0, f"127.0.0.1:{stack.engine.port}: SERVING\n")
+    assert stack.run(probe(frontend))[0] == 0 and stack.run(probe(*container_check))[0] == 0
+    assert stack.run(stack.admin.Drain(admin_pb2.DrainRequest(timeout_s=0))).ok
+    code, output = stack.run(probe(frontend))  # "": readiness, NOT_SERVING while draining
     assert code == 1 and "NOT_SERVING" in output
+    assert stack.run(probe(*container_check))[0] == 0  # the container's own check does not fail a draining frontend
