@@ -25,6 +25,7 @@ MESSAGE_MODULES = {
     "services/frontend/convert.py",
     "clients/messages.py",
     "clients/embeddings.py",
+    "clients/admin.py",
     "services/engine/grpc_service.py",  # servicers (request/response types in signatures, reflection names)
     "services/frontend/server.py",
     "services/engine/health.py",  # the grpc.health.v1 servicers
