@@ -177,7 +177,11 @@ def test_the_healthcheck_script_speaks_the_grpc_health_protocol(make_stack, serv
     container_check = [*services["frontend"]["healthcheck"]["test"][3:-1], frontend]  # compose's flags, our port
     assert stack.run(probe(f"127.0.0.1:{stack.engine.port}")) == (0, f"127.0.0.1:{stack.engine.port}: SERVING\n")
     assert stack.run(probe(frontend))[0] == 0 and stack.run(probe(*container_check))[0] == 0
-    assert stack.run(stack.admin.Drain(admin_pb2.DrainRequest(timeout_s=0))).ok
+
+    async def drain():  # the call is made on the stack's loop (the thread may have no current loop)
+        return await stack.admin.Drain(admin_pb2.DrainRequest(timeout_s=0))
+
+    assert stack.run(drain()).ok
     code, output = stack.run(probe(frontend))  # "": readiness, NOT_SERVING while draining
     assert code == 1 and "NOT_SERVING" in output
     assert stack.run(probe(*container_check))[0] == 0  # the container's own check does not fail a draining frontend
