@@ -266,7 +266,6 @@ class AsyncLLM:
             await asyncio.sleep(0.05)
         return len(self.output_processor.parents)
 
-
     def _set_draining(self, draining: bool) -> None:
         if draining != self.draining:
             self.draining = draining

@@ -19,7 +19,7 @@ import logging
 import grpc
 
 from services.frontend import convert
-from services.frontend.engine_client_base import EngineClient, refusal_error  # the interface lives beside
+from services.frontend.engine_client_base import EngineClient, refusal_error  # EngineClient re-exported
 from services.frontend.engine_connection import EngineConnection
 from services.frontend.engine_discovery import (
     DEFAULT_RESOLVE_INTERVAL_S,
