@@ -1,4 +1,5 @@
-"""AsyncTandemClient: the asyncio twin of TandemClient (same calls, same keywords, awaitable).
+"""AsyncTandemClient: the asyncio twin of TandemClient (same calls, same keywords, awaitable; the operator
+calls too).
 
     async with AsyncTandemClient("localhost:50051") as client:
         async for chunk in client.generate("Once upon a time", max_tokens=32, temperature=0):
@@ -11,11 +12,20 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
-from tandem.v1 import generation_pb2_grpc
+from tandem.v1 import admin_pb2_grpc, generation_pb2_grpc
 
+from clients import admin
 from clients import messages as wire
+from clients.admin import AdminResult
 from clients.client import Metadata
-from clients.connection import DEFAULT_ADDRESS, RetryPolicy, TlsConfig, call_metadata, open_aio_channel
+from clients.connection import (
+    DEFAULT_ADDRESS,
+    RetryPolicy,
+    TlsConfig,
+    bearer_metadata,
+    call_metadata,
+    open_aio_channel,
+)
 from clients.errors import TandemError
 from clients.messages import GenerateChunk, Tokens
 
@@ -25,14 +35,15 @@ class AsyncTandemClient:
 
     def __init__(self, address: str = DEFAULT_ADDRESS, *, tls: TlsConfig | None = None,
                  retry: RetryPolicy = RetryPolicy(), timeout: float | None = None, metadata: Metadata = None,
-                 token: str | None = None) -> None:
+                 token: str | None = None, admin_token: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
         self._metadata = tuple(call_metadata((), metadata, None) or ())
-        if token:  # the servers' --api-token-file / TANDEM_API_TOKEN
-            self._metadata += (("authorization", f"Bearer {token}"),)
+        self._admin_metadata = self._metadata + bearer_metadata(admin_token or token)  # --admin-token-file
+        self._metadata += bearer_metadata(token)  # the servers' --api-token-file / TANDEM_API_TOKEN
         self._channel = open_aio_channel(address, tls, retry)
         self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
+        self._admin = admin_pb2_grpc.AdminServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     # ---- streaming generation ----
@@ -98,15 +109,52 @@ class AsyncTandemClient:
                                   metadata, None)
         return wire.health_status(reply)
 
+    # ---- operator calls (see TandemClient: same names, same keywords) ----
+    async def pause(self, mode: str = "abort", *, timeout: float | None = None,
+                    metadata: Metadata = None) -> AdminResult:
+        """mode: abort, wait or keep (see TandemClient.pause); new requests wait for resume()."""
+        return await self._operator_call("Pause", timeout, metadata, mode=mode)
+
+    async def resume(self, *, timeout: float | None = None, metadata: Metadata = None) -> AdminResult:
+        return await self._operator_call("Resume", timeout, metadata)
+
+    async def sleep(self, *, timeout: float | None = None, metadata: Metadata = None) -> AdminResult:
+        return await self._operator_call("Sleep", timeout, metadata)
+
+    async def wake_up(self, *, timeout: float | None = None, metadata: Metadata = None) -> AdminResult:
+        return await self._operator_call("WakeUp", timeout, metadata)
+
+    async def reset_prefix_cache(self, *, timeout: float | None = None, metadata: Metadata = None) -> AdminResult:
+        return await self._operator_call("ResetPrefixCache", timeout, metadata)
+
+    async def start_profile(self, output_dir: str, *, timeout: float | None = None,
+                            metadata: Metadata = None) -> AdminResult:
+        return await self._operator_call("StartProfile", timeout, metadata, output_dir=output_dir)
+
+    async def stop_profile(self, *, timeout: float | None = None, metadata: Metadata = None) -> AdminResult:
+        return await self._operator_call("StopProfile", timeout, metadata)
+
+    async def drain(self, timeout_s: float = 30.0, *, timeout: float | None = None,
+                    metadata: Metadata = None) -> AdminResult:
+        return await self._operator_call("Drain", timeout, metadata, timeout_s=timeout_s)
+
+    async def _operator_call(self, method: str, timeout, metadata, **fields) -> AdminResult:
+        options = self._call_options(timeout, metadata, None, self._admin_metadata)
+        try:
+            reply = await getattr(self._admin, method)(admin.admin_request(method, **fields), **options)
+        except grpc.RpcError as e:
+            raise TandemError.from_rpc_error(e) from None
+        return admin.admin_result(reply)
+
     async def _unary(self, method, request, timeout, metadata, traceparent):
         try:
             return await method(request, **self._call_options(timeout, metadata, traceparent))
         except grpc.RpcError as e:
             raise TandemError.from_rpc_error(e) from None
 
-    def _call_options(self, timeout, metadata, traceparent) -> dict:
+    def _call_options(self, timeout, metadata, traceparent, defaults: tuple | None = None) -> dict:
         return {"timeout": timeout if timeout is not None else self.timeout,
-                "metadata": call_metadata(self._metadata, metadata, traceparent)}
+                "metadata": call_metadata(self._metadata if defaults is None else defaults, metadata, traceparent)}
 
     # ---- lifetime ----
     async def close(self) -> None:

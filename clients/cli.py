@@ -5,6 +5,7 @@
     tandem chat                               # interactive; streams tokens, keeps the history
     tandem tokenize "Hello world"             tandem info        tandem health
     tandem embed "first text" "second text" --pooling mean
+    tandem admin pause --mode keep            # operator calls: pause, resume, sleep, wake, drain, profile, ...
     tandem bench --concurrency 1 4 16 --num-requests 64 --plot sweep.png
 
 Every command has --help with examples. Errors print "tandem: CODE: message" and exit 1.
@@ -17,7 +18,7 @@ import importlib.util
 import signal
 import sys
 
-from clients import chat_session, commands
+from clients import admin_command, chat_session, commands
 from clients.bench import command as bench_command
 from clients.cli_options import HelpFormatter, connection_parent, sampling_parent
 from clients.errors import TandemError
@@ -54,7 +55,8 @@ _EXAMPLES = {
   tandem info --json --address 10.0.0.5:50051""",
     "health": """examples:
   tandem health                                 # prints SERVING and exits 0, else exits 1
-  tandem health --service tandem.v1.GenerationService --timeout 2""",
+  tandem health --service tandem.v1.GenerationService --timeout 2
+  tandem health --service tandem.v1.AdminService   # SERVING while the frontend runs, drained or not""",
 }
 
 
@@ -121,16 +123,21 @@ def build_parser() -> argparse.ArgumentParser:
     embed.add_argument("--pooling", choices=("last", "mean", "cls"), default="last", help="which hidden states")
     embed.add_argument("--no-normalize", action="store_true", help="keep the raw vector (default: unit L2 norm)")
     embed.set_defaults(run=commands.embed)
-    info = _add(subcommands, "info", "the served model and the engines behind the frontend", [connection],
-                "Print the model (name, path, context length, vocabulary) and the server's engines.")
+    info = _add(subcommands, "info", "the served model, the frontend's state and its engines", [connection],
+                "Print the model (name, path, context length, vocabulary), whether the frontend serves new "
+                "requests (or drains, or its engines are paused or asleep) and each engine's state.")
     info.add_argument("--json", action="store_true", help="print JSON")
     info.set_defaults(run=commands.info)
 
     health = _add(subcommands, "health", "the grpc.health.v1 status of a server", [connection],
-                  "Ask grpc.health.v1 for the server's status; exit 0 only when it is SERVING.")
+                  "Ask grpc.health.v1 for the server's status; exit 0 only when it is SERVING. A frontend's \"\" and "
+                  "tandem.v1.GenerationService (its readiness) say NOT_SERVING while it drains or none of its "
+                  "engines takes new requests (none connected, or all paused or asleep: `tandem info` says "
+                  "which); tandem.v1.AdminService stays SERVING while it runs.")
     health.add_argument("--service", default="", help="a service name (default: the whole server)")
     health.set_defaults(run=commands.health)
 
+    admin_command.add_parser(subcommands)
     bench_command.add_parser(subcommands, connection)
     return parser
 

@@ -9,6 +9,7 @@ from clients.client import TandemClient
 from clients.connection import DEFAULT_ADDRESS, RetryPolicy, TlsConfig
 
 TOKEN_ENV = "TANDEM_API_TOKEN"
+ADMIN_TOKEN_ENV = "TANDEM_ADMIN_TOKEN"
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -22,9 +23,12 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return super()._get_help_string(action)
 
 
-def connection_parent(default_timeout: float = 120.0) -> argparse.ArgumentParser:
-    """A parent parser with --address, --timeout, --retries, TLS, token and metadata flags."""
+def connection_parent(default_timeout: float = 120.0,
+                      token_envs: tuple[str, ...] = (TOKEN_ENV,)) -> argparse.ArgumentParser:
+    """A parent parser with --address, --timeout, --retries, TLS, token and metadata flags; without
+    --token-file the token comes from the first of `token_envs` that is set."""
     parent = argparse.ArgumentParser(add_help=False)
+    parent.set_defaults(token_envs=token_envs)
     group = parent.add_argument_group("connection")
     group.add_argument("--address", default=DEFAULT_ADDRESS, help="the frontend's host:port")
     group.add_argument("--timeout", type=float, default=default_timeout, metavar="S",
@@ -35,7 +39,7 @@ def connection_parent(default_timeout: float = 120.0) -> argparse.ArgumentParser
                        help="extra gRPC metadata on every call; repeatable (e.g. traceparent=00-...)")
     group.add_argument("--token-file", metavar="PATH",
                        help=f"send 'authorization: Bearer <token>' with the token in this file "
-                            f"(default: ${TOKEN_ENV} when set)")
+                            f"(default: {' or '.join('$' + name for name in token_envs)} when set)")
     tls = parent.add_argument_group("TLS (any of these turns TLS on)")
     tls.add_argument("--tls", action="store_true", help="TLS, verifying the server against the system's CAs")
     tls.add_argument("--tls-ca", metavar="PEM", help="the CA that signed the server's certificate")
@@ -120,7 +124,8 @@ def token_from_args(args: argparse.Namespace) -> str | None:
         if not token:
             raise ValueError(f"--token-file: {args.token_file} is empty")
         return token
-    return os.environ.get(TOKEN_ENV, "").strip() or None
+    names = getattr(args, "token_envs", (TOKEN_ENV,))
+    return next((token for name in names if (token := os.environ.get(name, "").strip())), None)
 
 
 def client_kwargs_from_args(args: argparse.Namespace) -> dict:

@@ -8,9 +8,13 @@
 
 Every call takes `timeout=` (seconds, the gRPC deadline), `metadata=` (extra gRPC metadata) and
 `traceparent=` (a W3C trace context, passed through to the server's traces); `token=` on the
-client sends `authorization: Bearer <token>` with every call. Failures raise
-TandemError with the gRPC status code and the server's message. The async twin is
-`clients.async_client.AsyncTandemClient`.
+client sends `authorization: Bearer <token>` with every call (`admin_token=`, when given, with the
+operator calls instead). Failures raise TandemError with the gRPC status code and the server's
+message. The async twin is `clients.async_client.AsyncTandemClient`.
+
+The operator calls (tandem.v1.AdminService: pause, resume, sleep, wake_up, reset_prefix_cache,
+start_profile, stop_profile, drain) return an AdminResult: `ok` is False, with the reason in
+`detail`, when an engine refused (e.g. sleep while requests are in flight).
 """
 
 from __future__ import annotations
@@ -19,10 +23,19 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
-from tandem.v1 import generation_pb2_grpc
+from tandem.v1 import admin_pb2_grpc, generation_pb2_grpc
 
+from clients import admin
 from clients import messages as wire
-from clients.connection import DEFAULT_ADDRESS, RetryPolicy, TlsConfig, call_metadata, open_channel
+from clients.admin import AdminResult
+from clients.connection import (
+    DEFAULT_ADDRESS,
+    RetryPolicy,
+    TlsConfig,
+    bearer_metadata,
+    call_metadata,
+    open_channel,
+)
 from clients.errors import TandemError
 from clients.messages import GenerateChunk, Tokens
 
@@ -34,14 +47,15 @@ class TandemClient:
 
     def __init__(self, address: str = DEFAULT_ADDRESS, *, tls: TlsConfig | None = None,
                  retry: RetryPolicy = RetryPolicy(), timeout: float | None = None, metadata: Metadata = None,
-                 token: str | None = None) -> None:
+                 token: str | None = None, admin_token: str | None = None) -> None:
         self.address = address
         self.timeout = timeout  # the default deadline of every call
         self._metadata = tuple(call_metadata((), metadata, None) or ())
-        if token:  # the servers' --api-token-file / TANDEM_API_TOKEN
-            self._metadata += (("authorization", f"Bearer {token}"),)
+        self._admin_metadata = self._metadata + bearer_metadata(admin_token or token)  # --admin-token-file
+        self._metadata += bearer_metadata(token)  # the servers' --api-token-file / TANDEM_API_TOKEN
         self._channel = open_channel(address, tls, retry)
         self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
+        self._admin = admin_pb2_grpc.AdminServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     # ---- streaming generation ----
@@ -112,15 +126,56 @@ class TandemClient:
                             None)
         return wire.health_status(reply)
 
+    # ---- operator calls (tandem.v1.AdminService, forwarded to every engine) ----
+    def pause(self, mode: str = "abort", *, timeout: float | None = None, metadata: Metadata = None) -> AdminResult:
+        """Pause generation. mode: abort (abort the requests in flight, then pause), wait (admit nothing new, let
+        running requests finish, then pause), keep (freeze everything in place). New requests wait for resume()."""
+        return self._operator_call("Pause", timeout, metadata, mode=mode)
+
+    def resume(self, *, timeout: float | None = None, metadata: Metadata = None) -> AdminResult:
+        """Continue after pause(); also ends a drain()."""
+        return self._operator_call("Resume", timeout, metadata)
+
+    def sleep(self, *, timeout: float | None = None, metadata: Metadata = None) -> AdminResult:
+        """Free the engines' KV cache until wake_up(); refused while requests are in flight (pause first)."""
+        return self._operator_call("Sleep", timeout, metadata)
+
+    def wake_up(self, *, timeout: float | None = None, metadata: Metadata = None) -> AdminResult:
+        return self._operator_call("WakeUp", timeout, metadata)
+
+    def reset_prefix_cache(self, *, timeout: float | None = None, metadata: Metadata = None) -> AdminResult:
+        return self._operator_call("ResetPrefixCache", timeout, metadata)
+
+    def start_profile(self, output_dir: str, *, timeout: float | None = None,
+                      metadata: Metadata = None) -> AdminResult:
+        """Profile the engines' steps into `output_dir`, a folder on each engine's machine."""
+        return self._operator_call("StartProfile", timeout, metadata, output_dir=output_dir)
+
+    def stop_profile(self, *, timeout: float | None = None, metadata: Metadata = None) -> AdminResult:
+        return self._operator_call("StopProfile", timeout, metadata)
+
+    def drain(self, timeout_s: float = 30.0, *, timeout: float | None = None,
+              metadata: Metadata = None) -> AdminResult:
+        """Stop admitting requests on this frontend (health NOT_SERVING) and wait up to timeout_s for those in
+        flight; ok when none is left. resume() ends it."""
+        return self._operator_call("Drain", timeout, metadata, timeout_s=timeout_s)
+
+    def _operator_call(self, method: str, timeout, metadata, **fields) -> AdminResult:
+        options = self._call_options(timeout, metadata, None, self._admin_metadata)
+        try:
+            return admin.admin_result(getattr(self._admin, method)(admin.admin_request(method, **fields), **options))
+        except grpc.RpcError as e:
+            raise TandemError.from_rpc_error(e) from None
+
     def _unary(self, method, request, timeout, metadata, traceparent):
         try:
             return method(request, **self._call_options(timeout, metadata, traceparent))
         except grpc.RpcError as e:
             raise TandemError.from_rpc_error(e) from None
 
-    def _call_options(self, timeout, metadata, traceparent) -> dict:
+    def _call_options(self, timeout, metadata, traceparent, defaults: tuple | None = None) -> dict:
         return {"timeout": timeout if timeout is not None else self.timeout,
-                "metadata": call_metadata(self._metadata, metadata, traceparent)}
+                "metadata": call_metadata(self._metadata if defaults is None else defaults, metadata, traceparent)}
 
     # ---- lifetime ----
     def close(self) -> None:

@@ -1,4 +1,4 @@
-"""The one-shot client commands of `tandem`: generate, tokenize, info, health.
+"""The one-shot client commands of `tandem`: generate, tokenize, embed, info, health (admin: admin_command.py).
 
 Each takes the parsed arguments and returns the exit code; TandemError propagates to cli.main,
 which prints "tandem: CODE: message".
@@ -13,6 +13,7 @@ import time
 
 from google.protobuf.json_format import MessageToDict
 
+from clients.admin import engine_state, server_state
 from clients.cli_options import client_from_args, sampling_from_args
 
 
@@ -120,8 +121,9 @@ def info(args: argparse.Namespace) -> int:
     print(f"chat template  {'yes' if model.has_chat_template else 'no'}")
     print(f"server         tandem {server.version}, {server.num_in_flight} requests in flight "
           f"(admits {server.max_waiting_requests})")
+    print(f"state          {server_state(server)}")
     for engine in server.engines:
-        state = "connected" if engine.connected else "DISCONNECTED"
+        state = f"connected, {engine_state(engine)}" if engine.connected else "DISCONNECTED"
         print(f"engine         {engine.address}  {state}, {engine.num_in_flight} in flight")
     return 0
 

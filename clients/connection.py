@@ -91,6 +91,11 @@ def open_aio_channel(address: str, tls: TlsConfig | None, retry: RetryPolicy) ->
     return grpc.aio.secure_channel(address, tls.credentials(), options=options)
 
 
+def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """`authorization: Bearer <token>`, or nothing without a token."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
 def call_metadata(default: tuple[tuple[str, str], ...], metadata, traceparent: str | None) -> tuple | None:
     """The channel's default metadata, then this call's, then `traceparent` (W3C trace context)."""
     items = list(default)

@@ -41,7 +41,9 @@ WORKDIR /home/tandem
 
 # the public gRPC API (tandem.v1.GenerationService / AdminService, health, reflection) and Prometheus /metrics
 EXPOSE 50051 8051
+# AdminService stays SERVING while the frontend drains or its engines are paused or asleep: an orchestrator that
+# replaces unhealthy containers must not replace this one for them (readiness is tandem.v1.GenerationService)
 HEALTHCHECK --interval=5s --timeout=4s --start-period=60s --retries=5 \
-  CMD ["python", "/app/docker/healthcheck.py"]
+  CMD ["python", "/app/docker/healthcheck.py", "--service", "tandem.v1.AdminService"]
 ENTRYPOINT ["tandem-frontend"]
 CMD ["--host", "0.0.0.0", "--port", "50051", "--metrics-port", "8051"]

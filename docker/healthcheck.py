@@ -2,8 +2,13 @@
 
     python docker/healthcheck.py                      # the port this container's server was started with
     python docker/healthcheck.py 127.0.0.1:50061
-    python docker/healthcheck.py --service tandem.v1.EngineCore --tls-ca ca.crt \
+    python docker/healthcheck.py --service tandem.v1.EngineCoreService --tls-ca ca.crt \
         --tls-cert tls.crt --tls-key tls.key --tls-server-name tandem-engine 127.0.0.1:50061
+    python docker/healthcheck.py --service tandem.v1.AdminService 127.0.0.1:50051
+
+The frontend's "" and tandem.v1.GenerationService are its readiness (NOT_SERVING while it drains or its
+engines are paused or asleep); tandem.v1.AdminService stays SERVING until shutdown, so a check that may get
+the container replaced asks for it.
 
 Plaintext by default (the compose healthchecks). With --tls-ca it speaks TLS, and with
 --tls-cert/--tls-key it presents a client certificate (a server with --tls-client-ca wants one):

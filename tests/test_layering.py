@@ -25,15 +25,18 @@ MESSAGE_MODULES = {
     "services/frontend/convert.py",
     "clients/messages.py",
     "clients/embeddings.py",
+    "clients/admin.py",
     "services/engine/grpc_service.py",  # servicers (request/response types in signatures, reflection names)
     "services/frontend/server.py",
-    "services/engine/health.py",  # the grpc.health.v1 servicer
+    "services/engine/health.py",  # the grpc.health.v1 servicers
+    "services/frontend/health.py",
     "clients/local_stack.py",  # waits on grpc.health.v1 before handing out a stack
 }
 # Files that may import stubs and servicer bases (*_pb2_grpc).
 WIRING = {
     "services/engine/grpc_service.py",
     "services/engine/health.py",
+    "services/frontend/health.py",
     "services/frontend/server.py",
     "services/frontend/engine_connection.py",
     "clients/client.py",

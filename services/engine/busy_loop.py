@@ -34,8 +34,10 @@ from services.engine.messages import (
     Call,
     Close,
     EngineDied,
+    EngineState,
     Open,
     PauseMode,
+    RequestErrorKind,
     Utility,
     UtilityMethod,
     UtilityResult,
@@ -79,6 +81,7 @@ class EngineBusyLoop:
         # ---- owned by the loop thread
         self._router = ConnectionRouter()
         self._pause = PauseState()
+        self._published_state = EngineState()  # what every connection was last told (the default: none)
         # ---- read by the health watchdog from any thread
         self.heartbeat = time.monotonic()  # the last completed step or idle wait
         self.busy = False  # working (not blocked on the queue)
@@ -214,13 +217,21 @@ class EngineBusyLoop:
                 self._router.reply(connection, result)
         elif isinstance(item, Open):
             self._router.open(connection, item.sink)
-            if self.engine.records_kv_events:  # the prefix cache as it is: the connection's routing starts here
-                self._router.send_snapshot(connection, self.engine.kv_cache_snapshot(), self.engine.make_stats())
+            self._greet(connection)
         elif isinstance(item, Close):
             self._close(connection)
         elif isinstance(item, Call):
             item.fn()
         return True
+
+    def _greet(self, connection: int) -> None:
+        """A new connection's first message: the prefix cache as it is (its routing starts there) and, when the
+        engine is paused or asleep, its state (a frontend that is told nothing takes the engine to admit)."""
+        state = self._published_state if self._published_state != EngineState() else None
+        if self.engine.records_kv_events:
+            self._router.send_snapshot(connection, self.engine.kv_cache_snapshot(), self.engine.make_stats(), state)
+        elif state is not None:
+            self._router.send_state(connection, state)
 
     def _die(self, exc: BaseException) -> None:
         logger.exception("the engine busy loop crashed", exc_info=exc)
@@ -239,7 +250,8 @@ class EngineBusyLoop:
         if not self._router.is_open(connection):
             return  # the connection closed while this add was queued
         if self.engine.asleep:
-            self._router.refuse(connection, request.request_id, "engine is asleep; call WakeUp")
+            self._router.refuse(connection, request.request_id, "the engine is asleep until WakeUp",
+                                RequestErrorKind.ASLEEP)
         elif not self._pause.admitting:
             self._pause.hold(connection, request)
         else:
@@ -309,7 +321,16 @@ class EngineBusyLoop:
         finally:
             if (events := self.engine.take_kv_events()) is not None:  # a reset clears every router's view now
                 self._router.broadcast_kv_events(events, self.engine.make_stats())
+            self._publish_state()  # before the caller's answer, so its frontend already routes by it
         return UtilityResult(call.call_id, True, stats=self.engine.make_stats())
+
+    def _publish_state(self) -> None:
+        """Tell every connection when pause, resume, sleep or wake-up changed what happens to new requests."""
+        paused = not self._pause.admitting
+        state = EngineState(paused=paused, pause_mode=self._pause.mode if paused else None, asleep=self.engine.asleep)
+        if state != self._published_state:
+            self._published_state = state
+            self._router.broadcast_state(state)
 
     def _pause_engine(self, connection: int, call: Utility) -> UtilityResult | None:
         if call.pause_mode is PauseMode.ABORT:

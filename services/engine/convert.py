@@ -20,8 +20,10 @@ from services.engine.messages import (
     Abort,
     Add,
     ConnectionOutputs,
+    EngineState,
     PauseMode,
     RequestError,
+    RequestErrorKind,
     Utility,
     UtilityMethod,
     UtilityResult,
@@ -41,6 +43,11 @@ _PAUSE_MODES = {
     common_pb2.PAUSE_MODE_ABORT: PauseMode.ABORT,
     common_pb2.PAUSE_MODE_WAIT: PauseMode.WAIT,
     common_pb2.PAUSE_MODE_KEEP: PauseMode.KEEP,
+}
+_PAUSE_MODES_TO_PROTO = {mode: proto for proto, mode in _PAUSE_MODES.items() if proto}
+_ERROR_KINDS = {
+    RequestErrorKind.INVALID: engine_core_pb2.REQUEST_ERROR_KIND_UNSPECIFIED,
+    RequestErrorKind.ASLEEP: engine_core_pb2.REQUEST_ERROR_KIND_ASLEEP,
 }
 _METHODS = {
     engine_core_pb2.UTILITY_METHOD_PAUSE: UtilityMethod.PAUSE,
@@ -116,7 +123,8 @@ def outputs_to_proto(message: ConnectionOutputs) -> engine_core_pb2.EngineCoreOu
         outputs=[output_to_proto(output) for output in message.outputs],
         finished_request_ids=message.finished_request_ids,
         timestamp=message.timestamp,
-        errors=[engine_core_pb2.RequestError(request_id=e.request_id, message=e.message) for e in message.errors],
+        errors=[engine_core_pb2.RequestError(request_id=e.request_id, message=e.message, kind=_ERROR_KINDS[e.kind])
+                for e in message.errors],
     )
     if message.scheduler_stats is not None:
         proto.scheduler_stats.CopyFrom(stats_to_proto(message.scheduler_stats))
@@ -126,7 +134,14 @@ def outputs_to_proto(message: ConnectionOutputs) -> engine_core_pb2.EngineCoreOu
         events = message.kv_events
         proto.kv_events.CopyFrom(engine_core_pb2.KVCacheEvents(
             cleared=events.cleared, stored_block_hashes=events.stored, removed_block_hashes=events.removed))
+    if message.engine_state is not None:
+        proto.engine_state.CopyFrom(engine_state_to_proto(message.engine_state))
     return proto
+
+
+def engine_state_to_proto(state: EngineState) -> engine_core_pb2.EngineState:
+    return engine_core_pb2.EngineState(paused=state.paused, asleep=state.asleep,
+                                       pause_mode=_PAUSE_MODES_TO_PROTO.get(state.pause_mode, 0))
 
 
 def output_to_proto(output: EngineCoreOutput) -> engine_core_pb2.EngineCoreOutput:

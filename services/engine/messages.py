@@ -31,6 +31,11 @@ class PauseMode(enum.Enum):
     KEEP = "keep"  # freeze in place; resume continues
 
 
+class RequestErrorKind(enum.Enum):
+    INVALID = "invalid"  # the request itself is bad: the client's to fix
+    ASLEEP = "asleep"  # the engine sleeps until WakeUp: a state of the server, not the client's fault
+
+
 # ---- inputs: connection -> busy loop ------------------------------------------------
 @dataclass(frozen=True)
 class Open:
@@ -82,6 +87,16 @@ class UtilityResult:
 class RequestError:
     request_id: str
     message: str
+    kind: RequestErrorKind = RequestErrorKind.INVALID
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """What the engine does with new requests; every connection is told when it changes."""
+
+    paused: bool = False  # new requests are held until resume
+    pause_mode: PauseMode | None = None  # while paused
+    asleep: bool = False  # new requests are refused until wake-up
 
 
 @dataclass
@@ -95,6 +110,7 @@ class ConnectionOutputs:
     utility_result: UtilityResult | None = None
     errors: list[RequestError] = field(default_factory=list)
     kv_events: KVCacheEvents | None = None  # the prefix cache's changes, sent to every connection
+    engine_state: EngineState | None = None  # set when it changed, sent to every connection
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ HeldAdd = tuple[int, EngineCoreRequest]  # (connection, request)
 class PauseState:
     admitting: bool = True
     stepping: bool = True
+    mode: PauseMode | None = None  # the latest pause's, until resume
     held: deque[HeldAdd] = field(default_factory=deque)
     waiters: list[Waiter] = field(default_factory=list)
 
@@ -31,6 +32,7 @@ class PauseState:
         """Stop admitting; True when the pause is complete now (ABORT, KEEP), False for WAIT,
         which completes in `drained()` once nothing is in flight."""
         self.admitting = False
+        self.mode = mode
         if mode is PauseMode.WAIT:
             self.stepping = True
             self.waiters.append(waiter)
@@ -51,6 +53,7 @@ class PauseState:
     def resume(self) -> tuple[list[Waiter], list[HeldAdd]]:
         """Admit and step again: the WAIT pauses cut short (to answer, not ok) and the held adds, in order."""
         self.admitting = self.stepping = True
+        self.mode = None
         waiters, self.waiters = self.waiters, []
         held, self.held = list(self.held), deque()
         return waiters, held

@@ -15,7 +15,7 @@ import time
 from typing import Callable
 
 from engine_core.types import EngineCoreOutput, EngineCoreOutputs, FinishReason, KVCacheEvents, SchedulerStats
-from services.engine.messages import ConnectionOutputs, RequestError, UtilityResult
+from services.engine.messages import ConnectionOutputs, EngineState, RequestError, RequestErrorKind, UtilityResult
 
 Sink = Callable[[object], None]  # called from the busy-loop thread; must not block
 
@@ -48,23 +48,35 @@ class ConnectionRouter:
         if sink is not None:
             sink(item)
 
-    def refuse(self, connection: int, request_id: str, message: str) -> None:
-        self.send(connection, ConnectionOutputs(errors=[RequestError(request_id, message)], timestamp=time.time()))
+    def refuse(self, connection: int, request_id: str, message: str,
+               kind: RequestErrorKind = RequestErrorKind.INVALID) -> None:
+        self.send(connection, ConnectionOutputs(errors=[RequestError(request_id, message, kind)],
+                                                timestamp=time.time()))
 
     def reply(self, connection: int, result: UtilityResult) -> None:
         self.send(connection, ConnectionOutputs(utility_result=result, timestamp=time.time()))
 
-    def send_snapshot(self, connection: int, events: KVCacheEvents, stats: SchedulerStats) -> None:
+    def send_snapshot(self, connection: int, events: KVCacheEvents, stats: SchedulerStats,
+                      state: EngineState | None = None) -> None:
         """A new connection's first message: the whole prefix cache and the load now (no step counters)."""
         gauges = SchedulerStats(num_running_reqs=stats.num_running_reqs, num_waiting_reqs=stats.num_waiting_reqs,
                                 kv_cache_usage=stats.kv_cache_usage, num_free_blocks=stats.num_free_blocks,
                                 num_total_blocks=stats.num_total_blocks)
-        self.send(connection, ConnectionOutputs(scheduler_stats=gauges, timestamp=time.time(), kv_events=events))
+        self.send(connection, ConnectionOutputs(scheduler_stats=gauges, timestamp=time.time(), kv_events=events,
+                                                engine_state=state))
 
     def broadcast_kv_events(self, events: KVCacheEvents, stats: SchedulerStats | None = None) -> None:
         """Prefix-cache changes made between steps (a reset) to every connection."""
         for connection in list(self.sinks):
             self.send(connection, ConnectionOutputs(scheduler_stats=stats, timestamp=time.time(), kv_events=events))
+
+    def send_state(self, connection: int, state: EngineState) -> None:
+        self.send(connection, ConnectionOutputs(timestamp=time.time(), engine_state=state))
+
+    def broadcast_state(self, state: EngineState) -> None:
+        """The engine's new state to every connection: each frontend routes and reports health by it."""
+        for connection in list(self.sinks):
+            self.send_state(connection, state)
 
     def send_aborted(self, connection: int, request_ids: list[str], stats: SchedulerStats) -> None:
         """An ABORT finish for requests the server aborted (PAUSE ABORT): their clients do not know yet."""

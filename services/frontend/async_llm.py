@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+import math
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
 from engine_core.sampling_params import OutputKind, SamplingParams
@@ -49,6 +50,7 @@ class AsyncLLM:
         self.model_info: EngineInfo | None = None  # the last model an engine reported
         self.draining = False  # set by drain(): no new requests are admitted
         self._output_handler: asyncio.Task | None = None
+        self._listeners: list[Callable[[], None]] = []
         engine_client.add_listener(self._on_engines_changed)
         self._on_engines_changed()
 
@@ -59,6 +61,39 @@ class AsyncLLM:
             if self.telemetry.metrics is not None:
                 self.telemetry.metrics.set_model(info.model_name)
             self.input_processor.set_model_limits(info.max_model_len, info.vocab_size)
+        self._notify()
+
+    # ---- what new requests get --------------------------------------------------------
+    @property
+    def not_serving_reason(self) -> str | None:
+        """Why new requests do not start now (draining, no engine, every engine asleep or paused); None
+        when they do. Health reports SERVING exactly when this is None."""
+        if self.draining:
+            return "draining (AdminService/Drain or a shutdown): new requests get UNAVAILABLE until Resume"
+        if not self.engine_client.is_connected:
+            return "no engine is connected"
+        if self.engine_client.admitting:
+            return None
+        engines = [e for e in self.engine_client.engines() if e.connected]
+        if all(e.state.asleep for e in engines):
+            return "every engine is asleep (AdminService/Sleep): new requests get UNAVAILABLE until WakeUp"
+        return "every engine is paused or asleep (AdminService/Pause, Sleep): new requests wait for Resume"
+
+    @property
+    def serving(self) -> bool:
+        return self.not_serving_reason is None
+
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """`callback()` runs whenever `serving` may have changed: engines came, went, paused, resumed, slept or
+        woke, or a drain began or ended."""
+        self._listeners.append(callback)
+
+    def remove_listener(self, callback: Callable[[], None]) -> None:
+        self._listeners.remove(callback)
+
+    def _notify(self) -> None:
+        for callback in self._listeners:
+            callback()
 
     @property
     def num_in_flight(self) -> int:
@@ -202,7 +237,7 @@ class AsyncLLM:
 
     async def resume_generation(self) -> list[UtilityResult]:
         """Resume the engines; also ends a drain, so new requests are admitted again."""
-        self.draining = False
+        self._set_draining(False)
         return await self.engine_client.call_utility("resume")
 
     async def sleep(self) -> list[UtilityResult]:
@@ -221,13 +256,21 @@ class AsyncLLM:
         return await self.engine_client.call_utility("stop_profile")
 
     async def drain(self, timeout_s: float) -> int:
-        """Stop admitting requests and wait up to timeout_s for those in flight; how many are left."""
-        self.draining = True
+        """Stop admitting requests and wait up to timeout_s (finite, >= 0) for those in flight; how many are left."""
+        if not (math.isfinite(timeout_s) and timeout_s >= 0):
+            raise InvalidRequest(f"timeout_s must be a finite number of seconds >= 0, got {timeout_s}")
+        self._set_draining(True)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + max(timeout_s, 0.0)
+        deadline = loop.time() + timeout_s
         while self.output_processor.parents and loop.time() < deadline:
             await asyncio.sleep(0.05)
         return len(self.output_processor.parents)
+
+    def _set_draining(self, draining: bool) -> None:
+        if draining != self.draining:
+            self.draining = draining
+            log.info("draining: new requests get UNAVAILABLE" if draining else "drain ended: admitting requests")
+            self._notify()
 
 
 def _child(request: EngineRequest, index: int) -> EngineRequest:

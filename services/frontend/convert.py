@@ -16,6 +16,7 @@ from services.frontend.messages import (
     EngineMessage,
     EngineOutput,
     EngineRequest,
+    EngineState,
     EngineStatus,
     FinishReason,
     KVCacheEvents,
@@ -117,12 +118,14 @@ def model_info_to_proto(info: EngineInfo, *, has_chat_template: bool) -> generat
     )
 
 
-def server_info_to_proto(version: str, num_in_flight: int, max_waiting_requests: int,
-                         engines: list[EngineStatus]) -> generation_pb2.GetServerInfoResponse:
+def server_info_to_proto(version: str, num_in_flight: int, max_waiting_requests: int, engines: list[EngineStatus],
+                         *, draining: bool, serving: bool) -> generation_pb2.GetServerInfoResponse:
     return generation_pb2.GetServerInfoResponse(
         version=version, num_in_flight=num_in_flight, max_waiting_requests=max_waiting_requests,
-        engines=[generation_pb2.EngineStatus(address=e.address, connected=e.connected, num_in_flight=e.num_in_flight)
-                 for e in engines],
+        engines=[generation_pb2.EngineStatus(
+            address=e.address, connected=e.connected, num_in_flight=e.num_in_flight, paused=e.state.paused,
+            pause_mode=_PAUSE_MODE_PROTOS.get(e.state.pause_mode, 0), asleep=e.state.asleep) for e in engines],
+        draining=draining, serving=serving,
     )
 
 
@@ -133,6 +136,7 @@ _PAUSE_MODES = {
     common_pb2.PAUSE_MODE_WAIT: "wait",
     common_pb2.PAUSE_MODE_KEEP: "keep",
 }
+_PAUSE_MODE_PROTOS = {mode: proto for proto, mode in _PAUSE_MODES.items() if proto}
 AdminResponse = (admin_pb2.PauseResponse | admin_pb2.ResumeResponse | admin_pb2.SleepResponse
                  | admin_pb2.WakeUpResponse | admin_pb2.ResetPrefixCacheResponse | admin_pb2.StartProfileResponse
                  | admin_pb2.StopProfileResponse)
@@ -176,8 +180,9 @@ def engine_info_from_proto(info: engine_core_pb2.GetEngineInfoResponse) -> Engin
 
 def message_from_proto(batch: engine_core_pb2.EngineCoreOutputs) -> EngineMessage:
     """One message of the Connect stream: outputs, refused requests, a utility call's answer."""
-    message = EngineMessage(outputs=outputs_from_proto(batch),
-                            errors=[RequestError(e.request_id, e.message) for e in batch.errors])
+    message = EngineMessage(outputs=outputs_from_proto(batch), errors=[
+        RequestError(e.request_id, e.message, engine_asleep=e.kind == engine_core_pb2.REQUEST_ERROR_KIND_ASLEEP)
+        for e in batch.errors])
     if batch.HasField("utility_result"):
         result = batch.utility_result
         message.utility_call_id, message.utility_ok, message.utility_error = result.call_id, result.ok, result.error
@@ -190,6 +195,10 @@ def message_from_proto(batch: engine_core_pb2.EngineCoreOutputs) -> EngineMessag
         events = batch.kv_events
         message.kv_events = KVCacheEvents(stored=list(events.stored_block_hashes),
                                           removed=list(events.removed_block_hashes), cleared=events.cleared)
+    if batch.HasField("engine_state"):
+        state = batch.engine_state
+        message.engine_state = EngineState(paused=state.paused, asleep=state.asleep,
+                                           pause_mode=_PAUSE_MODES.get(state.pause_mode, "") if state.paused else "")
     return message
 
 

@@ -19,7 +19,7 @@ import logging
 import grpc
 
 from services.frontend import convert
-from services.frontend.engine_client_base import EngineClient  # re-exported: the interface lives beside
+from services.frontend.engine_client_base import EngineClient, refusal_error  # EngineClient re-exported
 from services.frontend.engine_connection import EngineConnection
 from services.frontend.engine_discovery import (
     DEFAULT_RESOLVE_INTERVAL_S,
@@ -27,12 +27,13 @@ from services.frontend.engine_discovery import (
     Resolver,
     parse_engine_targets,
 )
-from services.frontend.errors import EngineUnavailable, InvalidRequest
+from services.frontend.errors import EngineAsleep, EngineUnavailable
 from services.frontend.messages import (
     EngineInfo,
     EngineMessage,
     EngineOutputs,
     EngineRequest,
+    EngineState,
     EngineStatus,
     UtilityResult,
 )
@@ -140,6 +141,10 @@ class GrpcEngineClient(EngineClient):
         return any(e.routable for e in self._engines.values())
 
     @property
+    def admitting(self) -> bool:
+        return any(e.admitting for e in self._engines.values())
+
+    @property
     def num_in_flight(self) -> int:
         return sum(len(e.in_flight) for e in self._engines.values())
 
@@ -149,15 +154,11 @@ class GrpcEngineClient(EngineClient):
         return min(infos, key=lambda info: info.max_model_len) if infos else None
 
     def engines(self) -> list[EngineStatus]:
-        return [EngineStatus(e.address, e.connected, len(e.in_flight)) for e in self._engines.values()]
+        return [EngineStatus(e.address, e.connected, len(e.in_flight), e.state) for e in self._engines.values()]
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
-        candidates = [e for e in self._engines.values() if e.routable]
-        if not candidates:
-            targets = ", ".join(str(t) for t in self._discovery.targets)
-            raise EngineUnavailable(f"no engine is connected (engines: {targets}); they may be starting or down, "
-                                    "retry shortly")
+        candidates = self._candidates()
         decision = self.router.choose([e.load for e in candidates], request.prompt_token_ids)
         engine = candidates[decision.index]
         engine.track(request.request_id, decision.prefix_hashes)
@@ -166,6 +167,19 @@ class GrpcEngineClient(EngineClient):
             policy = self.router.policy.value
             self._metrics.router_prefix_hit_tokens.labels(policy).inc(decision.matched_tokens)
             self._metrics.router_prompt_tokens.labels(policy).inc(len(request.prompt_token_ids))
+
+    def _candidates(self) -> list[EngineConnection]:
+        """The engines a new request may go to: those that start it now; when every one is paused, the paused
+        ones (it waits there until Resume, as it would in vLLM and SGLang); never a sleeping one."""
+        routable = [e for e in self._engines.values() if e.routable]
+        if not routable:
+            targets = ", ".join(str(t) for t in self._discovery.targets)
+            raise EngineUnavailable(f"no engine is connected (engines: {targets}); they may be starting or down, "
+                                    "retry shortly")
+        awake = [e for e in routable if not e.state.asleep]
+        if not awake:
+            raise EngineAsleep()
+        return [e for e in awake if not e.state.paused] or awake
 
     def abort(self, request_ids: list[str]) -> None:
         for engine in list(self._engines.values()):
@@ -230,16 +244,20 @@ class GrpcEngineClient(EngineClient):
         return reason
 
     def _route(self, engine: EngineConnection, message: EngineMessage) -> None:
-        """Utility answers to their callers; refusals and outputs to the output handler; load to the router."""
+        """Utility answers to their callers; refusals and outputs to the output handler; load to the router;
+        a new engine state to the listeners (health)."""
         engine.observe(message.scheduler_stats, message.kv_events)
+        if message.engine_state is not None and message.engine_state != engine.state:
+            engine.state = message.engine_state
+            log.info("engine at %s: %s", engine.address, _describe(engine.state))
+            self._on_change()
         if message.utility_call_id is not None:
             future = engine.pending.pop(message.utility_call_id, None)
             if future is not None and not future.done():
                 future.set_result(UtilityResult(engine.address, message.utility_ok, message.utility_error))
         for error in message.errors:
             engine.untrack([error.request_id])
-            self._put_output(EngineOutputs(
-                failed=[error.request_id], error=InvalidRequest(f"the engine refused the request: {error.message}")))
+            self._put_output(EngineOutputs(failed=[error.request_id], error=refusal_error(error)))
         if message.outputs:
             engine.untrack([o.request_id for o in message.outputs if o.finish_reason is not None])
             self._put_output(EngineOutputs(outputs=message.outputs))
@@ -264,6 +282,14 @@ class GrpcEngineClient(EngineClient):
         else:
             self._connected.clear()
         self._notify()
+
+
+def _describe(state: EngineState) -> str:
+    if state.admitting:
+        return "admitting requests"
+    paused = f"paused ({state.pause_mode}): new requests wait for Resume" if state.paused else ""
+    asleep = "asleep: new requests are refused until WakeUp" if state.asleep else ""
+    return "; ".join(part for part in (paused, asleep) if part)
 
 
 async def _stream_inputs(queue: asyncio.Queue):

@@ -10,7 +10,15 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
-from services.frontend.messages import EngineInfo, EngineOutputs, EngineRequest, EngineStatus, UtilityResult
+from services.frontend.errors import EngineAsleep, InvalidRequest
+from services.frontend.messages import (
+    EngineInfo,
+    EngineOutputs,
+    EngineRequest,
+    EngineStatus,
+    RequestError,
+    UtilityResult,
+)
 
 
 class EngineClient(ABC):
@@ -48,6 +56,11 @@ class EngineClient(ABC):
 
     @property
     @abstractmethod
+    def admitting(self) -> bool:
+        """An engine is connected that starts new requests now: neither paused nor asleep."""
+
+    @property
+    @abstractmethod
     def num_in_flight(self) -> int:
         """Engine requests sent and not yet finished, aborted or lost."""
 
@@ -66,7 +79,7 @@ class EngineClient(ABC):
         self._outputs.put_nowait(outputs)
 
     def add_listener(self, callback: Callable[[], None]) -> None:
-        """`callback()` runs whenever an engine connects or disconnects."""
+        """`callback()` runs whenever an engine connects, disconnects, or says it paused, resumed, slept or woke."""
         self._listeners.append(callback)
 
     def remove_listener(self, callback: Callable[[], None]) -> None:
@@ -75,3 +88,10 @@ class EngineClient(ABC):
     def _notify(self) -> None:
         for callback in self._listeners:
             callback()
+
+
+def refusal_error(error: RequestError) -> Exception:
+    """What the client hears of a request an engine refused: its own fault, or the engine's state."""
+    if error.engine_asleep:
+        return EngineAsleep()
+    return InvalidRequest(f"the engine refused the request: {error.message}")

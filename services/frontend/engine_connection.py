@@ -14,7 +14,7 @@ from tandem.v1 import engine_core_pb2_grpc
 
 from engine_core.block_hash import BlockHash
 from engine_core.types import KVCacheEvents, SchedulerStats
-from services.frontend.messages import EngineInfo
+from services.frontend.messages import EngineInfo, EngineState
 from services.frontend.router import EngineLoad
 from services.security.transport import ChannelTransport
 
@@ -31,6 +31,7 @@ class EngineConnection:
         self.task: asyncio.Task | None = None
         self.retiring = False  # gone from discovery: no new requests; closed once nothing is in flight
         self.load = EngineLoad()  # the router's view
+        self.state = EngineState()  # paused or asleep, as the engine last said on the current stream
 
     @property
     def connected(self) -> bool:
@@ -39,6 +40,11 @@ class EngineConnection:
     @property
     def routable(self) -> bool:
         return self.connected and not self.retiring
+
+    @property
+    def admitting(self) -> bool:
+        """New requests sent here start now (not held by a pause, not refused by sleep)."""
+        return self.routable and self.state.admitting
 
     @property
     def idle(self) -> bool:
@@ -57,6 +63,7 @@ class EngineConnection:
         self.queue = None
         lost = self.untrack(list(self.in_flight))
         self.load = EngineLoad(block_size=self.load.block_size)
+        self.state = EngineState()  # a new stream's first item says it again if it is not the default
         return lost
 
     # ---- requests ------------------------------------------------------------------

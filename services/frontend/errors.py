@@ -25,3 +25,12 @@ class DuplicateRequest(FrontendError):
 
 class EngineUnavailable(FrontendError):
     """No engine can take the request, or its engine went away (UNAVAILABLE)."""
+
+
+class EngineAsleep(EngineUnavailable):
+    """Every engine that could take the request is asleep (UNAVAILABLE, as draining: a state of the server
+    that another replica, or the same one after WakeUp, does not share; the request itself was fine)."""
+
+    def __init__(self) -> None:
+        super().__init__("the engines are asleep (AdminService/Sleep) and take no requests until an operator wakes "
+                         "them (AdminService/WakeUp, `tandem admin wake`); retry later or on another replica")

@@ -17,8 +17,8 @@ import asyncio
 import itertools
 import logging
 
-from services.frontend.engine_client import EngineClient
-from services.frontend.errors import EngineUnavailable, InvalidRequest
+from services.frontend.engine_client_base import EngineClient, refusal_error
+from services.frontend.errors import EngineAsleep, EngineUnavailable
 from services.frontend.messages import (
     EngineEvent,
     EngineEventType,
@@ -26,8 +26,10 @@ from services.frontend.messages import (
     EngineOutput,
     EngineOutputs,
     EngineRequest,
+    EngineState,
     EngineStatus,
     FinishReason,
+    RequestError,
     UtilityResult,
 )
 
@@ -49,6 +51,7 @@ class InProcessEngineClient(EngineClient):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: str | None = None  # set when the busy loop died
         self._in_flight: set[str] = set()
+        self._state = EngineState()  # paused or asleep, as the engine last said
         self._pending: dict[int, asyncio.Future] = {}  # utility call id -> result
         self._call_ids = itertools.count(1)
 
@@ -75,6 +78,10 @@ class InProcessEngineClient(EngineClient):
         return self._connection is not None and self._error is None
 
     @property
+    def admitting(self) -> bool:
+        return self.is_connected and self._state.admitting
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 
@@ -83,12 +90,14 @@ class InProcessEngineClient(EngineClient):
         return self._info if self.is_connected else None
 
     def engines(self) -> list[EngineStatus]:
-        return [EngineStatus(self.address, self.is_connected, len(self._in_flight))]
+        return [EngineStatus(self.address, self.is_connected, len(self._in_flight), self._state)]
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
         if not self.is_connected:
             raise EngineUnavailable(f"the in-process engine is not running ({self._error or 'not started'})")
+        if self._state.asleep:
+            raise EngineAsleep()
         self._in_flight.add(request.request_id)
         self._busy_loop.submit(self._connection, self._messages.Add(_core_request(request)))
 
@@ -117,11 +126,17 @@ class InProcessEngineClient(EngineClient):
             pass
 
     def _route(self, item) -> None:
-        """Utility answers to their callers; refusals and outputs to the output handler."""
+        """Utility answers to their callers; refusals and outputs to the output handler; a new state to the
+        listeners."""
         if isinstance(item, self._messages.EngineDied):
             self._error = item.error
             self._lose(f"the in-process engine died: {item.error}")
             return
+        if item.engine_state is not None:
+            core = item.engine_state
+            self._state = EngineState(paused=core.paused, asleep=core.asleep,
+                                      pause_mode=core.pause_mode.value if core.pause_mode else "")
+            self._notify()
         if item.utility_result is not None:
             result = item.utility_result
             future = self._pending.pop(result.call_id, None)
@@ -129,8 +144,9 @@ class InProcessEngineClient(EngineClient):
                 future.set_result(UtilityResult(self.address, result.ok, result.error))
         for error in item.errors:
             self._in_flight.discard(error.request_id)
-            self._put_output(EngineOutputs(
-                failed=[error.request_id], error=InvalidRequest(f"the engine refused the request: {error.message}")))
+            asleep = error.kind is self._messages.RequestErrorKind.ASLEEP
+            refused = RequestError(error.request_id, error.message, engine_asleep=asleep)
+            self._put_output(EngineOutputs(failed=[error.request_id], error=refusal_error(refused)))
         outputs = _outputs_from_core(item)
         if outputs:
             self._in_flight.difference_update(o.request_id for o in outputs if o.finish_reason is not None)

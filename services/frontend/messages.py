@@ -28,12 +28,26 @@ class EngineInfo:
 
 
 @dataclass(frozen=True)
+class EngineState:
+    """What an engine does with new requests, as it last said (an engine that said nothing admits them)."""
+
+    paused: bool = False  # held there until Resume
+    pause_mode: str = ""  # abort | wait | keep, while paused
+    asleep: bool = False  # refused until WakeUp
+
+    @property
+    def admitting(self) -> bool:
+        return not self.paused and not self.asleep
+
+
+@dataclass(frozen=True)
 class EngineStatus:
     """One engine address as the engine client sees it."""
 
     address: str
     connected: bool
     num_in_flight: int
+    state: EngineState = EngineState()
 
 
 @dataclass(frozen=True)
@@ -94,6 +108,7 @@ class RequestError:
 
     request_id: str
     message: str
+    engine_asleep: bool = False  # refused for a state of the engine, not for anything in the request
 
 
 @dataclass
@@ -107,6 +122,7 @@ class EngineMessage:
     utility_error: str = ""
     scheduler_stats: SchedulerStats | None = None
     kv_events: KVCacheEvents | None = None  # the engine's prefix-cache changes (for the router)
+    engine_state: EngineState | None = None  # set when the engine's state changed
 
 
 @dataclass

@@ -10,14 +10,14 @@ import logging
 from contextlib import aclosing
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
+from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 from tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 from services.frontend import convert
 from services.frontend.async_llm import AsyncLLM
 from services.frontend.errors import DuplicateRequest, EngineUnavailable, FrontendError, InvalidRequest, TooManyRequests
+from services.frontend.health import ADMIN_SERVICE, GENERATION_SERVICE, FrontendHealth
 from services.frontend.input_processor import TextPrompt
 from services.frontend.messages import UtilityResult
 from services.security.transport import ServerTransport
@@ -121,7 +121,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def GetServerInfo(self, request, context):
         return convert.server_info_to_proto(VERSION, self.llm.num_in_flight, self.llm.max_waiting_requests,
-                                            self.llm.engine_client.engines())
+                                            self.llm.engine_client.engines(), draining=self.llm.draining,
+                                            serving=self.llm.serving)
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
@@ -150,13 +151,19 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         return await self._forward(context, self.llm.reset_prefix_cache(), admin_pb2.ResetPrefixCacheResponse)
 
     async def StartProfile(self, request, context):
+        if not request.output_dir:
+            await _abort(context, InvalidRequest("output_dir is empty: give the folder for the trace, on the "
+                                                 "engine's machine (made if missing)"))
         return await self._forward(context, self.llm.start_profile(request.output_dir), admin_pb2.StartProfileResponse)
 
     async def StopProfile(self, request, context):
         return await self._forward(context, self.llm.stop_profile(), admin_pb2.StopProfileResponse)
 
     async def Drain(self, request, context):
-        left = await self.llm.drain(request.timeout_s)
+        try:
+            left = await self.llm.drain(request.timeout_s)
+        except InvalidRequest as e:
+            await _abort(context, e)
         return convert.drain_response(left, request.timeout_s)
 
     async def _forward(self, context, call, response_type):
@@ -170,7 +177,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
 
 # ---- the server -------------------------------------------------------------------
 class FrontendServer:
-    """The grpc.aio server: GenerationService, AdminService, health (SERVING while an engine is connected), reflection.
+    """The grpc.aio server: GenerationService, AdminService, health (services/frontend/health.py), reflection.
 
     `transport` sets TLS, the bearer-token interceptor and the message size limit (default: plaintext).
     """
@@ -178,43 +185,27 @@ class FrontendServer:
     def __init__(self, llm: AsyncLLM, address: str, *, transport: ServerTransport = ServerTransport()) -> None:
         self.llm = llm
         self.server = transport.server(*llm.telemetry.server_interceptors())
-        self.health = health_aio.HealthServicer()
+        self.health = FrontendHealth(llm)
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(llm), self.server)
         admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(llm), self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        services = (
-            generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name,
-            admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        )
+        self.health.add_to_server(self.server)
+        services = (GENERATION_SERVICE, ADMIN_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                    reflection.SERVICE_NAME)
         reflection.enable_server_reflection(services, self.server)
-        self._services = services[:2]
         self.port = transport.add_port(self.server, address)
         if not self.port:
             raise OSError(f"cannot listen on {address}")
-        self._health_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.server.start()
-        self.llm.engine_client.add_listener(self._schedule_health)
-        await self.update_health()
-
-    def _schedule_health(self) -> None:
-        self._health_task = asyncio.ensure_future(self.update_health())
-
-    async def update_health(self, serving: bool | None = None) -> None:
-        serving = self.llm.engine_client.is_connected if serving is None else serving
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for service in ("", *self._services):
-            await self.health.set(service, status)
+        await self.health.start()
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Drain, then stop: health NOT_SERVING, new requests UNAVAILABLE ("draining") while the server still
         listens, in-flight streams get up to `grace_s` to finish, then whatever is left is cancelled."""
-        deadline = asyncio.get_running_loop().time() + max(grace_s, 0.0)
-        self.llm.engine_client.remove_listener(self._schedule_health)
-        await self.update_health(serving=False)
+        grace_s = max(grace_s, 0.0)
+        deadline = asyncio.get_running_loop().time() + grace_s
+        await self.health.shutdown()
         await self.llm.drain(grace_s)  # sets draining: admits nothing new
         await self.server.stop(max(deadline - asyncio.get_running_loop().time(), 0.0))
         await self.llm.shutdown()

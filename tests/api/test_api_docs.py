@@ -37,7 +37,7 @@ def test_an_undocumented_field_is_an_error(tmp_path):
     protos = tmp_path / "protos"
     shutil.copytree(PROTOS, protos)
     proto = protos / "tandem" / "v1" / "admin.proto"
-    comment = "  // How long to wait for requests in flight, in seconds.\n"
+    comment = "  // How long to wait for requests in flight, in seconds: finite and >= 0 (0 answers at once).\n"
     assert comment in proto.read_text()
     proto.write_text(proto.read_text().replace(comment, ""))
     with pytest.raises(gen_api_docs.Undocumented, match=r"admin.proto: tandem.v1.DrainRequest.timeout_s"):

@@ -13,7 +13,7 @@ from clients.local_stack import free_port
 from tests.clients.conftest import run_cli
 from tests.test_stack import MAX_MODEL_LEN
 
-COMMANDS = ("serve", "generate", "chat", "tokenize", "info", "health", "bench")
+COMMANDS = ("serve", "generate", "chat", "tokenize", "info", "health", "admin", "bench")
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,8 @@ def test_info_and_health(address, live_stack):
     assert info["model"]["maxModelLen"] == MAX_MODEL_LEN
     assert info["server"]["engines"][0]["address"] == live_stack.engine_address
     text = run_cli("info", "--address", address).stdout
-    assert f"max_model_len  {MAX_MODEL_LEN}" in text and "connected" in text
+    assert f"max_model_len  {MAX_MODEL_LEN}" in text and "connected, admitting" in text
+    assert "state          serving" in text  # tests/clients/test_admin.py covers draining, paused and asleep
     health = run_cli("health", "--address", address)
     assert (health.returncode, health.stdout) == (0, "SERVING\n")
     service = run_cli("health", "--service", "tandem.v1.GenerationService", "--address", address)  # as in --help

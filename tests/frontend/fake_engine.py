@@ -50,6 +50,14 @@ class FakeEngine(engine_core_pb2_grpc.EngineCoreServiceServicer):
         self.aborted: list[str] = []
         self.utility_calls: list[engine_core_pb2.UtilityCall] = []
         self.num_connections = 0
+        self._streams: list[tuple[list[engine_core_pb2.EngineState], asyncio.Event]] = []  # open streams' notices
+
+    def announce(self, **state) -> None:
+        """Tell every open stream a new engine state (paused=, pause_mode=, asleep=), as a real engine does
+        after pause, sleep and the like; the fake itself keeps serving whatever it says."""
+        for notices, wake in self._streams:
+            notices.append(engine_core_pb2.EngineState(**state))
+            wake.set()
 
     async def GetEngineInfo(self, request, context):
         return engine_core_pb2.GetEngineInfoResponse(
@@ -62,7 +70,9 @@ class FakeEngine(engine_core_pb2_grpc.EngineCoreServiceServicer):
         self.num_connections += 1
         running: dict[str, _Running] = {}
         results: list[engine_core_pb2.UtilityResult] = []
+        notices: list[engine_core_pb2.EngineState] = []
         wake = asyncio.Event()
+        self._streams.append((notices, wake))
 
         async def read() -> None:
             async for message in request_iterator:
@@ -82,7 +92,7 @@ class FakeEngine(engine_core_pb2_grpc.EngineCoreServiceServicer):
         reader = asyncio.create_task(read())
         try:
             while not reader.done() or running:
-                if not running and not results:
+                if not running and not results and not notices:
                     wake.clear()
                     waiter = asyncio.ensure_future(wake.wait())
                     try:
@@ -93,10 +103,13 @@ class FakeEngine(engine_core_pb2_grpc.EngineCoreServiceServicer):
                 batch = self._step(running)
                 if results:
                     batch.utility_result.CopyFrom(results.pop(0))
+                if notices:
+                    batch.engine_state.CopyFrom(notices.pop(0))
                 yield batch
                 await asyncio.sleep(self.step_delay_s)
         finally:
             reader.cancel()
+            self._streams.remove((notices, wake))
             self.aborted.extend(running)  # closing the stream aborts what was left
 
     def _step(self, running: dict[str, _Running]) -> engine_core_pb2.EngineCoreOutputs:

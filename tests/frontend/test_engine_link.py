@@ -92,6 +92,59 @@ def test_requests_spread_over_engines_least_loaded_first(tokenizer):
     assert loads == [2, 2] and connected and in_flight == 2
 
 
+def test_new_requests_go_around_paused_engines_and_never_to_a_sleeping_one(tokenizer):
+    """Two engines: a paused one gets nothing while the other admits, and requests wait there only when every
+    awake engine is paused; when every engine sleeps a request is UNAVAILABLE (the engines' state, not its fault)."""
+
+    from engine_core.sampling_params import SamplingParams
+    from services.frontend.async_llm import AsyncLLM
+    from services.frontend.engine_client import GrpcEngineClient
+    from services.frontend.errors import EngineAsleep
+    from services.frontend.input_processor import TextPrompt
+    from tests.frontend.fake_engine import start_fake_engine
+
+    async def run():
+        engines = [await start_fake_engine(step_delay_s=0.01, vocab_size=tokenizer.vocab_size) for _ in range(2)]
+        client = GrpcEngineClient([f"127.0.0.1:{port}" for _, port, _ in engines], backoff_initial_s=0.05)
+        await client.start()
+        try:
+            await wait_until(lambda: all(e.connected for e in client.engines()))
+            llm = AsyncLLM(client, tokenizer)
+            (_, _, first), (_, _, second) = engines
+
+            async def tell(engine, index, **state):
+                engine.announce(**state)
+                said = state.get("paused", False), state.get("asleep", False)
+                await wait_until(lambda: (client.engines()[index].state.paused,
+                                          client.engines()[index].state.asleep) == said)
+
+            def add(count: int) -> list[int]:
+                for _ in range(count):
+                    llm.add_request(TextPrompt("hi"), SamplingParams(max_tokens=1000))
+                return [e.num_in_flight for e in client.engines()]
+
+            await tell(first, 0, paused=True, pause_mode=common_pb2.PAUSE_MODE_KEEP)
+            around = add(4), llm.serving
+            await tell(second, 1, asleep=True)
+            held = add(1), llm.serving, llm.not_serving_reason
+            await tell(first, 0, asleep=True)
+            with pytest.raises(EngineAsleep) as refused:
+                add(1)
+            asleep = llm.serving, llm.not_serving_reason, str(refused.value)
+            await tell(first, 0)
+            return around, held, asleep, add(1)
+        finally:
+            await client.close()
+            for server, _, _ in engines:
+                await server.stop(0)
+
+    around, held, asleep, awake = asyncio.run(run())
+    assert around == ([0, 4], True)
+    assert held[:2] == ([1, 4], False) and "paused" in held[2]
+    assert asleep[0] is False and "asleep" in asleep[1] and "tandem admin wake" in asleep[2]
+    assert awake == [2, 4]
+
+
 def test_admin_calls_are_forwarded_as_utility_calls(stack):
     U = engine_core_pb2
 

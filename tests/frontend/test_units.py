@@ -9,15 +9,15 @@ import sys
 import grpc
 import grpc_testing
 import pytest
-from tandem.v1 import common_pb2, generation_pb2
+from tandem.v1 import common_pb2, engine_core_pb2, generation_pb2
 
 from engine_core.sampling_params import OutputKind, SamplingParams, validate_sampling_params
 from services.frontend import convert
 from services.frontend.async_llm import AsyncLLM
-from services.frontend.engine_client import EngineClient
+from services.frontend.engine_client import EngineClient, refusal_error
 from services.frontend.messages import CompletionOutput, FinishReason, RequestOutput, Usage
 from services.frontend.output_processor import RequestOutputCollector
-from services.frontend.server import GenerationServicer
+from services.frontend.server import GenerationServicer, status_for
 
 
 # ---- collector ----------------------------------------------------------------------
@@ -78,7 +78,7 @@ class _NoEngine(EngineClient):
     def abort(self, request_ids): ...
     async def call_utility(self, method, **kwargs): return []
     async def wait_for_engine(self): ...
-    is_connected = False
+    is_connected = admitting = False
     num_in_flight = 0
     engine_info = None
     def engines(self): return []
@@ -136,6 +136,16 @@ def test_detokenize_servicer(generation_server, tokenizer):
 TORCH_FREE_ENGINE_CORE = ("engine_core", "engine_core.gguf_metadata", "engine_core.pooling_params",
                           "engine_core.sampling_params", "engine_core.types", "engine_core.block_hash",
                           "engine_core.tokenizer", "engine_core.structured", "engine_core.structured.grammar")
+
+
+def test_an_engine_refusing_while_asleep_is_unavailable_and_bad_input_stays_invalid_argument():
+    batch = engine_core_pb2.EngineCoreOutputs(errors=[
+        engine_core_pb2.RequestError(request_id="a", message="the engine is asleep until WakeUp",
+                                     kind=engine_core_pb2.REQUEST_ERROR_KIND_ASLEEP),
+        engine_core_pb2.RequestError(request_id="b", message="the prompt is too long")])  # kind unset: bad input
+    asleep, bad = (refusal_error(error) for error in convert.message_from_proto(batch).errors)
+    assert status_for(asleep) == grpc.StatusCode.UNAVAILABLE and "tandem admin wake" in str(asleep)
+    assert status_for(bad) == grpc.StatusCode.INVALID_ARGUMENT and "the prompt is too long" in str(bad)
 
 
 def test_frontend_never_imports_torch():

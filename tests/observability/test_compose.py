@@ -8,6 +8,7 @@ file that is gone). `make test-compose` (tests/compose) builds the images and ru
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 from packaging.requirements import Requirement
+from tandem.v1 import admin_pb2
 
 from services.engine.__main__ import build_parser as engine_parser
 from services.frontend.__main__ import parse_args as frontend_parse_args
@@ -60,12 +62,21 @@ def test_service_commands_parse_with_the_real_flags_and_ports_line_up(services):
     assert engine.otel and frontend.otel and engine.log_format == frontend.log_format == "json"
     for name, args in (("engine", engine), ("frontend", frontend)):
         health = services[name]["healthcheck"]["test"]
-        assert health[1:] == ["python", "/app/docker/healthcheck.py"], "the healthcheck finds the port itself"
-        assert (ROOT / health[-1].removeprefix("/app/")).is_file()
+        assert health[:3] == ["CMD", "python", "/app/docker/healthcheck.py"]
+        assert (ROOT / health[2].removeprefix("/app/")).is_file()
+        assert health[1:] == image_healthcheck(dockerfile(services[name])), f"{name}: compose and image disagree"
+        assert not any(":" in word for word in health), "the healthcheck finds the server's port itself"
         container_argv = ["python3", f"/opt/tandem/bin/tandem-{name}", *services[name]["command"]]
         probed = healthcheck_script.server_port([container_argv])
         assert probed == args.port, f"{name}'s healthcheck probes port {probed}, not {args.port}"
         assert services[name]["restart"] == "unless-stopped", f"a crashed {name} must come back"
+
+
+def image_healthcheck(path: Path) -> list[str]:
+    """The command of a Dockerfile's HEALTHCHECK (its exec form, continuation lines joined)."""
+    text = path.read_text().replace("\\\n", " ")
+    (command,) = re.findall(r"^HEALTHCHECK .*?CMD (\[.*\])$", text, re.MULTILINE)
+    return json.loads(command)
 
 
 def test_traces_flow_from_the_services_through_the_collector_to_jaeger(services):
@@ -161,18 +172,25 @@ def with_dependencies(names: set[str]) -> set[str]:
     return seen
 
 
-def test_the_healthcheck_script_speaks_the_grpc_health_protocol(make_stack):
+def test_the_healthcheck_script_speaks_the_grpc_health_protocol(make_stack, services):
     stack = make_stack()
 
-    async def probe(port: int) -> tuple[int, str]:
+    async def probe(*args: str) -> tuple[int, str]:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, str(ROOT / "docker" / "healthcheck.py"), f"127.0.0.1:{port}",
+            sys.executable, str(ROOT / "docker" / "healthcheck.py"), *args,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         output, _ = await asyncio.wait_for(process.communicate(), 30)
         return process.returncode, output.decode()
 
-    assert stack.run(probe(stack.engine.port)) == (0, f"127.0.0.1:{stack.engine.port}: SERVING\n")
-    assert stack.run(probe(stack.frontend.port))[0] == 0
-    stack.run(stack.frontend.update_health(serving=False))
-    code, output = stack.run(probe(stack.frontend.port))
+    frontend = f"127.0.0.1:{stack.frontend.port}"
+    container_check = [*services["frontend"]["healthcheck"]["test"][3:], frontend]  # compose's flags, our port
+    assert stack.run(probe(f"127.0.0.1:{stack.engine.port}")) == (0, f"127.0.0.1:{stack.engine.port}: SERVING\n")
+    assert stack.run(probe(frontend))[0] == 0 and stack.run(probe(*container_check))[0] == 0
+
+    async def drain():  # the call is made on the stack's loop (the thread may have no current loop)
+        return await stack.admin.Drain(admin_pb2.DrainRequest(timeout_s=0))
+
+    assert stack.run(drain()).ok
+    code, output = stack.run(probe(frontend))  # "": readiness, NOT_SERVING while draining
     assert code == 1 and "NOT_SERVING" in output
+    assert stack.run(probe(*container_check))[0] == 0  # the container's own check does not fail a draining frontend

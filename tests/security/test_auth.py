@@ -112,6 +112,24 @@ def test_admin_calls_need_the_separate_admin_token(locked):
     assert locked.call(lambda: admin.Resume(admin_pb2.ResumeRequest(), metadata=bearer(ADMIN))).ok
 
 
+def test_the_client_sends_its_admin_token_with_operator_calls_only(locked):
+    from clients.async_client import AsyncTandemClient
+    from clients.connection import RetryPolicy
+    from clients.errors import TandemError
+
+    async def run():
+        async with AsyncTandemClient(locked.target, token=API, admin_token=ADMIN, retry=RetryPolicy(0)) as both:
+            resumed, tokens = await both.resume(), await both.tokenize("Hello there")
+        async with AsyncTandemClient(locked.target, token=API, retry=RetryPolicy(0)) as api_only:
+            with pytest.raises(TandemError) as refused:
+                await api_only.resume()
+        return resumed, tokens, refused.value
+
+    resumed, tokens, refused = locked.run(run())
+    assert resumed.ok and len(tokens.token_ids) == 2
+    assert refused.code == grpc.StatusCode.UNAUTHENTICATED and "admin token" in refused.message
+
+
 def test_health_and_reflection_stay_open(locked):
     locked.stubs()
     channel = locked.channels[-1]

@@ -35,7 +35,7 @@ class RecordingEngineClient(EngineClient):
     async def wait_for_engine(self): return self.engine_info
     def abort(self, request_ids): ...
     def engines(self): return []
-    is_connected = True
+    is_connected = admitting = True
     num_in_flight = 0
     engine_info = EngineInfo("fake", "", max_model_len=2048, vocab_size=49152)
 

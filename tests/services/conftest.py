@@ -76,6 +76,8 @@ class Stream:
         self.tokens: dict[str, list[int]] = {}
         self.finish: dict[str, int] = {}  # request id -> proto FinishReason
         self.errors: dict[str, str] = {}
+        self.error_kinds: dict[str, int] = {}  # request id -> proto RequestErrorKind
+        self.states: list[engine_core_pb2.EngineState] = []  # every engine state the stream was told, in order
         self.results: dict[int, engine_core_pb2.UtilityResult] = {}
         self.rpc_error: grpc.RpcError | None = None
         self.ended = False
@@ -102,6 +104,9 @@ class Stream:
                 self.finish[output.request_id] = output.finish_reason
         for error in message.errors:
             self.errors[error.request_id] = error.message
+            self.error_kinds[error.request_id] = error.kind
+        if message.HasField("engine_state"):
+            self.states.append(message.engine_state)
         if message.HasField("utility_result"):
             self.results[message.utility_result.call_id] = message.utility_result
 

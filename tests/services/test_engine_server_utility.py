@@ -93,11 +93,38 @@ def test_sleep_and_wake_up_give_identical_greedy_output(engine_server, connect):
     assert engine_server.server.engine.runner.kv_caches == []
     stream.add("asleep", prompt)
     stream.wait(lambda: "asleep" in stream.errors)
-    assert "engine is asleep; call WakeUp" in stream.errors["asleep"]
+    assert "asleep until WakeUp" in stream.errors["asleep"]
+    assert stream.error_kinds["asleep"] == engine_core_pb2.REQUEST_ERROR_KIND_ASLEEP  # not the request's fault
     assert stream.call(M.UTILITY_METHOD_WAKE_UP).ok
     stream.add("after", prompt, temperature=0.0, max_tokens=8)
     assert stream.wait_finished("after")["after"] == before
     assert_all_blocks_free(stream)
+
+
+def test_every_stream_is_told_the_engine_state_and_a_new_stream_gets_it_first(engine_server, connect):
+    stream, other = connect(engine_server.target), connect(engine_server.target)
+    assert stream.call(M.UTILITY_METHOD_GET_STATS).ok and other.call(M.UTILITY_METHOD_GET_STATS).ok
+    assert stream.states == other.states == []  # an engine that admits says nothing
+
+    call_id = stream.utility(M.UTILITY_METHOD_PAUSE, pause_mode=common_pb2.PAUSE_MODE_KEEP)
+    stream.wait(lambda: stream.results.get(call_id))
+    paused = engine_core_pb2.EngineState(paused=True, pause_mode=common_pb2.PAUSE_MODE_KEEP)
+    assert stream.states == [paused]
+    told = next(i for i, m in enumerate(stream.messages) if m.HasField("engine_state"))
+    answered = next(i for i, m in enumerate(stream.messages) if m.utility_result.call_id == call_id)
+    assert told < answered  # the caller's frontend routes by the new state before Pause returns
+    other.wait(lambda: other.states == [paused])
+
+    assert stream.call(M.UTILITY_METHOD_SLEEP).ok
+    asleep = engine_core_pb2.EngineState(paused=True, pause_mode=common_pb2.PAUSE_MODE_KEEP, asleep=True)
+    late = connect(engine_server.target)
+    late.wait(lambda: late.states)
+    assert late.states == [asleep] and late.messages[0].HasField("engine_state")
+
+    assert stream.call(M.UTILITY_METHOD_WAKE_UP).ok and stream.call(M.UTILITY_METHOD_RESUME).ok
+    for each in (stream, other, late):
+        each.wait(lambda each=each: each.states[-1:] == [engine_core_pb2.EngineState()])
+    assert stream.states == [paused, asleep, paused, engine_core_pb2.EngineState()]
 
 
 def test_profile_writes_a_chrome_trace(engine_server, connect, tmp_path):
