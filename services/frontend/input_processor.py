@@ -60,7 +60,7 @@ class InputProcessor:
         the server's --max-tokens). `pooling`: an embedding request, under the same prompt caps."""
         params = self.validate_sampling(params or SamplingParams())
         token_ids = self.tokenize(prompt)
-        room = self._check_length(len(token_ids))
+        room = self._check_length(len(token_ids), embedding=pooling is not None)
         if params.max_tokens is None and self.limits.max_tokens is not None:
             room = min(room, self.limits.max_tokens)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -124,17 +124,21 @@ class InputProcessor:
                                      f"the vocabulary has ids 0..{self.vocab_size - 1}")
         return token_ids
 
-    def _check_length(self, num_tokens: int) -> int:
-        """The number of tokens left for generation; the prompt must leave at least one."""
+    def _check_length(self, num_tokens: int, *, embedding: bool = False) -> int:
+        """The number of tokens left for generation; the prompt must leave at least one (the engine
+        holds an embedding input to the same length)."""
+        what = "input" if embedding else "prompt"
         if not num_tokens:
-            raise InvalidRequest("prompt is empty after tokenization")
+            raise InvalidRequest(f"{what} is empty after tokenization")
         cap = self.limits.max_prompt_tokens
         if cap is not None and num_tokens > cap:
-            raise InvalidRequest(f"prompt is too long: prompt has {num_tokens} tokens, at most {cap} are allowed "
+            raise InvalidRequest(f"{what} is too long: {what} has {num_tokens} tokens, at most {cap} are allowed "
                                  "(the server's --max-prompt-tokens)")
         if self.max_model_len and num_tokens >= self.max_model_len:
-            raise InvalidRequest(f"prompt is too long: prompt has {num_tokens} tokens, max_model_len is "
-                                 f"{self.max_model_len} (leave room for at least one generated token)")
+            why = (f"an embedding input may have at most {self.max_model_len - 1} tokens" if embedding
+                   else "leave room for at least one generated token")
+            raise InvalidRequest(f"{what} is too long: {what} has {num_tokens} tokens, max_model_len is "
+                                 f"{self.max_model_len} ({why})")
         return (self.max_model_len or 2**31 - 1) - num_tokens
 
 

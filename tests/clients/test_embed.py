@@ -91,6 +91,9 @@ def test_bad_inputs_are_invalid_argument(client):
     assert empty.value.code == grpc.StatusCode.INVALID_ARGUMENT and "inputs is empty" in empty.value.message
     with pytest.raises(TandemError) as too_long:
         client.embed([[5] * MAX_MODEL_LEN])
-    assert too_long.value.code == grpc.StatusCode.INVALID_ARGUMENT and "too long" in too_long.value.message
+    assert too_long.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"input has {MAX_MODEL_LEN} tokens" in too_long.value.message
+    assert f"an embedding input may have at most {MAX_MODEL_LEN - 1} tokens" in too_long.value.message
+    assert "generated" not in too_long.value.message  # embeddings generate nothing
     with pytest.raises(ValueError, match="pooling must be one of last, mean, cls"):
         client.embed("x", pooling="max")
