@@ -15,6 +15,7 @@ const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
 
 const PROTOS = path.resolve(__dirname, '..', '..', 'protos');
+const DEFAULT_MAX_TOKENS = 128;
 
 function usage(exitCode) {
   const text = `usage: node chat.js [options] MESSAGE
@@ -24,7 +25,10 @@ Stream the assistant's answer to MESSAGE from a Tandem frontend (tandem.v1.Gener
 options:
   --address HOST:PORT   the frontend (default: localhost:50051)
   --system TEXT         a system message before MESSAGE
-  --max-tokens N        most tokens to generate (default: 128)
+  --max-tokens N        most tokens to generate; an N the context has no room for
+                        after the prompt is refused unless --clamp-max-tokens
+                        (default: 128, fewer where the context has less room)
+  --clamp-max-tokens    cut --max-tokens to the room the context has left
   --temperature T       0 = greedy (default: the server's, 1.0)
   --seed N              seeded sampling
   --ignore-eos          keep going past end-of-sequence
@@ -44,7 +48,7 @@ options:
 }
 
 function parseArgs(argv) {
-  const args = { address: 'localhost:50051', maxTokens: 128, timeout: 120, messages: [] };
+  const args = { address: 'localhost:50051', timeout: 120, messages: [] };
   const value = (i, flag) => {
     if (i >= argv.length) fail(`${flag} needs a value`);
     return argv[i];
@@ -61,6 +65,7 @@ function parseArgs(argv) {
       case '--address': args.address = value(++i, flag); break;
       case '--system': args.system = value(++i, flag); break;
       case '--max-tokens': args.maxTokens = number(value(++i, flag), flag); break;
+      case '--clamp-max-tokens': args.clampMaxTokens = true; break;
       case '--temperature': args.temperature = number(value(++i, flag), flag); break;
       case '--seed': args.seed = number(value(++i, flag), flag); break;
       case '--ignore-eos': args.ignoreEos = true; break;
@@ -113,7 +118,9 @@ function main() {
   if (args.system) messages.push({ role: 'system', content: args.system });
   messages.push({ role: 'user', content: args.messages[0] });
   // Every sampling scalar is proto3 `optional`: send only what was asked for.
-  const sampling = { max_tokens: args.maxTokens, output_kind: 'OUTPUT_KIND_DELTA' };
+  const sampling = { max_tokens: args.maxTokens ?? DEFAULT_MAX_TOKENS, output_kind: 'OUTPUT_KIND_DELTA' };
+  // A default nobody asked for is cut to the context's room rather than failing the request.
+  if (args.clampMaxTokens || args.maxTokens === undefined) sampling.clamp_max_tokens = true;
   if (args.temperature !== undefined) sampling.temperature = args.temperature;
   if (args.seed !== undefined) sampling.seed = String(args.seed);
   if (args.ignoreEos) sampling.ignore_eos = true;
