@@ -40,7 +40,7 @@ _EXAMPLES = {
     "chat": """examples:
   tandem chat                                   # on a terminal: you> ... assistant> ...
   tandem chat --system "Answer in one sentence." --temperature 0
-  printf 'Hi!\nWhat did I just say?\n' | tandem chat --max-tokens 32   # one turn per line""",
+  printf 'Hi!\\nWhat did I just say?\\n' | tandem chat --max-tokens 32   # one turn per line""",
     "tokenize": """examples:
   tandem tokenize "Hello world"
   tandem tokenize "Hello world" --chat --json    # as the chat template renders a user message

@@ -41,6 +41,12 @@ def test_every_command_has_help_with_examples(capsys):
     assert result.returncode == 0 and all(command in result.stdout for command in COMMANDS)
 
 
+def test_chat_help_example_is_one_shell_line(capsys):
+    with pytest.raises(SystemExit):
+        main(["chat", "--help"])
+    assert "  printf 'Hi!\\nWhat did I just say?\\n' | tandem chat --max-tokens 32" in capsys.readouterr().out
+
+
 def test_help_shows_each_default_once(capsys):
     for command in COMMANDS:
         with pytest.raises(SystemExit):
