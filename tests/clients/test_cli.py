@@ -136,7 +136,8 @@ def test_info_and_health(address, live_stack):
     result = run_cli("info", "--json", "--address", address)
     assert result.returncode == 0, result.stderr
     info = json.loads(result.stdout)
-    assert info["model"]["maxModelLen"] == MAX_MODEL_LEN
+    assert info["model"]["max_model_len"] == MAX_MODEL_LEN  # the proto's names, snake_case as every --json
+    assert "has_chat_template" in info["model"] and "max_waiting_requests" in info["server"]
     assert info["server"]["engines"][0]["address"] == live_stack.engine_address
     text = run_cli("info", "--address", address).stdout
     assert f"max_model_len  {MAX_MODEL_LEN}" in text and "connected" in text
