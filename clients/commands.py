@@ -100,7 +100,7 @@ def embed(args: argparse.Namespace) -> int:
         raise ValueError("give at least one TEXT or --ids to embed")
     with client_from_args(args) as client:
         result = client.embed(inputs, pooling=args.pooling, normalize=not args.no_normalize)
-    print(json.dumps({"request_id": result.request_id, "embeddings": [list(v) for v in result.vectors],
+    print(json.dumps({"request_id": result.request_id, "embeddings": [list(v) for v in result.embeddings],
                       "num_prompt_tokens": list(result.num_prompt_tokens),
                       "usage": {"prompt_tokens": result.usage.prompt_tokens,
                                 "cached_tokens": result.usage.cached_tokens}}))
