@@ -5,6 +5,7 @@
 //   node chat.js "What is the capital of France?"
 //   node chat.js --address localhost:50051 --max-tokens 64 --temperature 0 --system "Be brief." "Hi!"
 //   node chat.js --tls-ca ca.pem --address tandem.example:443 "Hi!"
+//   node chat.js --tls-ca ca.crt --tls-server-name tandem-frontend --address localhost:50051 "Hi!"
 //   node chat.js --json-schema person.schema.json "Describe a person as JSON."
 //   node chat.js --choice yes --choice no "Is water wet?"
 'use strict';
@@ -40,6 +41,10 @@ options:
   --whitespace-flexible JSON with free whitespace (default: compact)
   --timeout S           deadline in seconds (default: 120)
   --tls-ca PEM          use TLS, verifying the server with this CA
+  --tls-server-name NAME
+                        the name the server's certificate must carry, when it is
+                        not the host in --address (turns TLS on; system CAs
+                        unless --tls-ca)
   --token-file PATH     send 'authorization: Bearer <token>' (default: $TANDEM_API_TOKEN)
   -h, --help            this text
 `;
@@ -69,15 +74,16 @@ function parseArgs(argv) {
       case '--temperature': args.temperature = number(value(++i, flag), flag); break;
       case '--seed': args.seed = number(value(++i, flag), flag); break;
       case '--ignore-eos': args.ignoreEos = true; break;
-      case '--json-schema': constrain(args, 'json_schema', fs.readFileSync(value(++i, flag), 'utf8')); break;
+      case '--json-schema': constrain(args, 'json_schema', readText(value(++i, flag), flag)); break;
       case '--json-object': constrain(args, 'json_object', true); break;
       case '--regex': constrain(args, 'regex', value(++i, flag)); break;
       case '--choice': constrain(args, 'choice', { options: [...(args.choice ? args.choice.options : []), value(++i, flag)] }); break;
-      case '--grammar': constrain(args, 'grammar', fs.readFileSync(value(++i, flag), 'utf8')); break;
+      case '--grammar': constrain(args, 'grammar', readText(value(++i, flag), flag)); break;
       case '--whitespace-flexible': args.whitespaceFlexible = true; break;
       case '--timeout': args.timeout = number(value(++i, flag), flag); break;
-      case '--tls-ca': args.tlsCa = value(++i, flag); break;
-      case '--token-file': args.tokenFile = value(++i, flag); break;
+      case '--tls-ca': args.tlsCa = readText(value(++i, flag), flag); break;
+      case '--tls-server-name': args.tlsServerName = value(++i, flag); break;
+      case '--token-file': args.token = readText(value(++i, flag), flag).split('\n')[0].trim(); break;
       default:
         if (flag.startsWith('--')) fail(`unknown flag ${flag} (see --help)`);
         args.messages.push(flag);
@@ -92,6 +98,16 @@ function constrain(args, kind, value) {
   if (args.constraint && args.constraint !== kind) fail(`give at most one of --json-schema, --json-object, --regex, --choice, --grammar`);
   args.constraint = kind;
   args[kind] = value;
+}
+
+// A file a flag names, or a one-line error (not a stack trace) and exit 2.
+function readText(file, flag) {
+  try {
+    return fs.readFileSync(file, 'utf8');
+  } catch (error) {
+    const reason = error.message.replace(/^[A-Z]+: /, '').replace(/, \w+ '.*'$/, '');  // "no such file or directory"
+    return fail(`${flag}: cannot read ${file} (${reason})`);
+  }
 }
 
 function fail(message) {
@@ -109,10 +125,13 @@ function loadGenerationService() {
 function main() {
   const args = parseArgs(process.argv.slice(2));
   const GenerationService = loadGenerationService();
-  const credentials = args.tlsCa
-    ? grpc.credentials.createSsl(fs.readFileSync(args.tlsCa))
+  // As the Python CLI: any TLS flag turns TLS on; without --tls-ca the system's CAs verify the server.
+  const tls = args.tlsCa !== undefined || args.tlsServerName !== undefined;
+  const credentials = tls
+    ? grpc.credentials.createSsl(args.tlsCa === undefined ? null : Buffer.from(args.tlsCa))
     : grpc.credentials.createInsecure();
-  const client = new GenerationService(args.address, credentials);
+  const options = args.tlsServerName ? { 'grpc.ssl_target_name_override': args.tlsServerName } : {};
+  const client = new GenerationService(args.address, credentials, options);
 
   const messages = [];
   if (args.system) messages.push({ role: 'system', content: args.system });
@@ -129,8 +148,7 @@ function main() {
   }
 
   const metadata = new grpc.Metadata();
-  const token = args.tokenFile ? fs.readFileSync(args.tokenFile, 'utf8').split('\n')[0].trim()
-    : (process.env.TANDEM_API_TOKEN || '').trim();
+  const token = args.token !== undefined ? args.token : (process.env.TANDEM_API_TOKEN || '').trim();
   if (token) metadata.set('authorization', `Bearer ${token}`);
 
   const deadline = new Date(Date.now() + args.timeout * 1000);

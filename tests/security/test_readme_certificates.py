@@ -3,6 +3,7 @@ as tests/security/pki.py makes them, and the services and clients speak (mutual)
 
 from __future__ import annotations
 
+import asyncio
 import re
 import shutil
 import subprocess
@@ -18,7 +19,8 @@ from services.security.tls import server_credentials
 from services.security.transport import ServerTransport
 from tests.security.conftest import tls_client
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+REPO = Path(__file__).resolve().parents[2]
+README, CHAT_JS = REPO / "README.md", REPO / "clients" / "node" / "chat.js"
 LEAVES = {  # name -> (DNS names, extended key usages), as the recipe's `leaf` lines ask
     "tandem-engine": ({"tandem-engine"}, {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}),
     "tandem-frontend-client": ({"tandem-frontend"}, {ExtendedKeyUsageOID.CLIENT_AUTH}),
@@ -82,3 +84,25 @@ def test_the_services_speak_mutual_tls_with_them(make_engine, make_frontend, cer
     reply = frontend.call(lambda: stub.Tokenize(generation_pb2.TokenizeRequest(text="Hello there"), timeout=10))
     assert len(reply.token_ids) == 2
 
+
+def test_the_node_client_reaches_the_frontend_by_its_certificate_name(make_frontend, certificates):
+    """The README's `node clients/node/chat.js --tls-ca ca.crt --tls-server-name tandem-frontend`: the
+    certificate names tandem-frontend only, so the address alone does not verify."""
+    node = shutil.which("node")
+    if node is None or not (CHAT_JS.parent / "node_modules" / "@grpc" / "grpc-js").is_dir():
+        pytest.skip("node, or clients/node's packages (make install runs npm ci), are not installed")
+    frontend = make_frontend(ServerTransport(credentials=server_credentials(
+        str(certificates / "tandem-frontend.crt"), str(certificates / "tandem-frontend.key"))))
+
+    async def chat(*flags: str) -> tuple[int, str, str]:
+        process = await asyncio.create_subprocess_exec(
+            node, str(CHAT_JS), "--address", frontend.target.replace("127.0.0.1", "localhost"), "--tls-ca", str(certificates / "ca.crt"),
+            "--max-tokens", "4", "--timeout", "20", *flags, "Hi!",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await process.communicate()  # the frontend's loop serves meanwhile
+        return process.returncode, out.decode(), err.decode()
+
+    code, out, err = frontend.run(chat("--tls-server-name", "tandem-frontend"))
+    assert (code, err) == (0, "") and out.strip(), err
+    code, _, err = frontend.run(chat())
+    assert code == 1 and "tandem-node: UNAVAILABLE" in err and "does not match certificate" in err, err
