@@ -6,7 +6,7 @@
 //   node chat.js --address localhost:50051 --max-tokens 64 --temperature 0 --system "Be brief." "Hi!"
 //   node chat.js --tls-ca ca.pem --address tandem.example:443 "Hi!"
 //   node chat.js --tls-ca ca.crt --tls-server-name tandem-frontend --address localhost:50051 "Hi!"
-//   node chat.js --json-schema person.schema.json "Describe a person as JSON."
+//   node chat.js --json-schema ../../docs/examples/person.schema.json "Describe a person as JSON."
 //   node chat.js --choice yes --choice no "Is water wet?"
 'use strict';
 
