@@ -66,7 +66,8 @@ def test_embeddings_alongside_generation_change_no_token(client):
     thread.join(60)
     assert beside == alone
     for result in results[1:]:  # batched differently each time (other kernels per batch size): close, not bitwise
-        torch.testing.assert_close(torch.tensor(result.embeddings), torch.tensor(results[0].embeddings), atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(result.embeddings), torch.tensor(results[0].embeddings),
+                                   atol=1e-5, rtol=0)
 
 
 def test_async_client_and_cli_agree_with_the_sync_client(client, live_stack):
@@ -76,12 +77,14 @@ def test_async_client_and_cli_agree_with_the_sync_client(client, live_stack):
         async with AsyncTandemClient(live_stack.frontend_address, timeout=60) as async_client:
             return await async_client.embed("Hello world", pooling="last")
 
-    torch.testing.assert_close(torch.tensor(run_async(main()).embeddings), torch.tensor(sync.embeddings), atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.tensor(run_async(main()).embeddings), torch.tensor(sync.embeddings),
+                               atol=1e-5, rtol=0)
     done = run_cli("embed", "Hello world", "--address", live_stack.frontend_address)
     assert done.returncode == 0, done.stderr
     printed = json.loads(done.stdout)
     assert len(printed["embeddings"]) == 1 and printed["usage"]["prompt_tokens"] == sync.usage.prompt_tokens
-    torch.testing.assert_close(torch.tensor(printed["embeddings"][0]), torch.tensor(sync.embeddings[0]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.tensor(printed["embeddings"][0]), torch.tensor(sync.embeddings[0]),
+                               atol=1e-5, rtol=0)
     assert abs(torch.tensor(sync.embeddings[0]).norm().item() - 1.0) < 1e-5
 
 

@@ -96,8 +96,8 @@ def test_the_node_client_reaches_the_frontend_by_its_certificate_name(make_front
 
     async def chat(*flags: str) -> tuple[int, str, str]:
         process = await asyncio.create_subprocess_exec(
-            node, str(CHAT_JS), "--address", frontend.target.replace("127.0.0.1", "localhost"), "--tls-ca", str(certificates / "ca.crt"),
-            "--max-tokens", "4", "--timeout", "20", *flags, "Hi!",
+            node, str(CHAT_JS), "--address", frontend.target.replace("127.0.0.1", "localhost"),
+            "--tls-ca", str(certificates / "ca.crt"), "--max-tokens", "4", "--timeout", "20", *flags, "Hi!",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         out, err = await process.communicate()  # the frontend's loop serves meanwhile
         return process.returncode, out.decode(), err.decode()
