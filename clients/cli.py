@@ -36,12 +36,12 @@ _EXAMPLES = {
   tandem generate --token-ids 1,4093,198 --max-tokens 8 --json
   tandem generate "A haiku about gRPC:" --n 3 --temperature 0.8 --max-tokens 32   # three samples, labelled
   tandem generate "Tell a story" --stop "The end" --seed 7 --address gpu-box:50051 --tls-ca ca.pem
-  tandem generate "A user profile as JSON:" --json-schema person.schema.json --max-tokens 128
+  tandem generate "A user profile as JSON:" --json-schema docs/examples/person.schema.json --max-tokens 128
   tandem generate "Is gRPC fast? Answer:" --choice yes --choice no""",
     "chat": """examples:
   tandem chat                                   # on a terminal: you> ... assistant> ...
   tandem chat --system "Answer in one sentence." --temperature 0
-  printf 'Hi!\nWhat did I just say?\n' | tandem chat --max-tokens 32   # one turn per line""",
+  printf 'Hi!\\nWhat did I just say?\\n' | tandem chat --max-tokens 32   # one turn per line""",
     "tokenize": """examples:
   tandem tokenize "Hello world"
   tandem tokenize "Hello world" --chat --json    # as the chat template renders a user message

@@ -10,6 +10,7 @@ from clients.connection import DEFAULT_ADDRESS, RetryPolicy, TlsConfig
 
 TOKEN_ENV = "TANDEM_API_TOKEN"
 ADMIN_TOKEN_ENV = "TANDEM_ADMIN_TOKEN"
+DEFAULT_MAX_TOKENS = 256  # when --max-tokens is not given
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -53,7 +54,12 @@ def sampling_parent() -> argparse.ArgumentParser:
     """A parent parser with the common sampling flags (all optional: the server applies its defaults)."""
     parent = argparse.ArgumentParser(add_help=False)
     group = parent.add_argument_group("sampling (unset flags get the server's defaults)")
-    group.add_argument("--max-tokens", type=int, default=256, metavar="N", help="most tokens to generate")
+    group.add_argument("--max-tokens", type=int, metavar="N",
+                       help=f"most tokens to generate; an N the context has no room for after the prompt is refused "
+                            f"unless --clamp-max-tokens (default: {DEFAULT_MAX_TOKENS}, fewer where the context has "
+                            f"less room)")
+    group.add_argument("--clamp-max-tokens", action="store_true", default=None,
+                       help="cut --max-tokens to the room the context has left instead of failing")
     group.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (server default 1.0)")
     group.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling, (0, 1]")
     group.add_argument("--top-k", type=int, metavar="K", help="sample from the K most likely tokens")
@@ -77,8 +83,10 @@ def sampling_parent() -> argparse.ArgumentParser:
 def sampling_from_args(args: argparse.Namespace) -> dict:
     """Sampling keywords for the client from the flags (the files of --json-schema and --grammar read)."""
     names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "repetition_penalty",
-             "ignore_eos", "json_object", "regex", "choice", "whitespace_flexible")
+             "ignore_eos", "clamp_max_tokens", "json_object", "regex", "choice", "whitespace_flexible")
     sampling = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    if "max_tokens" not in sampling:  # a default nobody asked for must not fail a long conversation
+        sampling.update(max_tokens=DEFAULT_MAX_TOKENS, clamp_max_tokens=True)
     kinds = ("json_schema", "json_object", "regex", "choice", "grammar")
     constraints = [f"--{name.replace('_', '-')}" for name in kinds if getattr(args, name, None) is not None]
     if len(constraints) > 1:

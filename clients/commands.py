@@ -101,7 +101,7 @@ def embed(args: argparse.Namespace) -> int:
         raise ValueError("give at least one TEXT or --ids to embed")
     with client_from_args(args) as client:
         result = client.embed(inputs, pooling=args.pooling, normalize=not args.no_normalize)
-    print(json.dumps({"request_id": result.request_id, "embeddings": [list(v) for v in result.vectors],
+    print(json.dumps({"request_id": result.request_id, "embeddings": [list(v) for v in result.embeddings],
                       "num_prompt_tokens": list(result.num_prompt_tokens),
                       "usage": {"prompt_tokens": result.usage.prompt_tokens,
                                 "cached_tokens": result.usage.cached_tokens}}))
@@ -112,8 +112,7 @@ def info(args: argparse.Namespace) -> int:
     with client_from_args(args) as client:
         model, server = client.model_info(), client.server_info()
     if args.json:
-        print(json.dumps({"model": MessageToDict(model, always_print_fields_with_no_presence=True),
-                          "server": MessageToDict(server, always_print_fields_with_no_presence=True)}, indent=2))
+        print(json.dumps({"model": _as_json(model), "server": _as_json(server)}, indent=2))
         return 0
     print(f"model          {model.model_name}  ({model.model_path})")
     print(f"max_model_len  {model.max_model_len}")
@@ -126,6 +125,11 @@ def info(args: argparse.Namespace) -> int:
         state = f"connected, {engine_state(engine)}" if engine.connected else "DISCONNECTED"
         print(f"engine         {engine.address}  {state}, {engine.num_in_flight} in flight")
     return 0
+
+
+def _as_json(message) -> dict:
+    """A response as JSON with the proto's own snake_case field names, as every other --json prints."""
+    return MessageToDict(message, always_print_fields_with_no_presence=True, preserving_proto_field_name=True)
 
 
 def health(args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ class Embeddings:
     """Embed's answer: one vector per input, in input order."""
 
     request_id: str
-    vectors: tuple[tuple[float, ...], ...]
+    embeddings: tuple[tuple[float, ...], ...]  # as EmbedResponse.embeddings
     num_prompt_tokens: tuple[int, ...]
     usage: Usage
 

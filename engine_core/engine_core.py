@@ -210,9 +210,10 @@ class EngineCore:
         if num_tokens == 0:
             raise ValueError("the prompt is empty: give at least one token")
         if num_tokens >= self.max_model_len:
+            what, why = ("input", "to be embedded") if request.pooling else ("prompt", "so one can be generated")
             raise ValueError(
-                f"the prompt has {num_tokens} tokens but max_model_len is {self.max_model_len}: "
-                f"shorten it to at most {self.max_model_len - 1} tokens so one can be generated"
+                f"the {what} has {num_tokens} tokens but max_model_len is {self.max_model_len}: "
+                f"shorten it to at most {self.max_model_len - 1} tokens {why}"
             )
         vocab_size = self.arch.vocab_size
         bad = next((t for t in request.prompt_token_ids if not 0 <= t < vocab_size), None)

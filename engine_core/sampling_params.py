@@ -110,6 +110,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     output_kind: OutputKind = OutputKind.DELTA
     structured: StructuredOutput | None = None  # constrain the output (None: free text)
+    clamp_max_tokens: bool = False  # max_tokens beyond the context's room: cut to it (else refused)
 
     def __post_init__(self) -> None:
         """Normalise containers (never validates: that is validate_sampling_params' job)."""

@@ -1,11 +1,11 @@
 """Tandem's C++ CPU kernels (kernels/csrc/*.cpp), built on first use with torch's extension tooling.
 
-`load()` compiles the sources once per (sources, flags, torch version, CPU) into
+`load()` compiles the sources once per (sources, flags, torch version, CPU) and checkout into
 `~/.cache/tandem/torch_extensions/` (`TANDEM_CACHE_DIR` moves it) and registers their ops
-under `torch.ops.tandem`; later loads reuse the built library in well under a second. The
-sources use only torch's stable C ABI (no pybind11, no ATen headers), so a cold build takes
-a few seconds. The library is built for the CPU it runs on (`-march=native`, or
-`TANDEM_CPU_ARCH`), which is why the CPU's feature flags are part of the cache key.
+under `torch.ops.tandem`; later loads reuse the built library in well under a second. A cold
+build takes tens of seconds and is logged before it starts. The library is built for the CPU
+it runs on (`-march=native`, or `TANDEM_CPU_ARCH`), which is why the CPU's feature flags are
+part of the cache key.
 
 Nothing requires it: `load()` returns False and logs why when there is no C++ compiler or the
 build fails, and callers keep the pure-torch path (kernels/reference.py, the torch layers).
@@ -19,6 +19,8 @@ import logging
 import os
 import platform
 import shutil
+import sysconfig
+import time
 from pathlib import Path
 
 import torch
@@ -93,6 +95,20 @@ def build_name() -> str:
     return f"tandem_cpu_kernels_{digest.hexdigest()[:16]}"
 
 
+def build_location() -> str:
+    """The absolute paths torch's tooling writes into build.ninja: the sources' folder, torch's
+    headers and libraries, Python's headers. ninja rebuilds every object when they change, so two
+    checkouts (each with its own venv) sharing a build folder rebuilt it whenever the other had
+    used it last; each location gets its own folder instead."""
+    return "\n".join((str(SOURCE_DIR), str(Path(torch.__file__).resolve().parent), sysconfig.get_paths()["include"]))
+
+
+def build_dir() -> Path:
+    """One folder per library and location: `<build_name()>_<digest of build_location()>`."""
+    location = hashlib.sha256(build_location().encode()).hexdigest()[:8]
+    return cache_dir() / f"{build_name()}_{location}"
+
+
 @functools.cache
 def load() -> bool:
     """Build (first time) and load the kernels; True when `torch.ops.tandem` is ready."""
@@ -104,16 +120,21 @@ def load() -> bool:
         return False
     from torch.utils import cpp_extension
 
-    name = build_name()
-    build_dir = cache_dir() / name
+    name, folder = build_name(), build_dir()
+    building = not (folder / f"{name}.so").exists()
+    if building:  # the first load for these sources in this checkout: say why the start is slow
+        logger.info("building the C++ CPU kernels into %s (once per checkout and source change; "
+                    "takes tens of seconds)", folder)
+    started = time.perf_counter()
     try:
-        build_dir.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
             name=name, sources=[str(SOURCE_DIR / s) for s in SOURCES], extra_cflags=cflags(),
-            build_directory=str(build_dir), is_python_module=False, verbose=False,
+            build_directory=str(folder), is_python_module=False, verbose=False,
         )
     except Exception as error:  # a broken toolchain must never stop the engine
         logger.warning("building the C++ CPU kernels failed, falling back to pure torch: %s", error)
         return False
-    logger.info("C++ CPU kernels ready (%s)", build_dir)
+    built = f", built in {time.perf_counter() - started:.0f} s" if building else ""
+    logger.info("C++ CPU kernels ready (%s%s)", folder, built)
     return True

@@ -5,7 +5,8 @@
 //   node chat.js "What is the capital of France?"
 //   node chat.js --address localhost:50051 --max-tokens 64 --temperature 0 --system "Be brief." "Hi!"
 //   node chat.js --tls-ca ca.pem --address tandem.example:443 "Hi!"
-//   node chat.js --json-schema person.schema.json "Describe a person as JSON."
+//   node chat.js --tls-ca ca.crt --tls-server-name tandem-frontend --address localhost:50051 "Hi!"
+//   node chat.js --json-schema ../../docs/examples/person.schema.json "Describe a person as JSON."
 //   node chat.js --choice yes --choice no "Is water wet?"
 'use strict';
 
@@ -15,6 +16,7 @@ const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
 
 const PROTOS = path.resolve(__dirname, '..', '..', 'protos');
+const DEFAULT_MAX_TOKENS = 128;
 
 function usage(exitCode) {
   const text = `usage: node chat.js [options] MESSAGE
@@ -24,7 +26,10 @@ Stream the assistant's answer to MESSAGE from a Tandem frontend (tandem.v1.Gener
 options:
   --address HOST:PORT   the frontend (default: localhost:50051)
   --system TEXT         a system message before MESSAGE
-  --max-tokens N        most tokens to generate (default: 128)
+  --max-tokens N        most tokens to generate; an N the context has no room for
+                        after the prompt is refused unless --clamp-max-tokens
+                        (default: 128, fewer where the context has less room)
+  --clamp-max-tokens    cut --max-tokens to the room the context has left
   --temperature T       0 = greedy (default: the server's, 1.0)
   --seed N              seeded sampling
   --ignore-eos          keep going past end-of-sequence
@@ -36,6 +41,10 @@ options:
   --whitespace-flexible JSON with free whitespace (default: compact)
   --timeout S           deadline in seconds (default: 120)
   --tls-ca PEM          use TLS, verifying the server with this CA
+  --tls-server-name NAME
+                        the name the server's certificate must carry, when it is
+                        not the host in --address (turns TLS on; system CAs
+                        unless --tls-ca)
   --token-file PATH     send 'authorization: Bearer <token>' (default: $TANDEM_API_TOKEN)
   -h, --help            this text
 `;
@@ -44,7 +53,7 @@ options:
 }
 
 function parseArgs(argv) {
-  const args = { address: 'localhost:50051', maxTokens: 128, timeout: 120, messages: [] };
+  const args = { address: 'localhost:50051', timeout: 120, messages: [] };
   const value = (i, flag) => {
     if (i >= argv.length) fail(`${flag} needs a value`);
     return argv[i];
@@ -61,18 +70,20 @@ function parseArgs(argv) {
       case '--address': args.address = value(++i, flag); break;
       case '--system': args.system = value(++i, flag); break;
       case '--max-tokens': args.maxTokens = number(value(++i, flag), flag); break;
+      case '--clamp-max-tokens': args.clampMaxTokens = true; break;
       case '--temperature': args.temperature = number(value(++i, flag), flag); break;
       case '--seed': args.seed = number(value(++i, flag), flag); break;
       case '--ignore-eos': args.ignoreEos = true; break;
-      case '--json-schema': constrain(args, 'json_schema', fs.readFileSync(value(++i, flag), 'utf8')); break;
+      case '--json-schema': constrain(args, 'json_schema', readText(value(++i, flag), flag)); break;
       case '--json-object': constrain(args, 'json_object', true); break;
       case '--regex': constrain(args, 'regex', value(++i, flag)); break;
       case '--choice': constrain(args, 'choice', { options: [...(args.choice ? args.choice.options : []), value(++i, flag)] }); break;
-      case '--grammar': constrain(args, 'grammar', fs.readFileSync(value(++i, flag), 'utf8')); break;
+      case '--grammar': constrain(args, 'grammar', readText(value(++i, flag), flag)); break;
       case '--whitespace-flexible': args.whitespaceFlexible = true; break;
       case '--timeout': args.timeout = number(value(++i, flag), flag); break;
-      case '--tls-ca': args.tlsCa = value(++i, flag); break;
-      case '--token-file': args.tokenFile = value(++i, flag); break;
+      case '--tls-ca': args.tlsCa = readText(value(++i, flag), flag); break;
+      case '--tls-server-name': args.tlsServerName = value(++i, flag); break;
+      case '--token-file': args.token = readText(value(++i, flag), flag).split('\n')[0].trim(); break;
       default:
         if (flag.startsWith('--')) fail(`unknown flag ${flag} (see --help)`);
         args.messages.push(flag);
@@ -87,6 +98,16 @@ function constrain(args, kind, value) {
   if (args.constraint && args.constraint !== kind) fail(`give at most one of --json-schema, --json-object, --regex, --choice, --grammar`);
   args.constraint = kind;
   args[kind] = value;
+}
+
+// A file a flag names, or a one-line error (not a stack trace) and exit 2.
+function readText(file, flag) {
+  try {
+    return fs.readFileSync(file, 'utf8');
+  } catch (error) {
+    const reason = error.message.replace(/^[A-Z]+: /, '').replace(/, \w+ '.*'$/, '');  // "no such file or directory"
+    return fail(`${flag}: cannot read ${file} (${reason})`);
+  }
 }
 
 function fail(message) {
@@ -104,16 +125,21 @@ function loadGenerationService() {
 function main() {
   const args = parseArgs(process.argv.slice(2));
   const GenerationService = loadGenerationService();
-  const credentials = args.tlsCa
-    ? grpc.credentials.createSsl(fs.readFileSync(args.tlsCa))
+  // As the Python CLI: any TLS flag turns TLS on; without --tls-ca the system's CAs verify the server.
+  const tls = args.tlsCa !== undefined || args.tlsServerName !== undefined;
+  const credentials = tls
+    ? grpc.credentials.createSsl(args.tlsCa === undefined ? null : Buffer.from(args.tlsCa))
     : grpc.credentials.createInsecure();
-  const client = new GenerationService(args.address, credentials);
+  const options = args.tlsServerName ? { 'grpc.ssl_target_name_override': args.tlsServerName } : {};
+  const client = new GenerationService(args.address, credentials, options);
 
   const messages = [];
   if (args.system) messages.push({ role: 'system', content: args.system });
   messages.push({ role: 'user', content: args.messages[0] });
   // Every sampling scalar is proto3 `optional`: send only what was asked for.
-  const sampling = { max_tokens: args.maxTokens, output_kind: 'OUTPUT_KIND_DELTA' };
+  const sampling = { max_tokens: args.maxTokens ?? DEFAULT_MAX_TOKENS, output_kind: 'OUTPUT_KIND_DELTA' };
+  // A default nobody asked for is cut to the context's room rather than failing the request.
+  if (args.clampMaxTokens || args.maxTokens === undefined) sampling.clamp_max_tokens = true;
   if (args.temperature !== undefined) sampling.temperature = args.temperature;
   if (args.seed !== undefined) sampling.seed = String(args.seed);
   if (args.ignoreEos) sampling.ignore_eos = true;
@@ -122,8 +148,7 @@ function main() {
   }
 
   const metadata = new grpc.Metadata();
-  const token = args.tokenFile ? fs.readFileSync(args.tokenFile, 'utf8').split('\n')[0].trim()
-    : (process.env.TANDEM_API_TOKEN || '').trim();
+  const token = args.token !== undefined ? args.token : (process.env.TANDEM_API_TOKEN || '').trim();
   if (token) metadata.set('authorization', `Bearer ${token}`);
 
   const deadline = new Date(Date.now() + args.timeout * 1000);

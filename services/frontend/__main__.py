@@ -54,7 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokenizer", metavar="PATH",
                         help="a .gguf file or a Hugging Face folder with tokenizer.json "
                              "(default: the model path the engine reports)")
-    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default: %(default)s, this machine only: plaintext without a "
+                             "token is for loopback; 0.0.0.0 for all interfaces, with --tls-cert and "
+                             "--api-token-file beyond a trusted network)")
     parser.add_argument("--port", type=int, default=50051, help="port to listen on (default: %(default)s)")
     parser.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
                         help="engine requests in flight before new ones get RESOURCE_EXHAUSTED "

@@ -60,7 +60,9 @@ class InputProcessor:
         the server's --max-tokens). `pooling`: an embedding request, under the same prompt caps."""
         params = self.validate_sampling(params or SamplingParams())
         token_ids = self.tokenize(prompt)
-        room = self._check_length(len(token_ids))
+        room = self._check_length(len(token_ids), embedding=pooling is not None)
+        if pooling is None:
+            self._check_max_tokens(params, len(token_ids), room)
         if params.max_tokens is None and self.limits.max_tokens is not None:
             room = min(room, self.limits.max_tokens)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -124,18 +126,34 @@ class InputProcessor:
                                      f"the vocabulary has ids 0..{self.vocab_size - 1}")
         return token_ids
 
-    def _check_length(self, num_tokens: int) -> int:
-        """The number of tokens left for generation; the prompt must leave at least one."""
+    def _check_length(self, num_tokens: int, *, embedding: bool = False) -> int:
+        """The number of tokens left for generation; the prompt must leave at least one (the engine
+        holds an embedding input to the same length)."""
+        what = "input" if embedding else "prompt"
         if not num_tokens:
-            raise InvalidRequest("prompt is empty after tokenization")
+            raise InvalidRequest(f"{what} is empty after tokenization")
         cap = self.limits.max_prompt_tokens
         if cap is not None and num_tokens > cap:
-            raise InvalidRequest(f"prompt is too long: prompt has {num_tokens} tokens, at most {cap} are allowed "
+            raise InvalidRequest(f"{what} is too long: {what} has {num_tokens} tokens, at most {cap} are allowed "
                                  "(the server's --max-prompt-tokens)")
         if self.max_model_len and num_tokens >= self.max_model_len:
-            raise InvalidRequest(f"prompt is too long: prompt has {num_tokens} tokens, max_model_len is "
-                                 f"{self.max_model_len} (leave room for at least one generated token)")
+            why = (f"an embedding input may have at most {self.max_model_len - 1} tokens" if embedding
+                   else "leave room for at least one generated token")
+            raise InvalidRequest(f"{what} is too long: {what} has {num_tokens} tokens, max_model_len is "
+                                 f"{self.max_model_len} ({why})")
         return (self.max_model_len or 2**31 - 1) - num_tokens
+
+    def _check_max_tokens(self, params: SamplingParams, num_prompt_tokens: int, room: int) -> None:
+        """A max_tokens the context has no room for is refused, not silently cut, unless the request
+        asks for that with clamp_max_tokens (as vLLM's and OpenAI's APIs refuse it)."""
+        if not self.max_model_len or params.max_tokens is None or params.max_tokens <= room or params.clamp_max_tokens:
+            return
+        raise InvalidRequest(
+            f"sampling_params.max_tokens is too large: this model's maximum context length is {self.max_model_len} "
+            f"tokens and the prompt has {num_prompt_tokens}, so at most {room} can be generated; you requested "
+            f"{params.max_tokens} ({num_prompt_tokens} + {params.max_tokens} > {self.max_model_len}). Lower "
+            "max_tokens, leave it unset (up to the room left) or set sampling_params.clamp_max_tokens to cut it "
+            "to the room left")
 
 
 def new_request_id() -> str:

@@ -41,6 +41,12 @@ def test_every_command_has_help_with_examples(capsys):
     assert result.returncode == 0 and all(command in result.stdout for command in COMMANDS)
 
 
+def test_chat_help_example_is_one_shell_line(capsys):
+    with pytest.raises(SystemExit):
+        main(["chat", "--help"])
+    assert "  printf 'Hi!\\nWhat did I just say?\\n' | tandem chat --max-tokens 32" in capsys.readouterr().out
+
+
 def test_help_shows_each_default_once(capsys):
     for command in COMMANDS:
         with pytest.raises(SystemExit):
@@ -87,6 +93,19 @@ def test_generate_json_from_token_ids(address, client):
     assert messages[-1]["finish_reason"] == "length" and messages[-1]["usage"]["prompt_tokens"] == len(ids)
 
 
+def test_max_tokens_the_context_has_no_room_for_fails_unless_clamped(address):
+    prompt = ",".join(["42"] * (MAX_MODEL_LEN - 3))  # room for 3 generated tokens
+    common = ("generate", "--token-ids", prompt, "--temperature", "0", "--ignore-eos", "--json", "--address", address)
+    refused = run_cli(*common, "--max-tokens", "50")
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert refused.stderr.startswith("tandem: INVALID_ARGUMENT: sampling_params.max_tokens is too large")
+    assert f"maximum context length is {MAX_MODEL_LEN} tokens and the prompt has {MAX_MODEL_LEN - 3}" in refused.stderr
+    for cut in (run_cli(*common, "--max-tokens", "50", "--clamp-max-tokens"), run_cli(*common)):  # the default: cut
+        assert cut.returncode == 0, cut.stderr
+        messages = [json.loads(line) for line in cut.stdout.splitlines()]
+        assert sum(len(m["token_ids"]) for m in messages) == 3 and messages[-1]["finish_reason"] == "length"
+
+
 def test_chat_from_piped_stdin_keeps_the_history(address, client):
     sampling = {"temperature": 0, "max_tokens": 10, "ignore_eos": True}
     result = run_cli("chat", "--temperature", "0", "--max-tokens", "10", "--ignore-eos", "--system", "Be nice.",
@@ -117,7 +136,8 @@ def test_info_and_health(address, live_stack):
     result = run_cli("info", "--json", "--address", address)
     assert result.returncode == 0, result.stderr
     info = json.loads(result.stdout)
-    assert info["model"]["maxModelLen"] == MAX_MODEL_LEN
+    assert info["model"]["max_model_len"] == MAX_MODEL_LEN  # the proto's names, snake_case as every --json
+    assert "has_chat_template" in info["model"] and "max_waiting_requests" in info["server"]
     assert info["server"]["engines"][0]["address"] == live_stack.engine_address
     text = run_cli("info", "--address", address).stdout
     assert f"max_model_len  {MAX_MODEL_LEN}" in text and "connected, admitting" in text

@@ -48,7 +48,7 @@ def test_embeddings_equal_transformers_pooled_the_same_way(client, hf_model, poo
     result = client.embed([texts[0], list(ids[1]), texts[1]], pooling=pooling, normalize=normalize)
     assert result.num_prompt_tokens == (len(ids[0]), len(ids[1]), len(ids[1]))
     assert result.usage.prompt_tokens == sum(result.num_prompt_tokens) and result.usage.completion_tokens == 0
-    for vector, tokens in zip(result.vectors, [ids[0], ids[1], ids[1]]):
+    for vector, tokens in zip(result.embeddings, [ids[0], ids[1], ids[1]]):
         expected = pooled(hf_model, tokens, pooling, normalize)
         torch.testing.assert_close(torch.tensor(vector), expected, atol=1e-4, rtol=0)
 
@@ -66,7 +66,8 @@ def test_embeddings_alongside_generation_change_no_token(client):
     thread.join(60)
     assert beside == alone
     for result in results[1:]:  # batched differently each time (other kernels per batch size): close, not bitwise
-        torch.testing.assert_close(torch.tensor(result.vectors), torch.tensor(results[0].vectors), atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(result.embeddings), torch.tensor(results[0].embeddings),
+                                   atol=1e-5, rtol=0)
 
 
 def test_async_client_and_cli_agree_with_the_sync_client(client, live_stack):
@@ -76,13 +77,15 @@ def test_async_client_and_cli_agree_with_the_sync_client(client, live_stack):
         async with AsyncTandemClient(live_stack.frontend_address, timeout=60) as async_client:
             return await async_client.embed("Hello world", pooling="last")
 
-    torch.testing.assert_close(torch.tensor(run_async(main()).vectors), torch.tensor(sync.vectors), atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.tensor(run_async(main()).embeddings), torch.tensor(sync.embeddings),
+                               atol=1e-5, rtol=0)
     done = run_cli("embed", "Hello world", "--address", live_stack.frontend_address)
     assert done.returncode == 0, done.stderr
     printed = json.loads(done.stdout)
     assert len(printed["embeddings"]) == 1 and printed["usage"]["prompt_tokens"] == sync.usage.prompt_tokens
-    torch.testing.assert_close(torch.tensor(printed["embeddings"][0]), torch.tensor(sync.vectors[0]), atol=1e-5, rtol=0)
-    assert abs(torch.tensor(sync.vectors[0]).norm().item() - 1.0) < 1e-5
+    torch.testing.assert_close(torch.tensor(printed["embeddings"][0]), torch.tensor(sync.embeddings[0]),
+                               atol=1e-5, rtol=0)
+    assert abs(torch.tensor(sync.embeddings[0]).norm().item() - 1.0) < 1e-5
 
 
 def test_bad_inputs_are_invalid_argument(client):
@@ -91,6 +94,9 @@ def test_bad_inputs_are_invalid_argument(client):
     assert empty.value.code == grpc.StatusCode.INVALID_ARGUMENT and "inputs is empty" in empty.value.message
     with pytest.raises(TandemError) as too_long:
         client.embed([[5] * MAX_MODEL_LEN])
-    assert too_long.value.code == grpc.StatusCode.INVALID_ARGUMENT and "too long" in too_long.value.message
+    assert too_long.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"input has {MAX_MODEL_LEN} tokens" in too_long.value.message
+    assert f"an embedding input may have at most {MAX_MODEL_LEN - 1} tokens" in too_long.value.message
+    assert "generated" not in too_long.value.message  # embeddings generate nothing
     with pytest.raises(ValueError, match="pooling must be one of last, mean, cls"):
         client.embed("x", pooling="max")

@@ -45,3 +45,10 @@ def test_node_prints_the_status_of_a_bad_request(node, live_stack):
     result = node_chat(node, "--address", live_stack.frontend_address, "--temperature", "-1", "hi")
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.startswith("tandem-node: INVALID_ARGUMENT: sampling_params.temperature")
+
+
+def test_node_names_an_unreadable_file_in_one_line(node, tmp_path):
+    for flag in ("--json-schema", "--grammar", "--tls-ca", "--token-file"):
+        result = node_chat(node, flag, str(tmp_path / "missing"), "hi")
+        assert result.returncode == 2, result.stderr
+        assert result.stderr == f"tandem-node: {flag}: cannot read {tmp_path / 'missing'} (no such file or directory)\n"

@@ -1,10 +1,14 @@
 """A client that knows no protos, as grpcurl: it learns every type from server reflection. It runs the
-README's plaintext grpcurl examples against a live stack, and checks the health service names."""
+README's plaintext `buf curl` examples against a live stack (and with buf itself where `make install` put it),
+and checks the health service names."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
+import subprocess
+from urllib.parse import urlsplit
 
 import grpc
 import pytest
@@ -42,11 +46,11 @@ class ReflectionClient:
         return method, [json_format.MessageToDict(r) for r in responses]
 
 
-def readme_grpcurl_commands() -> list[list[str]]:
-    """Every `grpcurl -plaintext ...` command in README.md's code blocks, split as a shell would."""
+def readme_buf_curl_commands() -> list[list[str]]:
+    """Every plaintext `buf curl ... http://...` command in README.md's code blocks, split as a shell would."""
     commands, pending = [], ""
     for line in (REPO / "README.md").read_text().splitlines():
-        if not pending and not line.startswith("grpcurl"):
+        if not pending and not line.startswith("buf curl"):
             continue
         if line.endswith("\\"):  # continued on the next line
             pending += line[:-1] + " "
@@ -56,28 +60,38 @@ def readme_grpcurl_commands() -> list[list[str]]:
             words = shlex.split(pending, comments=True)
         except ValueError:  # a quoted payload goes on over the next line
             continue
-        if "-plaintext" in words:
+        if any(word.startswith("http://") for word in words):
             commands.append(words)
         pending = ""
     return commands
 
 
 def parse(words: list[str]) -> tuple[str, list[tuple[str, str]], str]:
-    """(payload, metadata, SERVICE/METHOD or list) of one grpcurl command."""
-    payload, metadata, positional, i = "{}", [], [], 1
+    """(payload, metadata, SERVICE/METHOD or list) of one buf curl command."""
+    payload, metadata, target, i = "{}", [], None, 2
+    assert words[:2] == ["buf", "curl"], words
     while i < len(words):
-        if words[i] == "-d":
+        word = words[i]
+        if word in ("-d", "--data"):
             payload, i = words[i + 1], i + 2
-        elif words[i] == "-H":
+        elif word in ("-H", "--header"):
             key, value = words[i + 1].split(":", 1)
             metadata.append((key.strip().lower(), value.strip()))
             i += 2
-        else:
-            positional.append(words[i])
+        elif word == "--protocol":
+            assert words[i + 1] == "grpc", words  # buf curl's default is Connect, which the servers do not speak
+            i += 2
+        elif word in ("--list-services", "--list-methods"):
+            target, i = "list", i + 1
+        elif word == "--http2-prior-knowledge":  # plaintext gRPC needs HTTP/2 from the start
             i += 1
-    positional.remove("-plaintext")
-    assert positional[0] == README_ADDRESS, positional
-    return payload, metadata, positional[1]
+        else:
+            url = urlsplit(word)
+            assert (url.scheme, url.netloc) == ("http", README_ADDRESS), word
+            target = target or url.path.lstrip("/")
+            i += 1
+    assert "--http2-prior-knowledge" in words, words
+    return payload, metadata, target
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +100,8 @@ def reflection(live_stack):
         yield ReflectionClient(channel)
 
 
-def test_the_readme_grpcurl_examples_run_from_reflection_alone(reflection):
-    commands = [parse(words) for words in readme_grpcurl_commands()]
+def test_the_readme_buf_curl_examples_run_from_reflection_alone(reflection):
+    commands = [parse(words) for words in readme_buf_curl_commands()]
     assert len(commands) >= 3 and any(target == "list" for _, _, target in commands), commands
     for payload, metadata, target in commands:
         if target == "list":
@@ -100,6 +114,25 @@ def test_the_readme_grpcurl_examples_run_from_reflection_alone(reflection):
         assert method.output_type.full_name == f"tandem.v1.{method.name}Response"  # one response type per RPC
         assert responses[-1]["usage"]["completionTokens"] > 0, responses[-1]
         assert responses[-1]["completions"][0]["finishReason"] in ("FINISH_REASON_STOP", "FINISH_REASON_LENGTH")
+
+
+def test_the_readme_buf_curl_examples_run_as_written(live_stack):
+    buf = REPO / "clients" / "node" / "node_modules" / ".bin" / "buf"
+    if not buf.exists():
+        pytest.skip("buf is not installed: make install runs npm ci in clients/node (needs npm)")
+    for words in readme_buf_curl_commands():
+        words = [w.replace(f"http://{README_ADDRESS}", f"http://{live_stack.frontend_address}") for w in words]
+        result = subprocess.run([str(buf), *words[1:]], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, (words, result.stderr)
+        if "--list-services" in words:
+            assert "tandem.v1.GenerationService" in result.stdout.split()
+            continue
+        decoder, text, messages = json.JSONDecoder(), result.stdout.strip(), []
+        while text:  # one JSON document per streamed message
+            message, end = decoder.raw_decode(text)
+            messages.append(message)
+            text = text[end:].strip()
+        assert messages[-1]["completions"][0]["finishReason"] in ("FINISH_REASON_STOP", "FINISH_REASON_LENGTH")
 
 
 def test_unary_and_admin_calls_from_reflection(reflection):

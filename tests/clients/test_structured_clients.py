@@ -16,6 +16,9 @@ from tests.clients.conftest import REPO, run_async, run_cli
 from tests.structured.schemas import CHOICES, PHONE_REGEX, SCHEMAS, check_json, check_regex
 
 
+SHIPPED_SCHEMA = REPO / "docs" / "examples" / "person.schema.json"  # what the README's examples pass
+
+
 def finished_texts(chunks) -> dict[int, tuple[str, str]]:
     texts, reasons = {}, {}
     for chunk in chunks:
@@ -58,13 +61,15 @@ def test_cli_flags(live_stack, tmp_path):
                      "--address", address)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() in ("left", "right")
-    schema_file = tmp_path / "person.schema.json"
-    schema_file.write_text(json.dumps(SCHEMAS["person"]))
-    result = run_cli("generate", "A person:", "--json-schema", str(schema_file), "--temperature", "0.7", "--seed", "3",
-                     "--max-tokens", "150", "--address", address)
-    assert result.returncode == 0, result.stderr
-    if "finish: stop" in result.stderr:  # "finish: length" may cut the structure short
-        check_json(result.stdout.strip(), SCHEMAS["person"])
+    for schema_file in (tmp_path / "person.schema.json", SHIPPED_SCHEMA):  # the README's example file too
+        if schema_file != SHIPPED_SCHEMA:
+            schema_file.write_text(json.dumps(SCHEMAS["person"]))
+        schema = json.loads(schema_file.read_text())
+        result = run_cli("generate", "A person:", "--json-schema", str(schema_file), "--temperature", "0.7",
+                         "--seed", "3", "--max-tokens", "150", "--address", address)
+        assert result.returncode == 0, result.stderr
+        if "finish: stop" in result.stderr:  # "finish: length" may cut the structure short
+            check_json(result.stdout.strip(), schema)
     result = run_cli("generate", "x", "--grammar", str(tmp_path / "missing.lark"), "--address", address)
     assert result.returncode == 1 and "--grammar: cannot read" in result.stderr
 

@@ -111,3 +111,13 @@ def test_mean_pooling_survives_preemption(folder, hf_model):
     assert sum(s.num_preemptions for s in stats) > 0
     torch.testing.assert_close(torch.tensor(results["e0"][1]), reference(hf_model, embed[0], pooling),
                                atol=1e-4, rtol=0)
+
+
+def test_an_input_too_long_to_embed_is_refused_without_speaking_of_generation(folder):
+    core = EngineCore(EngineConfig(model=ModelConfig(model=str(folder), dtype="float32", max_model_len=16),
+                                   cache=CacheConfig(block_size=4, num_blocks=16),
+                                   device=DeviceConfig(device="cpu", attention_backend="torch")))
+    pooled = EngineCoreRequest("e", [5] * 16, POOLED, pooling=PoolingParams(PoolingType.MEAN))
+    with pytest.raises(ValueError, match="the input has 16 tokens but max_model_len is 16") as refused:
+        core.validate_request(pooled)
+    assert "generate" not in str(refused.value) and "at most 15 tokens to be embedded" in str(refused.value)

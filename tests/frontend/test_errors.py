@@ -48,6 +48,11 @@ BAD_REQUESTS = [
     (ids([]), "prompt token_ids is empty"),
     (ids([1, 10**7]), "prompt token_ids[1] = 10000000 is out of range"),
     (ids([1] * 2048), "prompt has 2048 tokens, max_model_len is 2048"),
+    # max_tokens beyond the room the prompt leaves is refused with the numbers, never cut silently
+    (generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[1] * 2040),
+                                    sampling_params=SP(max_tokens=50)),
+     "maximum context length is 2048 tokens and the prompt has 2040, so at most 8 can be generated; you requested 50"),
+    (text(SP(max_tokens=2**31 - 1)), "sampling_params.max_tokens is too large"),
 ]
 
 

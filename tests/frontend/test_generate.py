@@ -111,6 +111,15 @@ def test_max_tokens_defaults_to_the_room_left_in_the_context(stack):
     assert sent.sampling_params.output_kind == DELTA and sent.sampling_params.skip_special_tokens
 
 
+def test_max_tokens_up_to_the_room_left_is_kept_and_clamp_max_tokens_cuts_a_larger_one(stack):
+    room = stack.engine.max_model_len - len(stack.tokenizer.encode(PROMPT))
+    for request_id, sampling in (("exact", {"max_tokens": room}),
+                                 ("clamped", {"max_tokens": 2**31 - 1, "clamp_max_tokens": True})):
+        stack.steps[request_id] = [64]
+        stack.run(collect(stack, request(request_id=request_id, **sampling)))
+        assert stack.engine.added[request_id].sampling_params.max_tokens == room, request_id
+
+
 def test_chat_renders_the_models_template(stack):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"}]
     chat = generation_pb2.ChatRequest(request_id="chat", sampling_params=common_pb2.SamplingParams(max_tokens=4),

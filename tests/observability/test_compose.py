@@ -79,6 +79,15 @@ def image_healthcheck(path: Path) -> list[str]:
     return json.loads(command)
 
 
+@pytest.mark.parametrize("name", ["engine", "frontend"])
+def test_each_image_listens_on_every_interface_by_itself(services, name):
+    """Both services default to loopback, which no other container reaches: each image's CMD says 0.0.0.0."""
+    command = re.search(r"^CMD\s+(\[.*\])$", dockerfile(services[name]).read_text(), flags=re.M).group(1)
+    args = yaml.safe_load(command)  # a JSON list
+    parsed = engine_parser().parse_args(args) if name == "engine" else frontend_parse_args(args)
+    assert parsed.host == "0.0.0.0"
+
+
 def test_traces_flow_from_the_services_through_the_collector_to_jaeger(services):
     collector = yaml.safe_load((ROOT / "deploy" / "otel-collector.yaml").read_text())
     grpc_port = int(collector["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].rsplit(":", 1)[1])
