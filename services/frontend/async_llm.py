@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from engine_core.sampling_params import OutputKind, SamplingParams
+from services.frontend.change_listeners import ChangeListeners
 from services.frontend.engine_client import EngineClient
 from services.frontend.errors import DuplicateRequest, EngineUnavailable, InvalidRequest, TooManyRequests
 from services.frontend.input_processor import InputProcessor, Prompt, new_request_id
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 
 
-class AsyncLLM:
+class AsyncLLM(ChangeListeners):
     """Generate text through one or more engine cores."""
 
     def __init__(self, engine_client: EngineClient, tokenizer: TokenizerBundle, *,
@@ -50,7 +51,7 @@ class AsyncLLM:
         self.model_info: EngineInfo | None = None  # the last model an engine reported
         self.draining = False  # set by drain(): no new requests are admitted
         self._output_handler: asyncio.Task | None = None
-        self._listeners: list[Callable[[], None]] = []
+        ChangeListeners.__init__(self)  # notified when `serving` may have changed: engines, their states, a drain
         engine_client.add_listener(self._on_engines_changed)
         self._on_engines_changed()
 
@@ -82,18 +83,6 @@ class AsyncLLM:
     @property
     def serving(self) -> bool:
         return self.not_serving_reason is None
-
-    def add_listener(self, callback: Callable[[], None]) -> None:
-        """`callback()` runs whenever `serving` may have changed: engines came, went, paused, resumed, slept or
-        woke, or a drain began or ended."""
-        self._listeners.append(callback)
-
-    def remove_listener(self, callback: Callable[[], None]) -> None:
-        self._listeners.remove(callback)
-
-    def _notify(self) -> None:
-        for callback in self._listeners:
-            callback()
 
     @property
     def num_in_flight(self) -> int:

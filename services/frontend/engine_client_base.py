@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 
+from services.frontend.change_listeners import ChangeListeners
 from services.frontend.errors import EngineAsleep, InvalidRequest
 from services.frontend.messages import (
     EngineInfo,
@@ -21,12 +21,12 @@ from services.frontend.messages import (
 )
 
 
-class EngineClient(ABC):
+class EngineClient(ChangeListeners, ABC):
     """Adds and aborts engine requests, makes utility calls, and queues engine outputs for `get_output()`."""
 
     def __init__(self) -> None:
         self._outputs: asyncio.Queue[EngineOutputs] = asyncio.Queue()
-        self._listeners: list[Callable[[], None]] = []
+        ChangeListeners.__init__(self)  # notified when an engine connects, disconnects, pauses, resumes, sleeps, wakes
 
     @abstractmethod
     async def start(self) -> None: ...
@@ -77,17 +77,6 @@ class EngineClient(ABC):
 
     def _put_output(self, outputs: EngineOutputs) -> None:
         self._outputs.put_nowait(outputs)
-
-    def add_listener(self, callback: Callable[[], None]) -> None:
-        """`callback()` runs whenever an engine connects, disconnects, or says it paused, resumed, slept or woke."""
-        self._listeners.append(callback)
-
-    def remove_listener(self, callback: Callable[[], None]) -> None:
-        self._listeners.remove(callback)
-
-    def _notify(self) -> None:
-        for callback in self._listeners:
-            callback()
 
 
 def refusal_error(error: RequestError) -> Exception:

@@ -66,7 +66,7 @@ def test_admin_pause_keep_and_resume_show_in_health_and_info(address):
     text = cli("info", address=address).stdout
     assert "state          not serving: every engine is paused or asleep" in text and "paused (keep)" in text
     (engine,) = info_json(address)["engines"]
-    assert (engine["paused"], engine["pauseMode"], engine["asleep"]) == (True, "PAUSE_MODE_KEEP", False)
+    assert (engine["paused"], engine["pause_mode"], engine["asleep"]) == (True, "PAUSE_MODE_KEEP", False)
 
     resumed = cli("admin", "resume", address=address)
     assert resumed.returncode == 0, resumed.stderr
