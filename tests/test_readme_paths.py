@@ -1,4 +1,4 @@
-"""The README points only inside the repository, and the example files its commands use are shipped."""
+"""The README and docs/ point only inside the repository, and the example files their commands use are shipped."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+DOCS = README + (ROOT / "docs" / "structured-output.md").read_text()  # the structured-output examples
 
 
 def test_no_path_leaves_the_repository():
@@ -15,7 +16,7 @@ def test_no_path_leaves_the_repository():
 
 
 def test_the_files_the_examples_pass_exist():
-    files = set(re.findall(r"--(?:json-schema|grammar) (\S+)", README))
-    assert files, "the README's structured-output examples pass a schema file"
+    files = set(re.findall(r"--(?:json-schema|grammar) (\S+)", DOCS))
+    assert files, "the structured-output examples pass a schema file"
     for name in files:
         assert (ROOT / name).is_file(), f"the README passes {name}, which the repository does not ship"
