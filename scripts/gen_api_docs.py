@@ -22,6 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PROTOS = ROOT / "protos"
 DOC = ROOT / "docs" / "api.md"
 FILE_ORDER = ("generation.proto", "admin.proto", "common.proto", "engine_core.proto")  # public first
+# Go stubs, run from the repository's root (the README gives the same command; tests/api/test_go_stubs.py runs it).
+GO_STUBS = ("mkdir -p build/gen/go && protoc -I protos --go_out=build/gen/go --go_opt=paths=source_relative "
+            "--go-grpc_out=build/gen/go --go-grpc_opt=paths=source_relative protos/tandem/v1/*.proto")
 
 # Field numbers of the descriptor paths that SourceCodeInfo locations use.
 MESSAGES, ENUMS, SERVICES = 4, 5, 6  # in FileDescriptorProto
@@ -154,8 +157,8 @@ def render(files: descriptor_pb2.FileDescriptorSet) -> str:
              "`EngineCoreService` is the internal link between a frontend and an engine core. "
              "Every RPC has its own request and response message. "
              "Stubs for other languages: the protos set `go_package`, `java_package` and `csharp_namespace`, so "
-             "`protoc -I protos --go_out=. --go_opt=paths=source_relative --go-grpc_out=. "
-             "--go-grpc_opt=paths=source_relative tandem/v1/*.proto` makes Go stubs, and `make ts-stubs` "
+             f"from the repository's root `{GO_STUBS}` makes Go stubs in `build/gen/go` (protoc with "
+             "protoc-gen-go and protoc-gen-go-grpc on the PATH), and `make ts-stubs` "
              "generates TypeScript (protoc-gen-es, `buf.gen.yaml`) and compiles it with `tsc`.", ""]
     for file in ordered:
         lines += FileDoc(file, missing).render()

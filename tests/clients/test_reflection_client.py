@@ -1,6 +1,6 @@
 """A client that knows no protos, as grpcurl: it learns every type from server reflection. It runs the
-README's plaintext `buf curl` examples against a live stack (and with buf itself where `make install` put it),
-and checks the health service names."""
+plaintext `buf curl` examples of the README and docs/ against a live stack (and with buf itself where
+`make install` put it), and checks the health service names."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from tests.clients.conftest import REPO
 
-README_ADDRESS = "localhost:50051"
+DOCS_ADDRESS = "localhost:50051"  # where the examples find the frontend
+DOC_PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 
 class ReflectionClient:
@@ -46,10 +47,11 @@ class ReflectionClient:
         return method, [json_format.MessageToDict(r) for r in responses]
 
 
-def readme_buf_curl_commands() -> list[list[str]]:
-    """Every plaintext `buf curl ... http://...` command in README.md's code blocks, split as a shell would."""
+def documented_buf_curl_commands() -> list[list[str]]:
+    """Every plaintext `buf curl ... http://...` command in the README's and docs/'s code blocks, split as a
+    shell would."""
     commands, pending = [], ""
-    for line in (REPO / "README.md").read_text().splitlines():
+    for line in (line for page in DOC_PAGES for line in page.read_text().splitlines()):
         if not pending and not line.startswith("buf curl"):
             continue
         if line.endswith("\\"):  # continued on the next line
@@ -87,7 +89,7 @@ def parse(words: list[str]) -> tuple[str, list[tuple[str, str]], str]:
             i += 1
         else:
             url = urlsplit(word)
-            assert (url.scheme, url.netloc) == ("http", README_ADDRESS), word
+            assert (url.scheme, url.netloc) == ("http", DOCS_ADDRESS), word
             target = target or url.path.lstrip("/")
             i += 1
     assert "--http2-prior-knowledge" in words, words
@@ -100,8 +102,8 @@ def reflection(live_stack):
         yield ReflectionClient(channel)
 
 
-def test_the_readme_buf_curl_examples_run_from_reflection_alone(reflection):
-    commands = [parse(words) for words in readme_buf_curl_commands()]
+def test_the_documented_buf_curl_examples_run_from_reflection_alone(reflection):
+    commands = [parse(words) for words in documented_buf_curl_commands()]
     assert len(commands) >= 3 and any(target == "list" for _, _, target in commands), commands
     for payload, metadata, target in commands:
         if target == "list":
@@ -116,12 +118,12 @@ def test_the_readme_buf_curl_examples_run_from_reflection_alone(reflection):
         assert responses[-1]["completions"][0]["finishReason"] in ("FINISH_REASON_STOP", "FINISH_REASON_LENGTH")
 
 
-def test_the_readme_buf_curl_examples_run_as_written(live_stack):
+def test_the_documented_buf_curl_examples_run_as_written(live_stack):
     buf = REPO / "clients" / "node" / "node_modules" / ".bin" / "buf"
     if not buf.exists():
         pytest.skip("buf is not installed: make install runs npm ci in clients/node (needs npm)")
-    for words in readme_buf_curl_commands():
-        words = [w.replace(f"http://{README_ADDRESS}", f"http://{live_stack.frontend_address}") for w in words]
+    for words in documented_buf_curl_commands():
+        words = [w.replace(f"http://{DOCS_ADDRESS}", f"http://{live_stack.frontend_address}") for w in words]
         result = subprocess.run([str(buf), *words[1:]], capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, (words, result.stderr)
         if "--list-services" in words:

@@ -15,8 +15,7 @@ from clients.errors import TandemError
 from tests.clients.conftest import REPO, run_async, run_cli
 from tests.structured.schemas import CHOICES, PHONE_REGEX, SCHEMAS, check_json, check_regex
 
-
-SHIPPED_SCHEMA = REPO / "docs" / "examples" / "person.schema.json"  # what the README's examples pass
+SHIPPED_SCHEMA = REPO / "docs" / "examples" / "person.schema.json"  # what docs/structured-output.md's examples pass
 
 
 def finished_texts(chunks) -> dict[int, tuple[str, str]]:
@@ -61,7 +60,7 @@ def test_cli_flags(live_stack, tmp_path):
                      "--address", address)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() in ("left", "right")
-    for schema_file in (tmp_path / "person.schema.json", SHIPPED_SCHEMA):  # the README's example file too
+    for schema_file in (tmp_path / "person.schema.json", SHIPPED_SCHEMA):  # the docs' example file too
         if schema_file != SHIPPED_SCHEMA:
             schema_file.write_text(json.dumps(SCHEMAS["person"]))
         schema = json.loads(schema_file.read_text())

@@ -13,7 +13,8 @@ import pytest
 
 from tests.deploy.conftest import ENGINE, FRONTEND, ROOT, Rendered, Workload
 
-README_SECTION = "## Kubernetes: from a cluster to a streamed answer"
+DEPLOYMENT_DOC = ROOT / "docs" / "deployment.md"  # the commands a cluster operator runs
+DOC_SECTION = "## Kubernetes: from a cluster to a streamed answer"
 
 
 def selects(selector: dict, labels: dict[str, str]) -> bool:
@@ -110,11 +111,16 @@ def secret_references(rendered: Rendered) -> dict[str, set[str]]:
     return refs
 
 
-def readme_secrets() -> dict[str, set[str]]:
-    """Secret name -> keys, from the `kubectl create secret` commands of the README's Kubernetes section."""
-    text = (ROOT / "README.md").read_text()
-    assert README_SECTION in text
-    section = text.split(README_SECTION, 1)[1].split("\n## ", 1)[0].replace("\\\n", " ")
+def doc_section() -> str:
+    """docs/deployment.md's Kubernetes section, continued lines joined."""
+    text = DEPLOYMENT_DOC.read_text()
+    assert DOC_SECTION in text, f"{DEPLOYMENT_DOC.name} has no section {DOC_SECTION!r}"
+    return text.split(DOC_SECTION, 1)[1].split("\n## ", 1)[0].replace("\\\n", " ")
+
+
+def documented_secrets() -> dict[str, set[str]]:
+    """Secret name -> keys, from the `kubectl create secret` commands of the docs' Kubernetes section."""
+    section = doc_section()
     secrets: dict[str, set[str]] = {}
     for kind, name, rest in re.findall(r"create secret (generic|tls) ([\w.-]+)([^\n]*)", section):
         keys = set(re.findall(r"--from-(?:file|literal)=([\w.-]+)=", rest))
@@ -122,11 +128,11 @@ def readme_secrets() -> dict[str, set[str]]:
     return secrets
 
 
-def test_the_secrets_mounted_are_the_ones_the_readme_creates(rendered):
-    created = readme_secrets()
+def test_the_secrets_mounted_are_the_ones_the_docs_create(rendered):
+    created = documented_secrets()
     for name, keys in secret_references(rendered).items():
-        assert name in created, f"Secret {name} is mounted but the README never creates it"
-        assert keys <= created[name], f"Secret {name}: the README creates no key {sorted(keys - created[name])}"
+        assert name in created, f"Secret {name} is mounted but docs/deployment.md never creates it"
+        assert keys <= created[name], f"Secret {name}: docs/deployment.md creates no key {sorted(keys - created[name])}"
     for workload in workloads(rendered).values():
         assert workload.pod["securityContext"]["fsGroup"]
         for volume in workload.pod["volumes"]:
@@ -135,12 +141,12 @@ def test_the_secrets_mounted_are_the_ones_the_readme_creates(rendered):
                 assert volume["secret"]["defaultMode"] & 0o007 == 0, "Secret files must not be world-readable"
 
 
-def test_the_gpu_overlay_runs_the_cuda_image_the_readme_builds(overlays):
+def test_the_gpu_overlay_runs_the_cuda_image_the_docs_build(overlays):
     if "gpu" not in overlays:
         pytest.fail("deploy/k8s/overlays/gpu is missing")
     dockerfile = (ROOT / "docker" / "engine.Dockerfile").read_text()
     assert re.search(r"^ARG TORCH_INDEX=", dockerfile, flags=re.M)
-    section = (ROOT / "README.md").read_text().split(README_SECTION, 1)[1]
+    section = doc_section()
     built = dict(re.findall(r"--build-arg TORCH_INDEX=(\S+) -t \S*?tandem-engine:(\S+)", section))
     images = {name: rendered.engine.container["image"] for name, rendered in overlays.items()}
     gpu_tag = images["gpu"].rsplit(":", 1)[1]

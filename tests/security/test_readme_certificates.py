@@ -1,5 +1,5 @@
-"""The README's OpenSSL recipe (Kubernetes, step 5) makes a CA and leaf certificates that are not CAs,
-as tests/security/pki.py makes them, and the services and clients speak (mutual) TLS with them."""
+"""The OpenSSL recipe of docs/deployment.md (Kubernetes, step 5) makes a CA and leaf certificates that are not
+CAs, as tests/security/pki.py makes them, and the services and clients speak (mutual) TLS with them."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from services.security.transport import ServerTransport
 from tests.security.conftest import tls_client
 
 REPO = Path(__file__).resolve().parents[2]
-README, CHAT_JS = REPO / "README.md", REPO / "clients" / "node" / "chat.js"
+DOC, CHAT_JS = REPO / "docs" / "deployment.md", REPO / "clients" / "node" / "chat.js"
 LEAVES = {  # name -> (DNS names, extended key usages), as the recipe's `leaf` lines ask
     "tandem-engine": ({"tandem-engine"}, {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}),
     "tandem-frontend-client": ({"tandem-frontend"}, {ExtendedKeyUsageOID.CLIENT_AUTH}),
@@ -28,9 +28,11 @@ LEAVES = {  # name -> (DNS names, extended key usages), as the recipe's `leaf` l
 }
 
 
-def readme_recipe() -> str:
-    """The openssl lines of the README's certificate block: from the CA's `openssl req` to the last `leaf`."""
-    block = next(b for b in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S) if "leaf()" in b)
+def documented_recipe() -> str:
+    """The openssl lines of the docs' certificate block: from the CA's `openssl req` to the last `leaf`."""
+    blocks = [b for b in re.findall(r"```bash\n(.*?)```", DOC.read_text(), flags=re.S) if "leaf()" in b]
+    assert len(blocks) == 1, f"{DOC.name} should hold one certificate recipe (a block defining leaf())"
+    block = blocks[0]
     lines = block.splitlines()
     last_leaf = max(i for i, line in enumerate(lines) if line.startswith("leaf "))
     return "\n".join(lines[:last_leaf + 1]) + "\n"
@@ -39,9 +41,9 @@ def readme_recipe() -> str:
 @pytest.fixture(scope="module")
 def certificates(tmp_path_factory) -> Path:
     if shutil.which("openssl") is None or shutil.which("bash") is None:
-        pytest.skip("the README's recipe needs openssl and bash")
-    folder = tmp_path_factory.mktemp("readme-pki")
-    subprocess.run(["bash", "-euo", "pipefail", "-c", readme_recipe()], cwd=folder, check=True, capture_output=True)
+        pytest.skip("the documented recipe needs openssl and bash")
+    folder = tmp_path_factory.mktemp("documented-pki")
+    subprocess.run(["bash", "-euo", "pipefail", "-c", documented_recipe()], cwd=folder, check=True, capture_output=True)
     return folder
 
 
@@ -86,7 +88,7 @@ def test_the_services_speak_mutual_tls_with_them(make_engine, make_frontend, cer
 
 
 def test_the_node_client_reaches_the_frontend_by_its_certificate_name(make_frontend, certificates):
-    """The README's `node clients/node/chat.js --tls-ca ca.crt --tls-server-name tandem-frontend`: the
+    """The docs' `node clients/node/chat.js --tls-ca ca.crt --tls-server-name tandem-frontend`: the
     certificate names tandem-frontend only, so the address alone does not verify."""
     node = shutil.which("node")
     if node is None or not (CHAT_JS.parent / "node_modules" / "@grpc" / "grpc-js").is_dir():
