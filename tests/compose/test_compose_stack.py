@@ -203,7 +203,8 @@ def test_a_killed_engine_fails_the_stream_at_once_and_comes_back(stack):
     def stream() -> None:
         try:
             with TandemClient(stack.address, timeout=300, retry=NO_RETRY) as client:
-                for _ in client.generate("Once upon a time", max_tokens=4000, ignore_eos=True, temperature=0.0):
+                # long enough to be cut mid-stream, within the stand-in's --max-model-len 2048
+                for _ in client.generate("Once upon a time", max_tokens=1500, ignore_eos=True, temperature=0.0):
                     first_token.set()
         except TandemError as error:
             outcome["code"], outcome["message"], outcome["at"] = error.code, error.message, time.monotonic()
@@ -212,7 +213,8 @@ def test_a_killed_engine_fails_the_stream_at_once_and_comes_back(stack):
 
     reader = threading.Thread(target=stream)
     reader.start()
-    assert first_token.wait(120), "the stream did not start"
+    wait_for(lambda: first_token.is_set() or not reader.is_alive(), "the stream's first token", timeout=120)
+    assert first_token.is_set(), f"the stream did not start: {outcome}"
     killed_at = time.monotonic()
     os.kill(before["State"]["Pid"], signal.SIGKILL)  # a crash, not `docker stop`: the restart policy applies
     reader.join(60)
