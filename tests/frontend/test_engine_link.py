@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -18,6 +19,25 @@ SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Health
 def req(request_id="", max_tokens=1000) -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(request_id=request_id, text="hello engine",
                                           sampling_params=common_pb2.SamplingParams(max_tokens=max_tokens))
+
+
+@contextlib.asynccontextmanager
+async def two_engines(tokenizer):
+    """Two fake engines, one GrpcEngineClient connected to both, an AsyncLLM over it: (engines, client, llm)."""
+    from services.frontend.async_llm import AsyncLLM
+    from services.frontend.engine_client import GrpcEngineClient
+    from tests.frontend.fake_engine import start_fake_engine
+
+    engines = [await start_fake_engine(step_delay_s=0.01, vocab_size=tokenizer.vocab_size) for _ in range(2)]
+    client = GrpcEngineClient([f"127.0.0.1:{port}" for _, port, _ in engines], backoff_initial_s=0.05)
+    await client.start()
+    try:
+        await wait_until(lambda: all(e.connected for e in client.engines()))
+        yield engines, client, AsyncLLM(client, tokenizer)
+    finally:
+        await client.close()
+        for server, _, _ in engines:
+            await server.stop(0)
 
 
 async def wait_for_health(stack, status) -> None:
@@ -65,28 +85,16 @@ def test_requests_spread_over_engines_least_loaded_first(tokenizer):
     """Two engines: requests alternate by load; losing one leaves the other serving."""
 
     from engine_core.sampling_params import SamplingParams
-    from services.frontend.async_llm import AsyncLLM
-    from services.frontend.engine_client import GrpcEngineClient
     from services.frontend.input_processor import TextPrompt
-    from tests.frontend.fake_engine import start_fake_engine
 
     async def run():
-        engines = [await start_fake_engine(step_delay_s=0.01, vocab_size=tokenizer.vocab_size) for _ in range(2)]
-        client = GrpcEngineClient([f"127.0.0.1:{port}" for _, port, _ in engines], backoff_initial_s=0.05)
-        await client.start()
-        try:
-            await wait_until(lambda: all(e.connected for e in client.engines()))
-            llm = AsyncLLM(client, tokenizer)
+        async with two_engines(tokenizer) as (engines, client, llm):
             for i in range(4):
                 llm.add_request(TextPrompt("hi"), SamplingParams(max_tokens=1000), f"r{i}")
             loads = [e.num_in_flight for e in client.engines()]
             await engines[0][0].stop(0)
             await wait_until(lambda: not client.engines()[0].connected)
             return loads, client.is_connected, client.num_in_flight
-        finally:
-            await client.close()
-            for server, _, _ in engines:
-                await server.stop(0)
 
     loads, connected, in_flight = asyncio.run(run())
     assert loads == [2, 2] and connected and in_flight == 2
@@ -97,19 +105,11 @@ def test_new_requests_go_around_paused_engines_and_never_to_a_sleeping_one(token
     awake engine is paused; when every engine sleeps a request is UNAVAILABLE (the engines' state, not its fault)."""
 
     from engine_core.sampling_params import SamplingParams
-    from services.frontend.async_llm import AsyncLLM
-    from services.frontend.engine_client import GrpcEngineClient
     from services.frontend.errors import EngineAsleep
     from services.frontend.input_processor import TextPrompt
-    from tests.frontend.fake_engine import start_fake_engine
 
     async def run():
-        engines = [await start_fake_engine(step_delay_s=0.01, vocab_size=tokenizer.vocab_size) for _ in range(2)]
-        client = GrpcEngineClient([f"127.0.0.1:{port}" for _, port, _ in engines], backoff_initial_s=0.05)
-        await client.start()
-        try:
-            await wait_until(lambda: all(e.connected for e in client.engines()))
-            llm = AsyncLLM(client, tokenizer)
+        async with two_engines(tokenizer) as (engines, client, llm):
             (_, _, first), (_, _, second) = engines
 
             async def tell(engine, index, **state):
@@ -133,10 +133,6 @@ def test_new_requests_go_around_paused_engines_and_never_to_a_sleeping_one(token
             asleep = llm.serving, llm.not_serving_reason, str(refused.value)
             await tell(first, 0)
             return around, held, asleep, add(1)
-        finally:
-            await client.close()
-            for server, _, _ in engines:
-                await server.stop(0)
 
     around, held, asleep, awake = asyncio.run(run())
     assert around == ([0, 4], True)
