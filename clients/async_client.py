@@ -19,12 +19,7 @@ from clients import messages as wire
 from clients.admin import AdminResult
 from clients.client import Metadata
 from clients.connection import (
-    DEFAULT_ADDRESS,
-    RetryPolicy,
-    TlsConfig,
-    bearer_metadata,
-    call_metadata,
-    open_aio_channel,
+    DEFAULT_ADDRESS, RetryPolicy, TlsConfig, bearer_metadata, call_metadata, open_aio_channel,
 )
 from clients.errors import TandemError
 from clients.messages import GenerateChunk, Tokens
@@ -139,16 +134,13 @@ class AsyncTandemClient:
         return await self._operator_call("Drain", timeout, metadata, timeout_s=timeout_s)
 
     async def _operator_call(self, method: str, timeout, metadata, **fields) -> AdminResult:
-        options = self._call_options(timeout, metadata, None, self._admin_metadata)
-        try:
-            reply = await getattr(self._admin, method)(admin.admin_request(method, **fields), **options)
-        except grpc.RpcError as e:
-            raise TandemError.from_rpc_error(e) from None
+        reply = await self._unary(getattr(self._admin, method), admin.admin_request(method, **fields), timeout,
+                                  metadata, None, self._admin_metadata)
         return admin.admin_result(reply)
 
-    async def _unary(self, method, request, timeout, metadata, traceparent):
+    async def _unary(self, method, request, timeout, metadata, traceparent, defaults: tuple | None = None):
         try:
-            return await method(request, **self._call_options(timeout, metadata, traceparent))
+            return await method(request, **self._call_options(timeout, metadata, traceparent, defaults))
         except grpc.RpcError as e:
             raise TandemError.from_rpc_error(e) from None
 

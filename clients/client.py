@@ -29,12 +29,7 @@ from clients import admin
 from clients import messages as wire
 from clients.admin import AdminResult
 from clients.connection import (
-    DEFAULT_ADDRESS,
-    RetryPolicy,
-    TlsConfig,
-    bearer_metadata,
-    call_metadata,
-    open_channel,
+    DEFAULT_ADDRESS, RetryPolicy, TlsConfig, bearer_metadata, call_metadata, open_channel,
 )
 from clients.errors import TandemError
 from clients.messages import GenerateChunk, Tokens
@@ -161,15 +156,13 @@ class TandemClient:
         return self._operator_call("Drain", timeout, metadata, timeout_s=timeout_s)
 
     def _operator_call(self, method: str, timeout, metadata, **fields) -> AdminResult:
-        options = self._call_options(timeout, metadata, None, self._admin_metadata)
-        try:
-            return admin.admin_result(getattr(self._admin, method)(admin.admin_request(method, **fields), **options))
-        except grpc.RpcError as e:
-            raise TandemError.from_rpc_error(e) from None
+        reply = self._unary(getattr(self._admin, method), admin.admin_request(method, **fields), timeout, metadata,
+                            None, self._admin_metadata)
+        return admin.admin_result(reply)
 
-    def _unary(self, method, request, timeout, metadata, traceparent):
+    def _unary(self, method, request, timeout, metadata, traceparent, defaults: tuple | None = None):
         try:
-            return method(request, **self._call_options(timeout, metadata, traceparent))
+            return method(request, **self._call_options(timeout, metadata, traceparent, defaults))
         except grpc.RpcError as e:
             raise TandemError.from_rpc_error(e) from None
 
