@@ -23,6 +23,8 @@ MESSAGE_MODULES = {
     "services/sampling_convert.py",  # the shared types <-> common.proto, for both services
     "services/engine/convert.py",
     "services/frontend/convert.py",
+    "services/frontend/vllm_engine_convert.py",  # vLLM's worker protocol (smg-grpc-proto) <-> the dataclasses
+    "services/frontend/vllm_engine_servicer.py",
     "clients/messages.py",
     "clients/embeddings.py",
     "clients/admin.py",
@@ -38,6 +40,7 @@ WIRING = {
     "services/engine/health.py",
     "services/frontend/health.py",
     "services/frontend/server.py",
+    "services/frontend/vllm_engine_servicer.py",
     "services/frontend/engine_connection.py",
     "clients/client.py",
     "clients/async_client.py",
