@@ -41,7 +41,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.version = version
         self._status_for = status_for  # server.status_for: FrontendError -> grpc.StatusCode
         self.feed = KVEventFeed()
-        llm.engine_client.report_listeners.append(self.feed.on_engine_report)
+        llm.engine_client.add_report_listener(self.feed.on_engine_report)
         self._started = time.time()
         self._last_receive = 0.0
         self._archive: tuple[object, TokenizerArchive] | None = None  # (engine info it was built for, archive)
