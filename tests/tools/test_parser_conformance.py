@@ -71,7 +71,7 @@ def chunkings(text_strategy):
 # ---- any text at all: streaming never disagrees with the whole parse -----------------------------------
 FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool_", "[TOOL_CALLS]", "<|python_tag|>", "{", "}", "[", "]",
              '"name"', '"arguments"', '"parameters"', ":", ",", ";", '"get_weather"', '"search"', '"x"', " ", "\n",
-             "1", "a", "\\", '"', "search(", "get_weather(", "x=", ")", "'", "=", "null"]
+             "1", "a", "\\", '"', '"launch_rockets"', "search(", "get_weather(", "x=", ")", "'", "=", "null"]
 fuzz_text = st.lists(st.sampled_from(FRAGMENTS), max_size=40).map("".join)
 
 
@@ -148,6 +148,10 @@ def test_an_unclosed_call_with_a_name_is_a_call_and_without_one_is_text():
 def test_a_call_to_an_unknown_tool_is_text():
     text = '<tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>'
     assert whole(parsers()["hermes"], text) == (text, [])
+    text = 'x[TOOL_CALLS][{"name": "launch_rockets", "arguments": {}}] y'
+    expected = ('x{"name": "launch_rockets", "arguments": {}} y', [])
+    assert whole(parsers()["mistral"], text) == expected
+    assert stream(parsers()["mistral"](), text, list(range(1, len(text)))) == expected
 
 
 def test_parallel_calls_stay_apart_and_arguments_given_as_a_string_become_an_object():
@@ -176,3 +180,20 @@ def test_arguments_arrive_in_fragments_after_the_name():
 ])
 def test_the_template_picks_the_parser(template, parser):
     assert parser_for_template(template) == parser
+
+
+@pytest.mark.parametrize("parser", sorted(PARSERS))
+@SETTINGS
+@given(data=st.data())
+def test_mangled_output_streams_like_its_whole_parse(parser, data):
+    """Scripted output with fragments spliced in and characters cut out: broken tags, stray quotes."""
+    text, _, _ = data.draw(scripted(parser))
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(0, len(text)))
+        if data.draw(st.booleans()):
+            text = text[:at] + data.draw(st.sampled_from(FRAGMENTS)) + text[at:]
+        else:
+            text = text[:at] + text[at + data.draw(st.integers(1, 3)):]
+    _, cuts = data.draw(chunkings(st.just(text)))
+    factory = parsers()[parser]
+    assert stream(factory(), text, cuts) == whole(factory, text)

@@ -79,6 +79,13 @@ def _read_string(text: str, i: int) -> tuple[str, int | str]:
     return _PARTIAL, ""
 
 
+def _decode_string(literal: str) -> str | None:
+    try:
+        return json.loads(literal)
+    except ValueError:  # a control character or a bad escape in it
+        return None
+
+
 def _expect(text: str, i: int, char: str) -> tuple[str, int]:
     i = skip_whitespace(text, i)
     if i >= len(text):
@@ -91,7 +98,7 @@ def _expect_key(text: str, i: int, keys: tuple[str, ...]) -> tuple[str, int]:
     status, end = _read_string(text, i)
     if status == _PARTIAL:
         return (_PARTIAL, i) if any(f'"{key}"'.startswith(text[i:]) for key in keys) else (_NO, i)
-    if status == _NO or json.loads(text[i:end]) not in keys:
+    if status == _NO or _decode_string(text[i:end]) not in keys:
         return _NO, i
     return _MATCH, end
 
@@ -115,7 +122,9 @@ def streamable_head(text: str, i: int) -> tuple[str, str, int]:
     status, end = _read_string(text, j)
     if status != _MATCH:
         return status, "", 0
-    name = json.loads(text[j:end])
+    name = _decode_string(text[j:end])
+    if name is None:
+        return _NO, "", 0
     for step in (",", ARGUMENT_KEYS, ":", "{"):
         status, end = _expect_key(text, end, step) if isinstance(step, tuple) else _expect(text, end, step)
         if status != _MATCH:

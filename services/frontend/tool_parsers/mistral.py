@@ -41,8 +41,7 @@ class MistralToolParser(ToolParser):
                 end = scan_call_list(text, start, final, self.tool_names, scan)
                 if end is None:
                     return scan
-                if all(isinstance(p, str) for p in scan.pieces[num_pieces:]):  # no call: all of it is text
-                    del scan.pieces[num_pieces:]
+                if len(scan.pieces) == num_pieces:  # not a single element read: the tag is text
                     end = body
             if end == body:
                 scan.pieces.append(text[tag:body])
