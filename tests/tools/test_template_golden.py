@@ -45,8 +45,10 @@ def conversations(draw, calls_per_message: int):
     messages = [{"role": "system", "content": draw(words)}] if draw(st.booleans()) else []
     messages.append({"role": "user", "content": draw(words)})
     if draw(st.booleans()):
-        calls = [{"id": f"call{draw(st.integers(10000, 99999))}", "name": draw(st.sampled_from([t[0] for t in tools])),
-                  "arguments_json": json.dumps(draw(arguments))} for _ in range(draw(st.integers(1, calls_per_message)))]
+        tool_names = st.sampled_from([t[0] for t in tools])
+        count = draw(st.integers(1, calls_per_message))
+        calls = [{"id": f"call{draw(st.integers(10000, 99999))}", "name": draw(tool_names),
+                  "arguments_json": json.dumps(draw(arguments))} for _ in range(count)]
         messages.append({"role": "assistant", "content": "", "tool_calls": calls})
         messages += [{"role": "tool", "content": draw(words), "tool_call_id": c["id"]} for c in calls]
         messages += [{"role": "assistant", "content": draw(words)}, {"role": "user", "content": draw(words)}]
