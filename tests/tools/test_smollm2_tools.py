@@ -96,13 +96,26 @@ def failures(request: generation_pb2.ChatRequest, responses) -> list[str]:
     return problems
 
 
-@settings(max_examples=1, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
-@given(requests=st.lists(cases(), min_size=NUM_TOOL_SETS, max_size=NUM_TOOL_SETS))
-def test_forced_tool_calls_always_parse_and_validate(smollm2_stack, requests):
+def forced_requests(count: int) -> list[generation_pb2.ChatRequest]:
+    """`count` hypothesis examples of cases(), collected (not run one by one) so they can go out together."""
+    requests = []
+
+    @settings(max_examples=count, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(cases())
+    def collect(request):
+        requests.append(request)
+
+    collect()
+    return requests
+
+
+def test_forced_tool_calls_always_parse_and_validate(smollm2_stack):
+    requests = forced_requests(NUM_TOOL_SETS)
+    assert len(requests) >= 200
     results = asyncio.run(call_all(smollm2_stack.frontend_address, requests))
     problems = [f"request {i}: {p}" for i, (r, out) in enumerate(zip(requests, results)) for p in failures(r, out)]
     kinds = {(r.tool_choice.WhichOneof("choice"), r.parallel_tool_calls, r.sampling_params.n,
               r.sampling_params.output_kind) for r in requests}
     assert len(kinds) >= 12, kinds  # every combination of choice, n and output kind is in the run
-    assert not problems, f"{len(problems)} failures:\n" + "\n".join(problems[:20])
+    assert not problems, f"{len(problems)} of {len(requests)} requests failed:\n" + "\n".join(problems[:20])
