@@ -19,7 +19,7 @@ from services.frontend.async_llm import AsyncLLM
 from services.frontend.errors import DuplicateRequest, EngineUnavailable, FrontendError, InvalidRequest, TooManyRequests
 from services.frontend.health import ADMIN_SERVICE, GENERATION_SERVICE, FrontendHealth
 from services.frontend.input_processor import TextPrompt
-from services.frontend.messages import UtilityResult
+from services.frontend.messages import EngineCallResult
 from services.security.transport import ServerTransport
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     async def _forward(self, context, call, response_type):
         """Await the engines' utility results and answer with one `response_type` (ok, detail)."""
         try:
-            results: list[UtilityResult] = await call
+            results: list[EngineCallResult] = await call
         except Exception as e:  # noqa: BLE001
             await _abort(context, e)
         return convert.admin_response(results, response_type)
