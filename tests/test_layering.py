@@ -34,8 +34,10 @@ MESSAGE_MODULES = {
     "services/sampling_convert.py",  # the shared types <-> common.proto, for both services
     "services/engine/convert.py",
     "services/frontend/convert.py",
+    "services/frontend/tool_convert.py",  # the tool-calling fields of Chat (called by convert.py)
     "clients/messages.py",
     "clients/embeddings.py",
+    "clients/tools.py",  # tool calling's typed request and result, like embeddings.py
     "clients/admin.py",
     "services/engine/grpc_service.py",  # servicers (request/response types in signatures, reflection names)
     "services/frontend/server.py",

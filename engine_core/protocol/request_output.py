@@ -21,6 +21,9 @@ class CompletionOutput:
     stop_string: str | None = None
     stop_token_id: int | None = None
     embedding: list[float] | None = None  # an embedding request's vector (its only message)
+    # Chat with tools (the frontend's tool parsers, services/frontend/tool_parsers/; never the engine's):
+    tool_call_deltas: list = field(default_factory=list)  # ToolCallDelta, in DELTA output
+    tool_calls: list = field(default_factory=list)  # ToolCall: so far (CUMULATIVE) or all (the last message)
 
 
 @dataclass
@@ -59,6 +62,8 @@ class RequestOutput:
                 old.logprobs.extend(new.logprobs)
                 old.finish_reason, old.stop_string = new.finish_reason, new.stop_string
                 old.stop_token_id = new.stop_token_id
+                old.tool_call_deltas.extend(new.tool_call_deltas)
+                old.tool_calls = new.tool_calls or old.tool_calls
             else:
                 self.completions[self.completions.index(old)] = new
                 by_index[new.index] = new

@@ -24,6 +24,7 @@ from engine_core.protocol import (
     UtilityMethod,
 )
 from services.frontend.change_listeners import ChangeListeners
+from services.frontend.chat_setup import ChatSetup
 from services.frontend.engine_client import EngineClient
 from services.frontend.errors import DuplicateRequest, EngineUnavailable, InvalidRequest, TooManyRequests
 from services.frontend.input_processor import InputProcessor, Prompt, new_request_id
@@ -45,11 +46,11 @@ class AsyncLLM(ChangeListeners):
                  max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
                  limits: RequestLimits = RequestLimits(),
                  max_unsent_tokens: int = DEFAULT_MAX_UNSENT_TOKENS,
-                 telemetry: FrontendTelemetry | None = None) -> None:
+                 telemetry: FrontendTelemetry | None = None, chat_setup: ChatSetup | None = None) -> None:
         self.engine_client = engine_client
         self.tokenizer = tokenizer
         self.telemetry = telemetry or FrontendTelemetry()  # default: request log lines only
-        self.input_processor = InputProcessor(tokenizer, limits=limits)
+        self.input_processor = InputProcessor(tokenizer, limits=limits, chat_setup=chat_setup)
         self.output_processor = OutputProcessor(tokenizer.tokenizer, max_unsent_tokens, self.telemetry)
         if self.telemetry.metrics is not None:
             self.telemetry.metrics.track_streams(lambda: len(self.output_processor.parents))
@@ -152,8 +153,9 @@ class AsyncLLM(ChangeListeners):
             raise DuplicateRequest(f"request_id {request_id!r} is already in flight; use a new id")
         if not self.engine_client.is_connected:
             raise EngineUnavailable("no engine is connected; it may be starting or down, retry shortly")
+        tool_plan = self.input_processor.plan_tools(prompt, sampling_params)
         request = self.input_processor.process(request_id, prompt, sampling_params, priority=priority,
-                                               trace_headers=trace_headers, pooling=pooling)
+                                               trace_headers=trace_headers, pooling=pooling, tool_plan=tool_plan)
         n = request.sampling_params.n
         in_flight = self.num_in_flight
         if in_flight + n > self.max_waiting_requests:
@@ -162,7 +164,7 @@ class AsyncLLM(ChangeListeners):
         request, stats = self.telemetry.start_request(request)  # its span's context goes into the trace headers
         children = request.fan_out()
         collector = RequestOutputCollector(request.sampling_params.output_kind)
-        self.output_processor.add_request(request.request_id, children, collector, stats)
+        self.output_processor.add_request(request.request_id, children, collector, stats, tool_plan)
         try:
             for child in children:
                 self.engine_client.add_request(child)

@@ -25,6 +25,7 @@ from engine_core.protocol import (
     UtilityResult,
 )
 from services import sampling_convert
+from services.frontend import tool_convert
 from services.frontend.errors import InvalidRequest
 from services.frontend.input_processor import ChatPrompt, Prompt, TextPrompt, TokensPrompt
 from services.frontend.messages import EmbedResult, EngineCallResult, EngineStatus
@@ -48,9 +49,10 @@ def sampling_params_from_proto(proto: common_pb2.SamplingParams | None) -> Sampl
 
 def prompt_from_chat(request: generation_pb2.ChatRequest) -> ChatPrompt:
     return ChatPrompt(
-        messages=[{"role": m.role, "content": m.content} for m in request.messages],
+        messages=[tool_convert.message_from_proto(m) for m in request.messages],
         add_generation_prompt=request.add_generation_prompt if request.HasField("add_generation_prompt") else True,
         continue_final_message=request.continue_final_message,
+        tools=tool_convert.tool_request_from_proto(request),
     )
 
 
@@ -79,6 +81,7 @@ def response_from_output(output: RequestOutput, response_type: type[StreamRespon
     for c in output.completions:
         chunk = response.completions.add(index=c.index, text=c.text, token_ids=c.token_ids,
                                          finish_reason=sampling_convert.finish_reason_to_proto(c.finish_reason))
+        tool_convert.add_tool_calls(chunk, c)
         chunk.logprobs.extend(sampling_convert.logprobs_to_proto(entry) for entry in c.logprobs)
         if c.stop_string is not None:
             chunk.stop_string = c.stop_string

@@ -92,7 +92,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         processor = self.llm.input_processor
         try:
             if request.WhichOneof("input") == "chat":
-                ids = processor.tokenize(convert.prompt_from_chat(request.chat))
+                chat = convert.prompt_from_chat(request.chat)
+                ids = processor.tokenize(chat, processor.plan_tools(chat, None))
             else:
                 add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
                 ids = processor.tokenize(TextPrompt(request.text, add_special_tokens=add_special))
