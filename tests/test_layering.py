@@ -35,6 +35,8 @@ MESSAGE_MODULES = {
     "services/engine/convert.py",
     "services/frontend/convert.py",
     "services/frontend/tool_convert.py",  # the tool-calling fields of Chat (called by convert.py)
+    "services/frontend/vllm_engine_convert.py",  # vLLM's worker protocol (smg-grpc-proto) <-> the dataclasses
+    "services/frontend/vllm_engine_servicer.py",
     "clients/messages.py",
     "clients/embeddings.py",
     "clients/tools.py",  # tool calling's typed request and result, like embeddings.py
@@ -51,6 +53,7 @@ WIRING = {
     "services/engine/health.py",
     "services/frontend/health.py",
     "services/frontend/server.py",
+    "services/frontend/vllm_engine_servicer.py",
     "services/frontend/engine_connection.py",
     "clients/client.py",
     "clients/async_client.py",

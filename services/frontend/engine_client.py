@@ -23,7 +23,9 @@ from engine_core.protocol import (
     EngineCoreRequest,
     EngineInfo,
     EngineState,
+    KVCacheEvents,
     PauseMode,
+    SchedulerStats,
     UtilityCall,
     UtilityMethod,
 )
@@ -249,6 +251,9 @@ class GrpcEngineClient(EngineClient):
         """Utility answers to their callers; refusals and outputs to the output handler; load to the router;
         a new engine state to the listeners (health)."""
         engine.observe(message.scheduler_stats, message.kv_events)
+        if message.scheduler_stats is not None or message.kv_events is not None:
+            for listener in self.report_listeners:
+                listener(engine.address, engine.load.block_size, message.scheduler_stats, message.kv_events)
         if message.engine_state is not None and message.engine_state != engine.state:
             engine.state = message.engine_state
             log.info("engine at %s: %s", engine.address, _describe(engine.state))
@@ -270,6 +275,8 @@ class GrpcEngineClient(EngineClient):
     def _on_lost(self, engine: EngineConnection, reason: str) -> None:
         """Every request in flight on this engine ends with UNAVAILABLE; pending utility calls fail."""
         lost = engine.closed()
+        for listener in self.report_listeners:  # its cache and load are unknown until its next snapshot
+            listener(engine.address, engine.load.block_size, SchedulerStats(), KVCacheEvents(cleared=True))
         if lost:
             error = EngineUnavailable(f"engine at {engine.address} disconnected ({reason}); retry the request")
             self._put_output(EngineOutputs(failed=lost, error=error))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 from engine_core.protocol import EngineCoreRequest, EngineInfo, PauseMode, RequestError, RequestErrorKind, UtilityMethod
 from services.frontend.change_listeners import ChangeListeners
@@ -21,6 +22,8 @@ class EngineClient(ChangeListeners, ABC):
     def __init__(self) -> None:
         self._outputs: asyncio.Queue[EngineOutputs] = asyncio.Queue()
         ChangeListeners.__init__(self)  # notified when an engine connects, disconnects, pauses, resumes, sleeps, wakes
+        # called with (engine address, block size, SchedulerStats | None, KVCacheEvents | None) as engines report
+        self.report_listeners: list[Callable] = []
 
     @abstractmethod
     async def start(self) -> None: ...
