@@ -12,8 +12,8 @@ tokenizer (for the masks), greedy sampling, fp32, CPU.
 Parts (ms per step, median over the timed steps): schedule, prepare (the runner's input tensors),
 forward and logits (the no-op model: ~0), masks (starting the step's grammar masks, the sampler
 waiting for them and applying them), sampling metadata, argmax (the greedy sampler's kernel over
-the vocabulary: device work on a GPU), sampler (the rest of the sampler), update (tokens appended, stop checks, outputs built),
-other (the rest of step(): timestamps, KV events, the runner's bookkeeping).
+the vocabulary: device work on a GPU), sampler (the rest of the sampler), update (tokens
+appended, stop checks, outputs built), other (the rest of step(): timestamps, KV events, the runner's bookkeeping).
 """
 
 from __future__ import annotations
@@ -34,7 +34,12 @@ import torch  # noqa: E402
 from engine_core import model_runner as model_runner_module  # noqa: E402
 from engine_core import sampler as sampler_module  # noqa: E402
 from engine_core.config import (  # noqa: E402
-    CacheConfig, DeviceConfig, EngineConfig, ModelArchConfig, ModelConfig, SchedulerConfig,
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelArchConfig,
+    ModelConfig,
+    SchedulerConfig,
 )
 from engine_core.engine_core import EngineCore  # noqa: E402
 from engine_core.loader.registry import default_model_path  # noqa: E402
