@@ -19,6 +19,7 @@ from engine_core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, Mod
 from engine_core.cuda_graphs import capture_sizes
 from engine_core.loader.registry import default_model_path, load_model
 from engine_core.model_runner import ModelRunner, kv_cache_bytes_per_block
+from engine_core.overlap import InlineQueue, OverlappedSteps, ThreadQueue, resolve_overlap
 from engine_core.profiler import Profiler
 from engine_core.request import Request, RequestStatus
 from engine_core.scheduler import Scheduler
@@ -127,6 +128,10 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len, log_stats=log_stats,
                                    sliding_window=self.arch.sliding_window if every_layer_slides else None)
         self._block_pool = self.scheduler.kv_cache_manager.block_pool
+        self.overlapped: OverlappedSteps | None = None  # None: each step() runs its step to the end
+        if resolve_overlap(config.device.overlap, device):
+            queue = InlineQueue() if device.type == "cuda" else ThreadQueue()
+            self.overlapped = OverlappedSteps(self.scheduler, self.runner, queue)
         self.records_kv_events = kv_events
         if kv_events:
             self._block_pool.record_events()
@@ -234,19 +239,23 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Also True while an overlapped step is in flight: the next step() takes in its outputs."""
+        return self.scheduler.has_unfinished_requests() or (self.overlapped is not None and self.overlapped.in_flight)
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
 
     # ---- the step -----------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute_model(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.overlapped is not None:  # the previous step's outputs; this one's forward is running
+            outputs = self.overlapped.step()
+        else:
+            scheduler_output = self.scheduler.schedule()
+            runner_output = self.runner.execute_model(scheduler_output)
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+            outputs.mask_timing = runner_output.mask_timing
         outputs.timestamp = time.time()
         outputs.kv_events = self._block_pool.take_events()
-        outputs.mask_timing = runner_output.mask_timing
         return outputs
 
     # ---- utilities ----------------------------------------------------------------

@@ -140,7 +140,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: _Batch) -> torch.Tensor:  # [T, hidden]
-        if batch.placeholder_rows:  # tokens the step before sampled, still on the device
+        if batch.placeholder_rows is not None:  # tokens the step before sampled, still on the device
             source = batch.placeholder_source.sampled
             batch.input_ids[batch.placeholder_rows] = source[batch.placeholder_source_rows]
         md = batch.attn_metadata
