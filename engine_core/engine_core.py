@@ -19,6 +19,7 @@ from engine_core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, Mod
 from engine_core.cuda_graphs import capture_sizes
 from engine_core.loader.registry import default_model_path, load_model, prepare_for_cpu
 from engine_core.model_runner import ModelRunner, kv_cache_bytes_per_block
+from engine_core.overlap import InlineQueue, OverlappedSteps, ThreadQueue, resolve_overlap
 from engine_core.profiler import Profiler
 from engine_core.protocol import (
     EngineCoreOutputs,
@@ -121,6 +122,10 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len, log_stats=log_stats,
                                    sliding_window=self.arch.sliding_window if every_layer_slides else None)
         self._block_pool = self.scheduler.kv_cache_manager.block_pool
+        self.overlapped: OverlappedSteps | None = None  # None: each step() runs its step to the end
+        if resolve_overlap(config.device.overlap, device):
+            queue = InlineQueue() if device.type == "cuda" else ThreadQueue()
+            self.overlapped = OverlappedSteps(self.scheduler, self.runner, queue)
         self.records_kv_events = kv_events
         if kv_events:
             self._block_pool.record_events()
@@ -225,19 +230,24 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Also True while an overlapped step is in flight: the next step() takes in its outputs."""
+        return self.scheduler.has_unfinished_requests() or (self.overlapped is not None and self.overlapped.in_flight)
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
 
     # ---- the step -----------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute_model(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.overlapped is not None:  # the previous step's outputs; this one's forward is running
+            outputs = self.overlapped.step()
+            self.last_mask_timing = self.overlapped.mask_timing
+        else:
+            scheduler_output = self.scheduler.schedule()
+            runner_output = self.runner.execute_model(scheduler_output)
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+            self.last_mask_timing = runner_output.mask_timing  # for the step's metrics (never sent)
         outputs.timestamp = time.time()
         outputs.kv_events = self._block_pool.take_events()
-        self.last_mask_timing = runner_output.mask_timing  # for the step's metrics (never sent)
         return outputs
 
     # ---- utilities ----------------------------------------------------------------

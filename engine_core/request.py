@@ -74,6 +74,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Overlapped steps (engine_core/overlap.py): tokens a step in flight samples, not yet appended.
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # set when first scheduled
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
@@ -110,6 +112,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_ahead(self) -> int:
+        """num_tokens plus the tokens still in flight: how far the scheduler may compute."""
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def num_output_tokens(self) -> int:
