@@ -1,4 +1,4 @@
-"""Input processing: a prompt (text, token ids or chat messages) -> a validated EngineRequest."""
+"""Input processing: a prompt (text, token ids or chat messages) -> a validated EngineCoreRequest."""
 
 from __future__ import annotations
 
@@ -6,13 +6,12 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 
-from engine_core.sampling_params import SamplingParams, validate_sampling_params
+from engine_core.protocol import EngineCoreRequest, PoolingParams, SamplingParams, validate_sampling_params
 from services.frontend.chat_history import template_messages
 from services.frontend.chat_setup import ChatSetup, choose_chat_setup
 from services.frontend.chat_template import ChatTemplateError, render_chat
 from services.frontend.errors import InvalidRequest
 from services.frontend.limits import RequestLimits
-from services.frontend.messages import EngineRequest, PoolingParams
 from services.frontend.tokenizer import TokenizerBundle
 from services.frontend.tool_request import ToolPlan, ToolRequest, plan_tools
 
@@ -62,7 +61,7 @@ class InputProcessor:
     # ---- the whole request ---------------------------------------------------------
     def process(self, request_id: str, prompt: Prompt, params: SamplingParams | None, *, priority: int = 0,
                 trace_headers: dict[str, str] | None = None, pooling: PoolingParams | None = None,
-                tool_plan: ToolPlan | None = None) -> EngineRequest:
+                tool_plan: ToolPlan | None = None) -> EngineCoreRequest:
         """Validate and tokenize; fill in max_tokens when unset (the room left in the context, at most
         the server's --max-tokens). `pooling`: an embedding request, under the same prompt caps.
         `tool_plan` (from plan_tools): its constraint forces the tool_choice."""
@@ -78,7 +77,7 @@ class InputProcessor:
             room = min(room, self.limits.max_tokens)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         params = replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
-        return EngineRequest(
+        return EngineCoreRequest(
             request_id=request_id or new_request_id(), prompt_token_ids=token_ids, sampling_params=params,
             arrival_time=time.time(), priority=priority, trace_headers=dict(trace_headers or {}), pooling=pooling,
         )

@@ -16,18 +16,18 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
-from engine_core.sampling_params import OutputKind
-from services.frontend.detokenizer import Detokenizer, decode_logprobs
-from services.frontend.errors import SlowReader
-from services.frontend.messages import (
+from engine_core.protocol import (
     CompletionOutput,
-    EngineOutput,
-    EngineRequest,
+    EngineCoreOutput,
+    EngineCoreRequest,
     FinishReason,
+    OutputKind,
     RequestOutput,
     TokenLogprobs,
     Usage,
 )
+from services.frontend.detokenizer import Detokenizer, decode_logprobs
+from services.frontend.errors import SlowReader
 from services.frontend.telemetry import FrontendTelemetry, RequestStats
 from services.frontend.tool_output import ToolOutput
 from services.frontend.tool_request import ToolPlan
@@ -92,7 +92,7 @@ class ParentRequest:
 class RequestState:
     """One engine request (one completion) in flight."""
 
-    def __init__(self, request: EngineRequest, parent: ParentRequest, index: int, tokenizer: Tokenizer,
+    def __init__(self, request: EngineCoreRequest, parent: ParentRequest, index: int, tokenizer: Tokenizer,
                  tool_plan: ToolPlan | None = None) -> None:
         self.request_id = request.request_id
         self.parent, self.index = parent, index
@@ -104,7 +104,7 @@ class RequestState:
         self.prompt_logprobs: list[TokenLogprobs] = []
         self.tools = None if tool_plan is None else ToolOutput(tool_plan, self.output_kind)
 
-    def completion(self, new: EngineOutput, finish: FinishReason | None, stop_string: str | None,
+    def completion(self, new: EngineCoreOutput, finish: FinishReason | None, stop_string: str | None,
                    new_logprobs: list[TokenLogprobs]) -> CompletionOutput | None:
         """This step's message for this completion, per output kind (None: nothing to send)."""
         finished = finish is not None
@@ -146,7 +146,7 @@ class OutputProcessor:
     def has_request(self, request_id: str) -> bool:
         return request_id in self.parents
 
-    def add_request(self, request_id: str, children: list[EngineRequest], collector: RequestOutputCollector,
+    def add_request(self, request_id: str, children: list[EngineCoreRequest], collector: RequestOutputCollector,
                     stats: RequestStats | None = None, tool_plan: ToolPlan | None = None) -> None:
         """Track a client request and its engine requests (one per completion; tool_plan: parse tool calls)."""
         parent = ParentRequest(request_id, collector, len(children[0].prompt_token_ids),
@@ -157,15 +157,16 @@ class OutputProcessor:
             self.requests[child.request_id] = RequestState(child, parent, index, self.tokenizer, tool_plan)
 
     # ---- the loop ------------------------------------------------------------------
-    def process_outputs(self, outputs: list[EngineOutput]) -> list[str]:
-        """Process one engine step; return the engine request ids to abort (stop strings, slow readers)."""
+    def process_outputs(self, outputs: list[EngineCoreOutput], engine_ts: float = 0.0) -> list[str]:
+        """Process one engine step (engine_ts: its time, engine clock); return the engine request ids to abort
+        (stop strings, slow readers)."""
         stopped = []
         now = time.time()
         for out in outputs:
             state = self.requests.get(out.request_id)
             if state is None:  # aborted or finished already
                 continue
-            self.telemetry.observe(state.parent.stats, out, now)
+            self.telemetry.observe(state.parent.stats, out, now, engine_ts)
             finish = out.finish_reason
             skip_last = finish == FinishReason.STOP and out.stop_token_id is not None and not state.include_stop
             stop_string = state.detokenizer.update(out.new_token_ids, skip_last=skip_last)
@@ -192,7 +193,7 @@ class OutputProcessor:
         running = list(parent.children.values())
         for engine_id in running:
             state = self.requests[engine_id]
-            finish = EngineOutput(engine_id, [], finish_reason=FinishReason.ABORT)
+            finish = EngineCoreOutput(engine_id, [], finish_reason=FinishReason.ABORT)
             self._emit(state, state.completion(finish, FinishReason.ABORT, None, []), finished=True)
         return running
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from tandem.v1 import common_pb2, generation_pb2
 
-from engine_core.sampling_params import FinishReason
-from services.frontend.messages import CompletionOutput
+from engine_core.protocol import CompletionOutput, FinishReason
 from services.frontend.tool_request import AUTO, FUNCTION, NONE, REQUIRED, ToolRequest, ToolSpec
 
 _MODES = {generation_pb2.TOOL_CHOICE_MODE_UNSPECIFIED: AUTO, generation_pb2.TOOL_CHOICE_MODE_AUTO: AUTO,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine_core.sampling_params import OutputKind
+from engine_core.protocol import OutputKind
 from services.frontend.tool_parsers import ToolCall, ToolCallDelta, ToolCallStreamer
 from services.frontend.tool_request import ToolPlan
 

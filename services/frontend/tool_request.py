@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import jsonschema
 
-from engine_core.sampling_params import StructuredOutput
-from engine_core.structured.grammar import check_structured_output
+from engine_core.protocol import StructuredOutput
+from engine_core.protocol.structured_output import check_structured_output
 from services.frontend.chat_setup import ChatSetup
 from services.frontend.errors import InvalidRequest
 from services.frontend.tool_choice_schema import required_calls_schema
