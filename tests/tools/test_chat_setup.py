@@ -45,3 +45,8 @@ def test_the_frontend_flags(tmp_path, capsys):
         parse_args(["--tool-parser", "qwen"])
     args = parse_args(["--tool-parser", "mistral"])
     assert args.tool_parser == "mistral" and args.chat_template is None
+
+
+def test_the_frontend_says_which_template_it_renders_with(stack):
+    assert stack.llm.chat_template == stack.llm.input_processor.chat_setup.template
+    assert "<tool_call>" in stack.llm.chat_template  # the shipped SmolLM2 tools template
