@@ -161,8 +161,10 @@ def test_history_with_calls_and_results_renders_and_bad_arguments_are_refused(st
     messages = [generation_pb2.ChatMessage(role="user", content="Rain?"),
                 generation_pb2.ChatMessage(role="assistant", tool_calls=[call]),
                 generation_pb2.ChatMessage(role="tool", content="none today", tool_call_id="call_1")]
-    tokens = stack.run(stack.stub.Tokenize(generation_pb2.TokenizeRequest(chat=generation_pb2.ChatRequest(
-        messages=messages, tools=TOOLS))))
+    async def tokenize():  # the call is made on the stack's loop
+        return await stack.stub.Tokenize(generation_pb2.TokenizeRequest(chat=generation_pb2.ChatRequest(
+            messages=messages, tools=TOOLS)))
+    tokens = stack.run(tokenize())
     prompt = stack.tokenizer.decode(list(tokens.token_ids), skip_special_tokens=False)
     assert '<tool_call>\n{"name": "search", "arguments": {"q": "rain"}}\n</tool_call>' in prompt
     assert "<tool_response>\nnone today\n</tool_response>" in prompt
