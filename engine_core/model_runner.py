@@ -138,8 +138,7 @@ class ModelRunner:
         self._last_step = step
         return step
 
-    @torch.inference_mode()
-    def forward(self, batch: _Batch) -> torch.Tensor:  # [T, hidden]
+    def forward(self, batch: _Batch) -> torch.Tensor:  # [T, hidden]; under inference_mode
         if batch.placeholder_rows is not None:  # tokens the step before sampled, still on the device
             source = batch.placeholder_source.sampled
             batch.input_ids[batch.placeholder_rows] = source[batch.placeholder_source_rows]
@@ -148,10 +147,10 @@ class ModelRunner:
             return self.decode_graphs.run(batch.input_ids, batch.positions, md)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, md)
 
-    @torch.inference_mode()
     def compute_outputs(self, step: StepOutput, hidden: torch.Tensor, metadata: SamplingMetadata | None,
                         masks: StepMasks | None) -> None:
-        """Sample (leaving the tokens on the device, copied back without blocking), prompt logprobs, pooling."""
+        """Under inference_mode: sample (the tokens stay on the device, copied back without blocking),
+        prompt logprobs, pooling."""
         batch, output = step.batch, step.output
         if step.requests:
             self._sample(hidden, step, metadata, masks)
@@ -239,13 +238,17 @@ class ModelRunner:
                 placeholder_source_rows.append(self._last_step.row_of[request.request_id])
                 tokens.append(0)
             input_ids.extend(tokens)
-            positions.extend(range(start, end))
-            slot_mapping.extend(block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
+            if count == 1:  # a decode: one position, no ranges to build (host time per step, docs/gpu.md)
+                num_decodes += 1
+                positions.append(start)
+                slot_mapping.append(block_ids[start // block_size] * block_size + start % block_size)
+            else:
+                positions.extend(range(start, end))
+                slot_mapping.extend(block_ids[p // block_size] * block_size + p % block_size
+                                    for p in range(start, end))
             query_start_loc.append(len(input_ids))
             seq_lens.append(end)
             block_tables.append(block_ids)
-            if count == 1:
-                num_decodes += 1
             if request.pooling is not None:  # pooled, never sampled
                 pooling_spans.append((request, token_start, start, count))
             elif end >= request.num_tokens:  # the whole context is computed: sample the next token

@@ -111,7 +111,7 @@ class OverlappedSteps:
         if batch is not None:
             for request in batch.sampling_requests:
                 request.num_output_placeholders += 1
-            hidden = self.queue.submit(self.runner.forward, batch)
+            hidden = self.queue.submit(self._forward, batch)
         if self._in_flight is not None:
             outputs = self._finish(self._in_flight)
         if batch is not None:
@@ -126,6 +126,12 @@ class OverlappedSteps:
             outputs = self.scheduler.update_from_output(nothing, ModelRunnerOutput(sampled_token_ids={}))
         return outputs
 
+    # inference_mode is per thread: entered here, on whichever thread runs the device work
+    @torch.inference_mode()
+    def _forward(self, batch) -> torch.Tensor:  # noqa: ANN001
+        return self.runner.forward(batch)
+
+    @torch.inference_mode()
     def _compute_outputs(self, step: StepOutput, hidden: Future, metadata, masks) -> None:  # noqa: ANN001
         self.runner.compute_outputs(step, hidden.result(), metadata, masks)
 

@@ -132,7 +132,10 @@ def run(batch: int, steps: int, masks: bool, overlap: str = "default") -> dict:
     runner._prepare_batch = timer.wrap("prepare", runner._prepare_batch)
     runner.model.forward = timer.wrap("forward", runner.model.forward)
     runner.model.compute_logits = timer.wrap("logits", runner.model.compute_logits)
-    runner.sampler = timer.wrap("sampler", runner.sampler)
+    if hasattr(runner.sampler, "sample"):  # the sampler's tensor-returning entry point
+        runner.sampler.sample = timer.wrap("sampler", runner.sampler.sample)
+    else:
+        runner.sampler = timer.wrap("sampler", runner.sampler)
     patches = [
         mock.patch.object(model_runner_module, "build_sampling_metadata",
                           timer.wrap("metadata", model_runner_module.build_sampling_metadata)),
