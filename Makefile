@@ -104,6 +104,7 @@ DEVICE_WHEELS := build/device-wheels
 gpu-wheels: install  ## download those wheels into build/device-wheels (~14 MB; numpy is left to the image)
 	rm -rf $(DEVICE_WHEELS)
 	$(PIP) download -q --only-binary=:all: -d $(DEVICE_WHEELS) pytest hypothesis llguidance gguf
+	$(PIP) download -q --only-binary=:all: --no-deps -d $(DEVICE_WHEELS) exceptiongroup tomli
 	for v in 3.10 3.12 3.13; do $(PIP) download -q --only-binary=:all: --no-deps --python-version $$v \
 		-d $(DEVICE_WHEELS) hypothesis pyyaml charset-normalizer; done
 	rm -f $(DEVICE_WHEELS)/numpy-*.whl

@@ -13,6 +13,7 @@ structured-output constraint get their token masks computed while the forward ru
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Sequence
 
 import torch
@@ -162,7 +163,9 @@ class ModelRunner:
     def _sample(self, hidden: torch.Tensor, step: StepOutput, metadata: SamplingMetadata,
                 masks: StepMasks | None) -> None:
         output = step.output
-        logits = self.model.compute_logits(hidden[step.batch.logits_indices])  # [N, vocab] fp32
+        batch = step.batch
+        rows = hidden if batch.every_row_samples else hidden[batch.logits_indices]
+        logits = self.model.compute_logits(rows)  # [N, vocab] fp32
         if masks is not None:  # before the sampler: logprobs are those of the constrained distribution
             disallowed, output.mask_timing = masks.result()
             apply_token_mask(logits, disallowed, masks.rows)
@@ -208,7 +211,8 @@ class ModelRunner:
     def _prepare_batch(self, scheduler_output: SchedulerOutput) -> _Batch:
         num_scheduled = scheduler_output.num_scheduled_tokens
         # decodes (one query token) first, then prefill chunks: the attention layout
-        requests = sorted(
+        only_decodes = scheduler_output.total_num_scheduled_tokens == len(num_scheduled)
+        requests = scheduler_output.scheduled_requests if only_decodes else sorted(
             scheduler_output.scheduled_requests, key=lambda r: num_scheduled[r.request_id] != 1
         )
         block_size = self.block_size
@@ -264,7 +268,7 @@ class ModelRunner:
             query_start_loc=self._to_device(query_start_loc, torch.int32),
             seq_lens=self._to_device(seq_lens, torch.int32),
             block_tables=self._to_device(padded_tables, torch.int32),
-            max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
+            max_query_len=1 if only_decodes else max(end - start for start, end in pairwise(query_start_loc)),
             max_seq_len=max(seq_lens),
             num_decodes=num_decodes,
             query_start_loc_cpu=query_start_loc,
@@ -275,6 +279,7 @@ class ModelRunner:
             positions=self._to_device(positions, torch.int64),
             attn_metadata=attn_metadata,
             logits_indices=self._to_device(logits_indices, torch.int64),
+            every_row_samples=len(logits_indices) == len(input_ids),
             sampling_requests=sampling_requests,
             prompt_logprob_spans=prompt_logprob_spans,
             pooling_spans=pooling_spans,
@@ -300,6 +305,7 @@ class _Batch:
     positions: torch.Tensor  # [T]
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [N]: the last token of each sampling request
+    every_row_samples: bool  # N == T (every request decodes and samples): logits_indices is 0..T-1
     sampling_requests: list[Request]
     # (request, first row in the batch, first position, number of positions)
     prompt_logprob_spans: list[tuple[Request, int, int, int]]

@@ -145,10 +145,17 @@ class OverlappedSteps:
         outputs.mask_timing = runner_output.mask_timing
         return outputs
 
-    def close(self) -> None:
-        """Wait for the work in flight (its outputs are dropped) and stop the device queue."""
+    def drain(self) -> None:
+        """Wait for the step in flight and drop it: for when every request it ran has finished (sleep, close),
+        so its outputs would all be dropped anyway."""
         with self._lock:
             if self._in_flight is not None:
-                self._in_flight.done.exception()
+                self._in_flight.done.exception()  # waits; an error there no longer matters to anyone
+                for request in self._in_flight.step.requests:
+                    request.num_output_placeholders -= 1
                 self._in_flight = None
-            self.queue.close()
+
+    def close(self) -> None:
+        """Drain and stop the device queue."""
+        self.drain()
+        self.queue.close()

@@ -204,3 +204,24 @@ def test_auto_turns_overlap_on_for_gpus_only_and_the_flag_parses():
     assert config_from_args(parser.parse_args(["--overlap", "on"])).device.overlap == "on"
     with pytest.raises(ValueError, match="overlap must be one of"):
         DeviceConfig(overlap="sometimes")
+
+
+def test_sleep_right_after_the_last_output_waits_for_the_step_in_flight(tiny_model_dir):
+    prompt = prompts(1)[0]
+    free, _ = run(make_engine(tiny_model_dir, "off", num_blocks=40, max_model_len=256),
+                  [EngineCoreRequest("free", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))])
+    stop = free["free"][0][3]  # a stop token the scheduler cannot see coming: the next step is already queued
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop_token_ids=[stop])
+    core = make_engine(tiny_model_dir, "on", num_blocks=40, max_model_len=256)
+    core.add_request(EngineCoreRequest("x", prompt, params))
+    first, finished = [], False
+    while not finished:
+        for output in core.step().outputs:
+            first += output.new_token_ids
+            finished = output.finished
+    assert core.overlapped.in_flight and not core.scheduler.has_unfinished_requests()
+    core.sleep()  # no ValueError: the step in flight ran finished requests only
+    assert core.asleep and not core.has_unfinished_requests()
+    core.wake_up()
+    again, _ = run(core, [EngineCoreRequest("y", prompt, params)])
+    assert again["y"][0] == first == free["free"][0][:first.index(stop) + 1]
