@@ -29,6 +29,10 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from engine_core.openmp_env import limit_openmp_spinning  # noqa: E402
+
+limit_openmp_spinning()  # before torch loads, as tandem-engine does: idle OpenMP threads must not spin
+
 import torch  # noqa: E402
 
 from engine_core import model_runner as model_runner_module  # noqa: E402

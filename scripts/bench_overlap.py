@@ -19,6 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine_core.openmp_env import limit_openmp_spinning  # noqa: E402
+
+limit_openmp_spinning()  # before torch loads, as tandem-engine does: idle OpenMP threads must not spin
+
 import torch  # noqa: E402
 
 from engine_core.config import DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402

@@ -39,6 +39,10 @@ sys.path.insert(0, str(ROOT))
 if "--cpu" in sys.argv:  # before anything imports triton: its kernels run in the CPU interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from engine_core.openmp_env import limit_openmp_spinning  # noqa: E402
+
+limit_openmp_spinning()  # before torch loads, as tandem-engine does: idle OpenMP threads must not spin
+
 import torch  # noqa: E402
 
 
@@ -165,9 +169,9 @@ def engine_for(shape: Shape, plan: Plan, weights, *, cuda_graphs: bool, overlap:
     from engine_core.models.llama import packed_groups
     from engine_core.models.registry import model_class
 
-    with tempfile.TemporaryDirectory() as folder:
-        hf_config(shape).save_pretrained(folder)
-        arch = read_hf_config(Path(folder) / "config.json")
+    folder = Path(tempfile.mkdtemp(prefix=f"gpu-check-{shape.name}-"))  # the engine's model path: config.json only
+    hf_config(shape).save_pretrained(folder)
+    arch = read_hf_config(folder / "config.json")
 
     def load(path, dtype, device, attention, quantization, fused):  # noqa: ANN001, ANN202 - load_model's
         tensors = dict(weights)
@@ -179,7 +183,7 @@ def engine_for(shape: Shape, plan: Plan, weights, *, cuda_graphs: bool, overlap:
         return model.eval(), arch
 
     config = EngineConfig(
-        model=ModelConfig(dtype=str(plan.dtype).removeprefix("torch."), quantization="none",
+        model=ModelConfig(model=str(folder), dtype=str(plan.dtype).removeprefix("torch."), quantization="none",
                           max_model_len=max_model_len),
         cache=CacheConfig(kv_cache_memory_gib=plan.kv_cache_gib),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
@@ -307,6 +311,7 @@ def part_smollm2(plan: Plan, state: dict) -> list[dict]:
     for cuda_graphs in (True, False):
         core.runner.decode_graphs = graphs if cuda_graphs else None
         for batch, context in plan.decode_shapes:
+            decode_rate(core, batch, context, plan.decode_steps, plan.device, seed=1)  # untimed: first-use costs
             for overlap in (False, True):
                 set_overlap(core, overlap)
                 row = decode_rate(core, batch, context, plan.decode_steps, plan.device)
@@ -327,6 +332,7 @@ def part_llama_shapes(plan: Plan, state: dict) -> list[dict]:
                           overlap=plan.device == "cuda", max_num_seqs=max(plan.roofline_batches),
                           max_model_len=context + 2 * plan.decode_steps + 32)
         for batch in plan.roofline_batches:
+            decode_rate(core, batch, context, plan.decode_steps, plan.device, seed=1)  # untimed: first-use costs
             row = decode_rate(core, batch, context, plan.decode_steps, plan.device)
             row.update(model=shape.name, roofline_ms=roofline_ms(core, batch, context, state["bandwidth"]))
             row["of_roofline"] = row["roofline_ms"] / row["step_ms"]
@@ -355,6 +361,7 @@ def part_transformers(plan: Plan, state: dict) -> list[dict]:
     rows = []
     for batch in plan.hf_batches:
         prompt = torch.randint(3, shape.vocab, (batch, plan.hf_prompt), device=plan.device)
+        decode_rate(core, batch, plan.hf_prompt, plan.hf_new_tokens, plan.device, seed=1)  # untimed: first-use costs
         tandem = decode_rate(core, batch, plan.hf_prompt, plan.hf_new_tokens, plan.device)
         row = {"batch": batch, "prompt": plan.hf_prompt, "new_tokens": plan.hf_new_tokens,
                "tandem_tok_per_s": tandem["tok_per_s"]}
@@ -391,8 +398,8 @@ def _generate_rate(model, prompt: torch.Tensor, plan: Plan, cache: str) -> float
 PARTS = {  # name -> (function, estimated seconds on one H100, for the budget and docs/gpu.md), in run order
     "bandwidth": (part_bandwidth, 5),
     "cuda_tests": (part_cuda_tests, 120),
-    "smollm2": (part_smollm2, 90),
-    "llama_shapes": (part_llama_shapes, 60),
+    "smollm2": (part_smollm2, 100),
+    "llama_shapes": (part_llama_shapes, 70),
     "transformers": (part_transformers, 120),
     "attention": (part_attention, 35),
 }
