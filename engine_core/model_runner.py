@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from engine_core.config import ModelArchConfig
 from engine_core.cuda_graphs import DecodeGraphRunner
-from engine_core.pooling_params import PoolingType
+from engine_core.protocol import PoolingType
 from engine_core.request import Request
 from engine_core.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs
 from engine_core.sampling_metadata import SamplingMetadata

@@ -8,10 +8,15 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine_core.block_hash import BlockHash, hash_block_tokens
-from engine_core.pooling_params import PoolingParams
-from engine_core.sampling_params import SamplingParams
-from engine_core.types import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
+from engine_core.protocol import (
+    EngineCoreEvent,
+    EngineCoreEventType,
+    EngineCoreRequest,
+    FinishReason,
+    PoolingParams,
+    SamplingParams,
+)
+from engine_core.protocol.block_hash import BlockHash, hash_block_tokens
 
 if TYPE_CHECKING:
     from engine_core.structured.matcher import GrammarMatcher
@@ -74,7 +79,7 @@ class Request:
         self.num_cached_tokens = -1  # set when first scheduled
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
-        self.stop_reason: int | str | None = None
+        self.stop_token_id: int | None = None  # the stop token (EOS or stop_token_ids) that ended it
         self.block_hashes: list[BlockHash] = []
         self.events: list[EngineCoreEvent] = []  # recorded only when the scheduler logs stats
         self.grammar: GrammarMatcher | None = None  # structured output: set by the engine, fed every output token
@@ -169,7 +174,7 @@ class Request:
                 return True
             if last in params.stop_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
-                self.stop_reason = last
+                self.stop_token_id = last
                 return True
         if self.max_output_tokens is not None and self.num_output_tokens >= self.max_output_tokens:
             self.status = RequestStatus.FINISHED_LENGTH

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_core.protocol import TokenLogprobs
 from engine_core.sampling_metadata import (
     Penalties,
     SamplingMetadata,
@@ -25,8 +26,7 @@ from engine_core.sampling_metadata import (
     build_sampling_metadata,
     make_generator,
 )
-from engine_core.types import TokenLogprobs
-from kernels.fused_ops import argmax
+from kernels import argmax
 
 __all__ = [
     "Sampler",

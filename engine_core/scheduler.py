@@ -21,16 +21,10 @@ from collections.abc import Iterable
 
 from engine_core.config import CacheConfig, SchedulerConfig
 from engine_core.kv_cache_manager import KVCacheManager
+from engine_core.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from engine_core.request import Request, RequestStatus
 from engine_core.request_queue import FcfsQueue, PriorityQueue
-from engine_core.types import (
-    EngineCoreEventType,
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    ModelRunnerOutput,
-    SchedulerOutput,
-    SchedulerStats,
-)
+from engine_core.types import ModelRunnerOutput, SchedulerOutput
 
 
 class Scheduler:
@@ -168,8 +162,7 @@ class Scheduler:
         return budget
 
     def _at_limit_in_flight(self, request: Request) -> bool:
-        """Overlapped steps: the token in flight is the request's last (max_tokens or max_model_len), so
-        computing past it would be thrown away."""
+        """Overlapped steps: the token in flight is the request's last; computing past it would be wasted."""
         if not request.num_output_placeholders:
             return False
         limit = request.max_output_tokens
@@ -262,7 +255,7 @@ class Scheduler:
                 new_logprobs=None if logprobs is None else [logprobs],
                 new_prompt_logprobs=prompt_logprobs or None,
                 finish_reason=request.finish_reason,
-                stop_reason=request.stop_reason,
+                stop_token_id=request.stop_token_id,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 events=request.take_events() if self.log_stats else None,
                 embedding=embedding,

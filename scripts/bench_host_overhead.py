@@ -47,9 +47,8 @@ from engine_core.config import (  # noqa: E402
 )
 from engine_core.engine_core import EngineCore  # noqa: E402
 from engine_core.loader.registry import default_model_path  # noqa: E402
-from engine_core.sampling_params import SamplingParams, StructuredOutput  # noqa: E402
+from engine_core.protocol import EngineCoreRequest, SamplingParams, StructuredOutput  # noqa: E402
 from engine_core.structured.masks import StepMasks, StructuredOutputs  # noqa: E402
-from engine_core.types import EngineCoreRequest  # noqa: E402
 
 # SmolLM2-135M, with one layer: only the KV cache's size depends on the layer count here.
 SMOLLM2_SHAPES = ModelArchConfig(
@@ -123,7 +122,8 @@ def build_engine(batch: int, overlap: str) -> EngineCore:
     if overlap != "default":
         config.device.overlap = overlap  # type: ignore[attr-defined]
     model = NoOpModel(SMOLLM2_SHAPES, max_tokens=batch * PROMPT_LEN + batch, max_rows=batch)
-    with mock.patch("engine_core.engine_core.load_model", return_value=(model, SMOLLM2_SHAPES)):
+    with mock.patch("engine_core.engine_core.load_model", return_value=(model, SMOLLM2_SHAPES)), \
+            mock.patch("engine_core.engine_core.prepare_for_cpu"):  # no layers to choose kernels for
         return EngineCore(config)
 
 

@@ -21,8 +21,7 @@ from engine_core.engine_core import EngineCore
 from engine_core.llm_engine import LLMEngine
 from engine_core.loader import default_model_path
 from engine_core.overlap import ThreadQueue, resolve_overlap
-from engine_core.sampling_params import FinishReason, SamplingParams, StructuredOutput
-from engine_core.types import EngineCoreRequest
+from engine_core.protocol import EngineCoreRequest, FinishReason, SamplingParams, StructuredOutput
 from tests.engine_core.tiny_models import write_tiny_model
 
 VOCAB = 49152  # SmolLM2's: its tokenizer compiles the grammars
@@ -96,7 +95,7 @@ def run(core: EngineCore, requests: list[EngineCoreRequest], abort_after: dict[s
             assert output.request_id not in aborted, f"{output.request_id} sent output after its abort"
             tokens, _, _ = results[output.request_id]
             tokens.extend(output.new_token_ids)
-            results[output.request_id] = (tokens, output.finish_reason, output.stop_reason)
+            results[output.request_id] = (tokens, output.finish_reason, output.stop_token_id)
             limit = abort_after.get(output.request_id)
             if limit is not None and len(tokens) >= limit and not output.finished:
                 core.abort_requests([output.request_id])
@@ -166,9 +165,9 @@ def test_seeded_sampling_n_and_logprobs_identical(tiny_model_dir):
         lagging(engine.engine_core, seed=5)
         results[overlap] = engine.generate(prompts(3, seed=4), params)
     for off, on in zip(results["off"], results["on"]):
-        assert [c.token_ids for c in on.outputs] == [c.token_ids for c in off.outputs]
-        assert len({tuple(c.token_ids) for c in on.outputs}) > 1, "seeded children should differ"
-        for c_off, c_on in zip(off.outputs, on.outputs):
+        assert [c.token_ids for c in on.completions] == [c.token_ids for c in off.completions]
+        assert len({tuple(c.token_ids) for c in on.completions}) > 1, "seeded children should differ"
+        for c_off, c_on in zip(off.completions, on.completions):
             assert [lp.token_ids for lp in c_on.logprobs] == [lp.token_ids for lp in c_off.logprobs]
             for a, b in zip(c_on.logprobs, c_off.logprobs):
                 assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
