@@ -124,8 +124,7 @@ class KVCacheManager:
         return new_blocks
 
     def _fits_held_blocks(self, request: Request, num_new_tokens: int) -> bool:
-        """The request's blocks already hold its next tokens, no block behind a sliding window is due back, and
-        no new full block is waiting to be indexed: allocate_slots would change nothing."""
+        """allocate_slots would change nothing: the blocks hold the tokens, none is due back or to be indexed."""
         if self.sliding_window is not None:
             return False
         blocks = self.req_to_blocks.get(request.request_id)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from engine_core.config import ModelArchConfig
 from engine_core.cuda_graphs import DecodeGraphRunner
+from engine_core.host_to_device import to_device
 from engine_core.protocol import PoolingType
 from engine_core.request import Request
 from engine_core.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs
@@ -289,12 +290,7 @@ class ModelRunner:
         )
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        """A host list as a device tensor; on CUDA through pinned memory without blocking, so preparing the
-        next step never waits for the forward in flight (the pinned allocator reuses a buffer only once its
-        copy is done)."""
-        if self.device.type != "cuda":
-            return torch.tensor(values, dtype=dtype)
-        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
+        return to_device(values, dtype, self.device)  # never waits for the forward in flight
 
 
 @dataclass

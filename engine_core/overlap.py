@@ -12,14 +12,11 @@ One call of `step()`:
 So the device runs N+1's forward while the host does 3 and 4, and N+1's sampling while the host returns
 and schedules N+2: the host's work hides behind the device's whenever it is shorter.
 
-What stays exact (tests/engine_core/test_overlap.py): masks, penalties and min_tokens are built after the
-tokens they depend on (step 4), stops are checked on every token, a request that stopped or was aborted
-while its next step was in flight has that step's token dropped (its KV writes land in blocks it no
-longer holds; the device runs steps in order, so they land before any new owner's), a request preempted
-by step 1 still gets N's token, and `_at_limit_in_flight` keeps the scheduler from computing past
-max_tokens. A step with prompt logprobs is finished before the next is scheduled (their positions are
-read from `num_computed_tokens`). Greedy and seeded sampling give the same tokens; unseeded random
-sampling draws from the shared generator for rows a synchronous step would not have.
+Exact (docs/gpu.md#overlapped-steps, tests/engine_core/test_overlap.py): what step 4 builds needs N's tokens,
+so it comes after 3; a request that stopped or was aborted while its next step was in flight has that
+step's token dropped (the device runs steps in order, so its KV writes land before a new owner's); one
+preempted by step 1 still gets N's token; a step with prompt logprobs is finished before the next is
+scheduled (their positions are read from `num_computed_tokens`).
 
 The device queue: on CUDA kernel launches are asynchronous already (`InlineQueue`); on CPU one worker
 thread runs the forwards and samplings in order (`ThreadQueue`) while the main thread does the rest.
@@ -27,7 +24,6 @@ thread runs the forwards and samplings in order (`ThreadQueue`) while the main t
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -43,9 +39,7 @@ from engine_core.types import ModelRunnerOutput, SchedulerOutput
 
 def resolve_overlap(name: str, device: torch.device) -> bool:
     """auto: on for CUDA; off on CPU, where the forward already keeps every core busy (docs/gpu.md)."""
-    if name == "auto":
-        return device.type == "cuda"
-    return name == "on"
+    return device.type == "cuda" if name == "auto" else name == "on"
 
 
 class InlineQueue:
@@ -63,17 +57,14 @@ class InlineQueue:
         pass
 
 
-class ThreadQueue:
+class ThreadQueue(ThreadPoolExecutor):
     """One worker thread plays the device's stream: the work runs in submission order, off the caller's thread."""
 
     def __init__(self) -> None:
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-device")
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        return self._worker.submit(fn, *args)
+        super().__init__(max_workers=1, thread_name_prefix="tandem-device")
 
     def close(self) -> None:
-        self._worker.shutdown(wait=True)
+        self.shutdown(wait=True)
 
 
 @dataclass
@@ -91,8 +82,7 @@ class OverlappedSteps:
         self.scheduler = scheduler
         self.runner = runner
         self.queue = queue
-        self._in_flight: _InFlight | None = None
-        self._lock = threading.Lock()  # step() is called from one thread; this only guards against misuse
+        self._in_flight: _InFlight | None = None  # step() is called from one thread, the engine's
         self.mask_timing = None  # the last finished step's structured-output mask timing (metrics only)
 
     @property
@@ -100,10 +90,6 @@ class OverlappedSteps:
         return self._in_flight is not None
 
     def step(self) -> EngineCoreOutputs:
-        with self._lock:
-            return self._step()
-
-    def _step(self) -> EngineCoreOutputs:
         outputs = None
         if self._in_flight is not None and self._in_flight.finish_before_next_schedule:
             outputs = self._finish(self._in_flight)
@@ -149,12 +135,11 @@ class OverlappedSteps:
     def drain(self) -> None:
         """Wait for the step in flight and drop it: for when every request it ran has finished (sleep, close),
         so its outputs would all be dropped anyway."""
-        with self._lock:
-            if self._in_flight is not None:
-                self._in_flight.done.exception()  # waits; an error there no longer matters to anyone
-                for request in self._in_flight.step.requests:
-                    request.num_output_placeholders -= 1
-                self._in_flight = None
+        if self._in_flight is not None:
+            self._in_flight.done.exception()  # waits; an error there no longer matters to anyone
+            for request in self._in_flight.step.requests:
+                request.num_output_placeholders -= 1
+            self._in_flight = None
 
     def close(self) -> None:
         """Drain and stop the device queue."""

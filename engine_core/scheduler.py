@@ -162,8 +162,7 @@ class Scheduler:
         return budget
 
     def _at_limit_in_flight(self, request: Request) -> bool:
-        """Overlapped steps: the token in flight is the request's last (max_tokens or max_model_len), so
-        computing past it would be thrown away."""
+        """Overlapped steps: the token in flight is the request's last; computing past it would be wasted."""
         if not request.num_output_placeholders:
             return False
         limit = request.max_output_tokens
