@@ -8,7 +8,7 @@ GENERATED := build/generated/.stamp
 
 PYTEST := $(PY) -m pytest -q
 
-.PHONY: install protos proto-check proto-baseline ts-stubs api-docs run test test-slow test-install test-compose test-faults test-faults-long \
+.PHONY: install protos proto-check proto-baseline ts-stubs api-docs run run-gateway test test-slow test-install test-compose test-faults test-faults-long \
 	test-all test-portability bench bench-host gpu-check gpu-wheels clean
 
 # The virtualenv with everything: the project (editable) with the engine (torch==2.13.0, CPU) and the
@@ -64,6 +64,9 @@ api-docs: $(GENERATED)  ## rewrite docs/api.md from the proto comments
 
 run: install  ## start engine + frontend on the embedded SmolLM2, stream a chat answer over gRPC, stop them
 	$(PY) -m clients.demo
+
+run-gateway: install  ## the stack on the embedded SmolLM2 with smg (OpenAI HTTP API) in front on 127.0.0.1:30000: one answer, then serve until Ctrl-C
+	$(PY) -m clients.gateway
 
 test: install  ## the fast suite on CPU: everything but the SmolLM2 end-to-end tests (slow), the install and compose checks and the fault suite
 	$(PYTEST) -m "not slow and not faults and not install and not compose"

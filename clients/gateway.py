@@ -177,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     quiet = ["--log-level", "WARNING"]
     print("starting tandem-engine, tandem-frontend and smg on the embedded SmolLM2 ...", flush=True)
-    with LocalStack(frontend_port=free_port(), engine_port=free_port(), engine_args=["--max-model-len", "2048", *quiet],
+    # fp32: SmolLM2-135M's greedy answer to the demo question sits on a knife's edge in lower precision
+    engine_args = ["--max-model-len", "2048", "--dtype", "float32", *quiet]
+    with LocalStack(frontend_port=free_port(), engine_port=free_port(), engine_args=engine_args,
                     frontend_args=quiet) as stack:
         with Gateway([stack.frontend_address], port=args.port) as gateway:
             model = gateway.wait_for_model()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-import llguidance
+from llguidance.gbnf_to_lark import any_to_lark
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
 
 from engine_core.protocol import EngineInfo, OutputKind, RequestOutput, SamplingParams, StructuredOutput, TokenLogprobs
@@ -104,13 +104,12 @@ def _structured(params: vllm_engine_pb2.SamplingParams) -> StructuredOutput | No
 
 
 def _lark(grammar: str) -> str:
-    """vLLM's grammars are GBNF (`root ::= ...`, what smg sends for `ebnf`); Tandem's are Lark (llguidance)."""
-    if "::=" not in grammar:
-        return grammar
+    """vLLM's grammars are GBNF (`root ::= ...`, what smg sends for `ebnf`) or Lark; Tandem's are Lark (llguidance,
+    whose converter tells the two apart)."""
     try:
-        return llguidance.gbnf_to_lark(grammar)
+        return any_to_lark(grammar)
     except Exception as e:  # noqa: BLE001 - llguidance's message says what is wrong
-        raise InvalidRequest(f"sampling_params.grammar is not a GBNF grammar llguidance reads: {e}") from None
+        raise InvalidRequest(f"sampling_params.grammar is neither GBNF nor Lark that llguidance reads: {e}") from None
 
 
 class GenerateResponses:
