@@ -41,7 +41,8 @@ _EXAMPLES = {
     "chat": """examples:
   tandem chat                                   # on a terminal: you> ... assistant> ...
   tandem chat --system "Answer in one sentence." --temperature 0
-  printf 'Hi!\\nWhat did I just say?\\n' | tandem chat --max-tokens 32   # one turn per line""",
+  printf 'Hi!\\nWhat did I just say?\\n' | tandem chat --max-tokens 32   # one turn per line
+  tandem chat --tools tools.json --tool-choice required   # calls printed as {"tool_call": ...} lines""",
     "tokenize": """examples:
   tandem tokenize "Hello world"
   tandem tokenize "Hello world" --chat --json    # as the chat template renders a user message
@@ -85,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a separate token for tandem.v1.AdminService calls")
     serve.add_argument("--max-message-bytes", type=int, metavar="N", default=argparse.SUPPRESS,
                        help="the frontend's largest message (default: tandem-frontend's)")
+    serve.add_argument("--chat-template", metavar="FILE", default=argparse.SUPPRESS,
+                       help="the frontend renders chats with this Jinja template (see tandem-frontend --help)")
+    serve.add_argument("--tool-parser", metavar="NAME", default=argparse.SUPPRESS,
+                       help="how the frontend reads tool calls: hermes, llama3_json, mistral or pythonic")
     serve.add_argument("engine_args", nargs=argparse.REMAINDER, help="-- then flags for tandem-engine")
 
     connection, sampling = connection_parent(), sampling_parent()
@@ -104,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat = _add(subcommands, "chat", "chat in the terminal (streams tokens, keeps history)", [connection, sampling],
                 chat_session.__doc__.strip())
     chat.add_argument("--system", help="a system message that starts the conversation")
+    chat.add_argument("--tools", metavar="FILE", help="a JSON file with a list of tools the model may call: "
+                      '[{"name": ..., "description": ..., "parameters": JSON schema}]; see docs/tools.md')
+    chat.add_argument("--tool-choice", metavar="CHOICE", help="auto (default), none, required, or a tool's name "
+                      "to force that call")
     chat.set_defaults(run=chat_session.run)
 
     tokenize = _add(subcommands, "tokenize", "token ids of text (or text of token ids)", [connection],
@@ -155,7 +164,8 @@ def serve(args: argparse.Namespace) -> int:
     engine_args = [a for a in args.engine_args if a != "--"]
     if args.model:
         engine_args = ["--model", args.model, *engine_args]
-    passed = ("api_token_file", "admin_token_file", "max_message_bytes")  # to tandem-frontend, when given
+    passed = ("api_token_file", "admin_token_file", "max_message_bytes",  # to tandem-frontend, when given
+              "chat_template", "tool_parser")
     frontend_args = [arg for name in passed if name in args
                      for arg in ("--" + name.replace("_", "-"), str(getattr(args, name)))]
     stack = LocalStack(host=args.host, frontend_port=args.port, engine_port=args.engine_port,

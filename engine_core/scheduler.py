@@ -21,16 +21,10 @@ from collections.abc import Iterable
 
 from engine_core.config import CacheConfig, SchedulerConfig
 from engine_core.kv_cache_manager import KVCacheManager
+from engine_core.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from engine_core.request import Request, RequestStatus
 from engine_core.request_queue import FcfsQueue, PriorityQueue
-from engine_core.types import (
-    EngineCoreEventType,
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    ModelRunnerOutput,
-    SchedulerOutput,
-    SchedulerStats,
-)
+from engine_core.types import ModelRunnerOutput, SchedulerOutput
 
 
 class Scheduler:
@@ -143,8 +137,8 @@ class Scheduler:
         while i < len(self.running):
             request = self.running[i]
             decode = _is_decode(request)
-            num_new = 1 if decode else min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:
+            num_new = 1 if decode else min(request.num_tokens_ahead - request.num_computed_tokens, budget)
+            if num_new <= 0 or self._at_limit_in_flight(request):
                 i += 1
                 continue
             while self.kv_cache_manager.allocate_slots(request, num_new) is None:
@@ -166,6 +160,14 @@ class Scheduler:
                     budget -= num_new
                 i += 1
         return budget
+
+    def _at_limit_in_flight(self, request: Request) -> bool:
+        """Overlapped steps: the token in flight is the request's last; computing past it would be wasted."""
+        if not request.num_output_placeholders:
+            return False
+        limit = request.max_output_tokens
+        return (limit is not None and request.num_output_tokens + request.num_output_placeholders >= limit
+                or request.num_tokens_ahead >= self.max_model_len)
 
     def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int]) -> None:
         """Admit waiting requests in queue order while budget, KV cache and max_num_seqs allow."""
@@ -221,11 +223,13 @@ class Scheduler:
         num_prompt_tokens = num_generation_tokens = 0  # prompts: of requests that sampled their first token
         for request in scheduler_output.scheduled_requests:
             request_id = request.request_id
-            if request.status != RequestStatus.RUNNING:
+            if request.is_finished:
                 continue  # aborted since schedule()
             new_token_ids: list[int] = []
             token_id = model_runner_output.sampled_token_ids.get(request_id)
-            if token_id is not None and request.num_computed_tokens >= request.num_tokens:
+            if token_id is not None:
+                # overlapped steps: the next step's schedule() may have preempted it since
+                waiting = request.status == RequestStatus.PREEMPTED
                 request.append_output_token_ids(token_id)
                 new_token_ids.append(token_id)
                 num_generation_tokens += 1
@@ -233,12 +237,15 @@ class Scheduler:
                     num_prompt_tokens += request.num_prompt_tokens
                 if request.check_stop() or self._check_model_len(request):
                     stopped.add(request_id)
-            embedding = model_runner_output.pooled.get(request_id)
+                    if waiting:
+                        self.waiting.remove(request)
+            embedding = model_runner_output.pooled.get(request_id) if model_runner_output.pooled else None
             if embedding is not None:  # a pooling request is done once its prompt is
                 request.status = RequestStatus.FINISHED_STOPPED
                 stopped.add(request_id)
                 num_prompt_tokens += request.num_prompt_tokens
-            prompt_logprobs = self._new_prompt_logprobs(request, scheduler_output, model_runner_output)
+            prompt_logprobs = (self._new_prompt_logprobs(request, scheduler_output, model_runner_output)
+                               if model_runner_output.prompt_logprobs else None)
             if not new_token_ids and not prompt_logprobs and embedding is None:
                 continue
             logprobs = model_runner_output.logprobs.get(request_id) if new_token_ids else None
@@ -248,7 +255,7 @@ class Scheduler:
                 new_logprobs=None if logprobs is None else [logprobs],
                 new_prompt_logprobs=prompt_logprobs or None,
                 finish_reason=request.finish_reason,
-                stop_reason=request.stop_reason,
+                stop_token_id=request.stop_token_id,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 events=request.take_events() if self.log_stats else None,
                 embedding=embedding,
@@ -317,4 +324,4 @@ class Scheduler:
 
 def _is_decode(request: Request) -> bool:
     """One token left to compute: its next sampled token's input (not yet counted as computed)."""
-    return request.num_tokens - request.num_computed_tokens == 1
+    return request.num_tokens_ahead - request.num_computed_tokens == 1

@@ -5,13 +5,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine_core.host_to_device import to_device
+
 
 def apply_token_mask(logits: torch.Tensor, disallowed: np.ndarray, rows: list[int]) -> None:
     """In place. logits: [N, V]; disallowed: [len(rows), V] uint8, 1 = not allowed
     (masks.disallowed_tokens); rows: the logits rows its rows belong to, ascending."""
-    mask = torch.from_numpy(disallowed).view(torch.bool).to(logits.device)  # 0/1 bytes: a zero-copy view
+    mask = to_device(disallowed, torch.uint8, logits.device).view(torch.bool)  # 0/1 bytes: a zero-copy view
     if len(rows) == logits.shape[0]:  # every row constrained: one pass, no gather
         logits.masked_fill_(mask, float("-inf"))
         return
-    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    index = to_device(rows, torch.int64, logits.device)
     logits[index] = logits[index].masked_fill_(mask, float("-inf"))

@@ -27,21 +27,17 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from engine_core.types import EngineCoreOutputs, EngineCoreRequest
-from services.engine.messages import (
-    Abort,
-    Add,
-    Call,
-    Close,
-    EngineDied,
+from engine_core.protocol import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
     EngineState,
-    Open,
     PauseMode,
     RequestErrorKind,
-    Utility,
+    UtilityCall,
     UtilityMethod,
     UtilityResult,
 )
+from services.engine.messages import Abort, Add, Call, Close, EngineDied, Open
 from services.engine.pause import PauseState, Waiter
 from services.engine.routing import ConnectionRouter
 from services.engine.telemetry import EngineTelemetry
@@ -163,7 +159,7 @@ class EngineBusyLoop:
             return self.engine.step()
         started = time.perf_counter()
         step = self.engine.step()
-        self.telemetry.record_step(step, time.perf_counter() - started)
+        self.telemetry.record_step(step, time.perf_counter() - started, self.engine.last_mask_timing)
         return step
 
     def _has_work(self) -> bool:
@@ -211,7 +207,7 @@ class EngineBusyLoop:
             self._add(connection, item.request)
         elif isinstance(item, Abort):
             self._abort(connection, item.request_ids)
-        elif isinstance(item, Utility):
+        elif isinstance(item, UtilityCall):
             result = self._utility(connection, item)
             if result is not None:
                 self._router.reply(connection, result)
@@ -298,7 +294,7 @@ class EngineBusyLoop:
             self._router.send_aborted(connection, request_ids, self.engine.make_stats())
 
     # ---- utility calls ----------------------------------------------------------------
-    def _utility(self, connection: int, call: Utility) -> UtilityResult | None:
+    def _utility(self, connection: int, call: UtilityCall) -> UtilityResult | None:
         """Run one utility call; None when its result comes later (a WAIT pause)."""
         method = call.method
         try:
@@ -332,7 +328,7 @@ class EngineBusyLoop:
             self._published_state = state
             self._router.broadcast_state(state)
 
-    def _pause_engine(self, connection: int, call: Utility) -> UtilityResult | None:
+    def _pause_engine(self, connection: int, call: UtilityCall) -> UtilityResult | None:
         if call.pause_mode is PauseMode.ABORT:
             self._abort_everything()
         if not self._pause.pause(call.pause_mode, (connection, call.call_id)):

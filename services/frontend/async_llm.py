@@ -12,17 +12,24 @@ import asyncio
 import logging
 import math
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
-from engine_core.sampling_params import OutputKind, SamplingParams
+from engine_core.protocol import (
+    EngineInfo,
+    OutputKind,
+    PauseMode,
+    PoolingParams,
+    RequestOutput,
+    SamplingParams,
+    Usage,
+    UtilityMethod,
+)
 from services.frontend.change_listeners import ChangeListeners
+from services.frontend.chat_setup import ChatSetup
 from services.frontend.engine_client import EngineClient
 from services.frontend.errors import DuplicateRequest, EngineUnavailable, InvalidRequest, TooManyRequests
 from services.frontend.input_processor import InputProcessor, Prompt, new_request_id
 from services.frontend.limits import RequestLimits
-from services.frontend.messages import (
-    EmbedResult, EngineInfo, EngineOutputs, EngineRequest, PoolingParams, RequestOutput, Usage, UtilityResult,
-)
+from services.frontend.messages import EmbedResult, EngineCallResult, EngineOutputs
 from services.frontend.output_processor import DEFAULT_MAX_UNSENT_TOKENS, OutputProcessor, RequestOutputCollector
 from services.frontend.telemetry import FrontendTelemetry
 from services.frontend.tokenizer import TokenizerBundle
@@ -39,11 +46,11 @@ class AsyncLLM(ChangeListeners):
                  max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
                  limits: RequestLimits = RequestLimits(),
                  max_unsent_tokens: int = DEFAULT_MAX_UNSENT_TOKENS,
-                 telemetry: FrontendTelemetry | None = None) -> None:
+                 telemetry: FrontendTelemetry | None = None, chat_setup: ChatSetup | None = None) -> None:
         self.engine_client = engine_client
         self.tokenizer = tokenizer
         self.telemetry = telemetry or FrontendTelemetry()  # default: request log lines only
-        self.input_processor = InputProcessor(tokenizer, limits=limits)
+        self.input_processor = InputProcessor(tokenizer, limits=limits, chat_setup=chat_setup)
         self.output_processor = OutputProcessor(tokenizer.tokenizer, max_unsent_tokens, self.telemetry)
         if self.telemetry.metrics is not None:
             self.telemetry.metrics.track_streams(lambda: len(self.output_processor.parents))
@@ -88,6 +95,12 @@ class AsyncLLM(ChangeListeners):
     def num_in_flight(self) -> int:
         """Engine requests in flight (an n > 1 request counts n); the OutputProcessor is the one record."""
         return self.output_processor.num_requests
+
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template text this frontend renders chats with (--chat-template, the model's own, or the
+        tool-aware one shipped for it: services/frontend/chat_setup.py); what a gateway must render with."""
+        return self.input_processor.chat_setup.template
 
     # ---- generation -----------------------------------------------------------------
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str = "", *,
@@ -146,17 +159,18 @@ class AsyncLLM(ChangeListeners):
             raise DuplicateRequest(f"request_id {request_id!r} is already in flight; use a new id")
         if not self.engine_client.is_connected:
             raise EngineUnavailable("no engine is connected; it may be starting or down, retry shortly")
+        tool_plan = self.input_processor.plan_tools(prompt, sampling_params)
         request = self.input_processor.process(request_id, prompt, sampling_params, priority=priority,
-                                               trace_headers=trace_headers, pooling=pooling)
+                                               trace_headers=trace_headers, pooling=pooling, tool_plan=tool_plan)
         n = request.sampling_params.n
         in_flight = self.num_in_flight
         if in_flight + n > self.max_waiting_requests:
             raise TooManyRequests(f"the server is full: {in_flight} requests in flight, the limit is "
                                   f"{self.max_waiting_requests} (--max-waiting-requests); retry later")
         request, stats = self.telemetry.start_request(request)  # its span's context goes into the trace headers
-        children = [request] if n == 1 else [_child(request, i) for i in range(n)]
+        children = request.fan_out()
         collector = RequestOutputCollector(request.sampling_params.output_kind)
-        self.output_processor.add_request(request.request_id, children, collector, stats)
+        self.output_processor.add_request(request.request_id, children, collector, stats, tool_plan)
         try:
             for child in children:
                 self.engine_client.add_request(child)
@@ -187,7 +201,7 @@ class AsyncLLM(ChangeListeners):
         if outputs.failed:
             aborts += self.output_processor.fail_requests(outputs.failed, outputs.error)
         if outputs.outputs:
-            aborts += self.output_processor.process_outputs(outputs.outputs)
+            aborts += self.output_processor.process_outputs(outputs.outputs, outputs.timestamp)
         return aborts
 
     async def shutdown(self) -> None:
@@ -218,31 +232,31 @@ class AsyncLLM(ChangeListeners):
             raise EngineUnavailable("no engine is connected")
 
     # ---- operator calls (forwarded to every engine) -----------------------------------
-    async def pause_generation(self, mode: str = "abort") -> list[UtilityResult]:
-        """mode: abort (abort in-flight requests first), wait (let them finish) or keep (freeze them)."""
-        if mode == "abort":
+    async def pause_generation(self, mode: PauseMode = PauseMode.ABORT) -> list[EngineCallResult]:
+        """ABORT (abort in-flight requests first), WAIT (let them finish) or KEEP (freeze them)."""
+        if mode is PauseMode.ABORT:
             self.abort(list(self.output_processor.parents))
-        return await self.engine_client.call_utility("pause", pause_mode=mode)
+        return await self.engine_client.call_utility(UtilityMethod.PAUSE, pause_mode=mode)
 
-    async def resume_generation(self) -> list[UtilityResult]:
+    async def resume_generation(self) -> list[EngineCallResult]:
         """Resume the engines; also ends a drain, so new requests are admitted again."""
         self._set_draining(False)
-        return await self.engine_client.call_utility("resume")
+        return await self.engine_client.call_utility(UtilityMethod.RESUME)
 
-    async def sleep(self) -> list[UtilityResult]:
-        return await self.engine_client.call_utility("sleep")
+    async def sleep(self) -> list[EngineCallResult]:
+        return await self.engine_client.call_utility(UtilityMethod.SLEEP)
 
-    async def wake_up(self) -> list[UtilityResult]:
-        return await self.engine_client.call_utility("wake_up")
+    async def wake_up(self) -> list[EngineCallResult]:
+        return await self.engine_client.call_utility(UtilityMethod.WAKE_UP)
 
-    async def reset_prefix_cache(self) -> list[UtilityResult]:
-        return await self.engine_client.call_utility("reset_prefix_cache")
+    async def reset_prefix_cache(self) -> list[EngineCallResult]:
+        return await self.engine_client.call_utility(UtilityMethod.RESET_PREFIX_CACHE)
 
-    async def start_profile(self, output_dir: str = "") -> list[UtilityResult]:
-        return await self.engine_client.call_utility("start_profile", profile_dir=output_dir)
+    async def start_profile(self, output_dir: str = "") -> list[EngineCallResult]:
+        return await self.engine_client.call_utility(UtilityMethod.START_PROFILE, profile_dir=output_dir)
 
-    async def stop_profile(self) -> list[UtilityResult]:
-        return await self.engine_client.call_utility("stop_profile")
+    async def stop_profile(self) -> list[EngineCallResult]:
+        return await self.engine_client.call_utility(UtilityMethod.STOP_PROFILE)
 
     async def drain(self, timeout_s: float) -> int:
         """Stop admitting requests and wait up to timeout_s (finite, >= 0) for those in flight; how many are left."""
@@ -261,8 +275,3 @@ class AsyncLLM(ChangeListeners):
             log.info("draining: new requests get UNAVAILABLE" if draining else "drain ended: admitting requests")
             self._notify()
 
-
-def _child(request: EngineRequest, index: int) -> EngineRequest:
-    """Completion `index` of an n > 1 request: id f"{index}_{parent}", seed + index (as vLLM)."""
-    return replace(request, request_id=f"{index}_{request.request_id}",
-                   sampling_params=request.sampling_params.for_child(index))

@@ -18,6 +18,17 @@ import logging
 
 import grpc
 
+from engine_core.protocol import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineInfo,
+    EngineState,
+    KVCacheEvents,
+    PauseMode,
+    SchedulerStats,
+    UtilityCall,
+    UtilityMethod,
+)
 from services.frontend import convert
 from services.frontend.engine_client_base import EngineClient, refusal_error  # EngineClient re-exported
 from services.frontend.engine_connection import EngineConnection
@@ -28,17 +39,7 @@ from services.frontend.engine_discovery import (
     parse_engine_targets,
 )
 from services.frontend.errors import EngineAsleep, EngineUnavailable
-from services.frontend.messages import (
-    EngineInfo,
-    EngineMessage,
-    EngineOutputs,
-    EngineRequest,
-    EngineState,
-    EngineStatus,
-    KVCacheEvents,
-    SchedulerStats,
-    UtilityResult,
-)
+from services.frontend.messages import EngineCallResult, EngineOutputs, EngineStatus
 from services.frontend.router import Router
 from services.security.transport import ENGINE_LINK_MAX_MESSAGE_BYTES, ChannelTransport
 from services.telemetry.metrics import FrontendMetrics
@@ -168,7 +169,7 @@ class GrpcEngineClient(EngineClient):
         super().add_report_listener(listener)
 
     # ---- requests -------------------------------------------------------------------
-    def add_request(self, request: EngineRequest) -> None:
+    def add_request(self, request: EngineCoreRequest) -> None:
         candidates = self._candidates()
         decision = self.router.choose([e.load for e in candidates], request.prompt_token_ids)
         engine = candidates[decision.index]
@@ -199,7 +200,8 @@ class GrpcEngineClient(EngineClient):
                 engine.send(convert.abort_to_proto(ids))
             self._retire_if_idle(engine)
 
-    async def call_utility(self, method: str, *, pause_mode: str = "", profile_dir: str = "") -> list[UtilityResult]:
+    async def call_utility(self, method: UtilityMethod, *, pause_mode: PauseMode = PauseMode.ABORT,
+                           profile_dir: str = "") -> list[EngineCallResult]:
         engines = [e for e in self._engines.values() if e.connected]
         if not engines:
             raise EngineUnavailable("no engine is connected; the call reached no engine")
@@ -207,7 +209,7 @@ class GrpcEngineClient(EngineClient):
         for engine in engines:
             call_id = next(self._call_ids)
             engine.pending[call_id] = future = asyncio.get_running_loop().create_future()
-            engine.send(convert.utility_to_proto(call_id, method, pause_mode, profile_dir))
+            engine.send(convert.utility_to_proto(UtilityCall(call_id, method, pause_mode, profile_dir)))
             calls.append(future)
         return list(await asyncio.gather(*calls))
 
@@ -254,7 +256,7 @@ class GrpcEngineClient(EngineClient):
             self._on_lost(engine, reason)
         return reason
 
-    def _route(self, engine: EngineConnection, message: EngineMessage) -> None:
+    def _route(self, engine: EngineConnection, message: EngineCoreOutputs) -> None:
         """Utility answers to their callers; refusals and outputs to the output handler; load to the router;
         a new engine state to the listeners (health)."""
         engine.observe(message.scheduler_stats, message.kv_events)
@@ -267,16 +269,18 @@ class GrpcEngineClient(EngineClient):
             engine.state = message.engine_state
             log.info("engine at %s: %s", engine.address, _describe(engine.state))
             self._on_change()
-        if message.utility_call_id is not None:
-            future = engine.pending.pop(message.utility_call_id, None)
+        if message.utility_result is not None:
+            result = message.utility_result
+            future = engine.pending.pop(result.call_id, None)
             if future is not None and not future.done():
-                future.set_result(UtilityResult(engine.address, message.utility_ok, message.utility_error))
+                future.set_result(EngineCallResult(engine.address, result.ok, result.error))
         for error in message.errors:
             engine.untrack([error.request_id])
             self._put_output(EngineOutputs(failed=[error.request_id], error=refusal_error(error)))
-        if message.outputs:
-            engine.untrack([o.request_id for o in message.outputs if o.finish_reason is not None])
-            self._put_output(EngineOutputs(outputs=message.outputs))
+        step = EngineOutputs.of_step(message)
+        if step.outputs:
+            engine.untrack([o.request_id for o in step.outputs if o.finish_reason is not None])
+            self._put_output(step)
         self._retire_if_idle(engine)
 
     def _on_lost(self, engine: EngineConnection, reason: str) -> None:
@@ -289,7 +293,7 @@ class GrpcEngineClient(EngineClient):
             self._put_output(EngineOutputs(failed=lost, error=error))
         for future in engine.pending.values():
             if not future.done():
-                future.set_result(UtilityResult(engine.address, False, f"engine at {engine.address} disconnected"))
+                future.set_result(EngineCallResult(engine.address, False, f"engine at {engine.address} disconnected"))
         engine.pending.clear()
         self._retire_if_idle(engine)
         self._on_change()

@@ -10,16 +10,10 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
+from engine_core.protocol import EngineCoreRequest, EngineInfo, PauseMode, RequestError, RequestErrorKind, UtilityMethod
 from services.frontend.change_listeners import ChangeListeners
 from services.frontend.errors import EngineAsleep, InvalidRequest
-from services.frontend.messages import (
-    EngineInfo,
-    EngineOutputs,
-    EngineRequest,
-    EngineStatus,
-    RequestError,
-    UtilityResult,
-)
+from services.frontend.messages import EngineCallResult, EngineOutputs, EngineStatus
 
 
 class EngineClient(ChangeListeners, ABC):
@@ -37,7 +31,7 @@ class EngineClient(ChangeListeners, ABC):
     async def close(self) -> None: ...
 
     @abstractmethod
-    def add_request(self, request: EngineRequest) -> None:
+    def add_request(self, request: EngineCoreRequest) -> None:
         """Send a request to an engine (never blocks); raises EngineUnavailable when none is connected."""
 
     @abstractmethod
@@ -45,8 +39,9 @@ class EngineClient(ChangeListeners, ABC):
         """Abort engine requests (never blocks; unknown ids are ignored)."""
 
     @abstractmethod
-    async def call_utility(self, method: str, *, pause_mode: str = "", profile_dir: str = "") -> list[UtilityResult]:
-        """Call `method` (pause, resume, sleep, wake_up, reset_prefix_cache, start_profile, ...) on every engine."""
+    async def call_utility(self, method: UtilityMethod, *, pause_mode: PauseMode = PauseMode.ABORT,
+                           profile_dir: str = "") -> list[EngineCallResult]:
+        """Call `method` on every engine connected; one result each."""
 
     @abstractmethod
     async def wait_for_engine(self) -> EngineInfo:
@@ -88,6 +83,6 @@ class EngineClient(ChangeListeners, ABC):
 
 def refusal_error(error: RequestError) -> Exception:
     """What the client hears of a request an engine refused: its own fault, or the engine's state."""
-    if error.engine_asleep:
+    if error.kind is RequestErrorKind.ASLEEP:
         return EngineAsleep()
     return InvalidRequest(f"the engine refused the request: {error.message}")

@@ -20,7 +20,7 @@ from services.frontend.async_llm import AsyncLLM
 from services.frontend.errors import DuplicateRequest, EngineUnavailable, FrontendError, InvalidRequest, TooManyRequests
 from services.frontend.health import ADMIN_SERVICE, GENERATION_SERVICE, FrontendHealth
 from services.frontend.input_processor import TextPrompt
-from services.frontend.messages import UtilityResult
+from services.frontend.messages import EngineCallResult
 from services.frontend.vllm_engine_servicer import SERVICE_NAME as VLLM_ENGINE_SERVICE
 from services.frontend.vllm_engine_servicer import VllmEngineServicer
 from services.security.transport import ServerTransport
@@ -95,7 +95,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         processor = self.llm.input_processor
         try:
             if request.WhichOneof("input") == "chat":
-                ids = processor.tokenize(convert.prompt_from_chat(request.chat))
+                chat = convert.prompt_from_chat(request.chat)
+                ids = processor.tokenize(chat, processor.plan_tools(chat, None))
             else:
                 add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
                 ids = processor.tokenize(TextPrompt(request.text, add_special_tokens=add_special))
@@ -172,7 +173,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     async def _forward(self, context, call, response_type):
         """Await the engines' utility results and answer with one `response_type` (ok, detail)."""
         try:
-            results: list[UtilityResult] = await call
+            results: list[EngineCallResult] = await call
         except Exception as e:  # noqa: BLE001
             await _abort(context, e)
         return convert.admin_response(results, response_type)

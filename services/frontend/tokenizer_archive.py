@@ -15,7 +15,7 @@ import json
 import zipfile
 from dataclasses import dataclass
 
-from services.frontend.messages import EngineInfo
+from engine_core.protocol import EngineInfo
 from services.frontend.tokenizer import TokenizerBundle
 
 CHUNK_BYTES = 64 * 1024  # what smg's servicers stream per GetTokenizerChunk

@@ -18,11 +18,11 @@ from contextlib import aclosing
 import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
+from engine_core.protocol import PoolingParams, PoolingType
 from services.frontend import vllm_engine_convert as convert
 from services.frontend.async_llm import AsyncLLM
 from services.frontend.errors import FrontendError
 from services.frontend.kv_event_feed import KVEventFeed, SubscriberGone
-from services.frontend.messages import PoolingParams, PoolingType
 from services.frontend.tokenizer_archive import TokenizerArchive, build_tokenizer_archive
 
 log = logging.getLogger(__name__)

@@ -47,6 +47,10 @@ class ReflectionClient:
         return method, [json_format.MessageToDict(r) for r in responses]
 
 
+# docs/tools.md's example forces a tool call: it ends with TOOL_CALLS, or LENGTH in the test stack's short context
+FINISHED = ("FINISH_REASON_STOP", "FINISH_REASON_LENGTH", "FINISH_REASON_TOOL_CALLS")
+
+
 def documented_buf_curl_commands() -> list[list[str]]:
     """Every plaintext `buf curl ... http://...` command in the README's and docs/'s code blocks, split as a
     shell would."""
@@ -115,7 +119,7 @@ def test_the_documented_buf_curl_examples_run_from_reflection_alone(reflection):
         assert re.fullmatch(r"tandem\.v1\.\w+Service/\w+", target), target
         assert method.output_type.full_name == f"tandem.v1.{method.name}Response"  # one response type per RPC
         assert responses[-1]["usage"]["completionTokens"] > 0, responses[-1]
-        assert responses[-1]["completions"][0]["finishReason"] in ("FINISH_REASON_STOP", "FINISH_REASON_LENGTH")
+        assert responses[-1]["completions"][0]["finishReason"] in FINISHED
 
 
 def test_the_documented_buf_curl_examples_run_as_written(live_stack):
@@ -134,7 +138,7 @@ def test_the_documented_buf_curl_examples_run_as_written(live_stack):
             message, end = decoder.raw_decode(text)
             messages.append(message)
             text = text[end:].strip()
-        assert messages[-1]["completions"][0]["finishReason"] in ("FINISH_REASON_STOP", "FINISH_REASON_LENGTH")
+        assert messages[-1]["completions"][0]["finishReason"] in FINISHED
 
 
 def test_unary_and_admin_calls_from_reflection(reflection):

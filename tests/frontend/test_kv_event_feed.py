@@ -7,8 +7,8 @@ import asyncio
 
 from smg_grpc_proto.generated import common_pb2
 
-from engine_core.block_hash import hash_prompt_blocks
-from engine_core.types import KVCacheEvents, SchedulerStats
+from engine_core.protocol import KVCacheEvents, SchedulerStats
+from engine_core.protocol.block_hash import hash_prompt_blocks
 from services.frontend import vllm_engine_convert as convert
 from services.frontend.kv_event_feed import KVEventFeed, KVFeedBatch, StoredBlock
 

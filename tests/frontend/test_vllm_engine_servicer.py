@@ -75,18 +75,18 @@ def generate(stack, vllm, request: vllm_engine_pb2.GenerateRequest) -> list[vllm
     return stack.run(call())
 
 
+def call_on_loop(stack, rpc, request):
+    """One unary call, started on the stack's loop (a grpc.aio call needs a running loop to start on)."""
+    async def call():
+        return await rpc(request)
+    return stack.run(call())
+
+
 def tokenized(ids, **params) -> vllm_engine_pb2.GenerateRequest:
     stream = params.pop("stream", True)
     return vllm_engine_pb2.GenerateRequest(
         request_id=params.pop("request_id", ""), tokenized=vllm_engine_pb2.TokenizedInput(input_ids=ids),
         sampling_params=vllm_engine_pb2.SamplingParams(**params), stream=stream)
-
-
-def call(stack, method, request):
-    """A unary call made on the stack's loop (an aio call made outside a running loop needs a default one)."""
-    async def run():
-        return await method(request)
-    return stack.run(run())
 
 
 def status_of(stack, vllm, request) -> tuple[grpc.StatusCode, str]:
@@ -96,9 +96,9 @@ def status_of(stack, vllm, request) -> tuple[grpc.StatusCode, str]:
 
 
 def test_health_and_model_info_with_an_engine(stack, vllm, tokenizer):
-    health = call(stack, vllm.HealthCheck, vllm_engine_pb2.HealthCheckRequest())
+    health = call_on_loop(stack, vllm.HealthCheck, vllm_engine_pb2.HealthCheckRequest())
     assert health.healthy and health.message == "serving"
-    info = call(stack, vllm.GetModelInfo, vllm_engine_pb2.GetModelInfoRequest())
+    info = call_on_loop(stack, vllm.GetModelInfo, vllm_engine_pb2.GetModelInfoRequest())
     assert info.max_context_length == stack.engine.max_model_len and info.vocab_size == tokenizer.vocab_size
     assert info.is_generation and info.served_model_name and info.tokenizer_path and info.model_path
     assert list(info.eos_token_ids) == [tokenizer.tokenizer.token_to_id(tokenizer.eos_token)]
@@ -263,7 +263,7 @@ def test_abort_ends_a_running_stream_with_abort(make_stack):
 
 def test_flush_cache_resets_every_engines_prefix_cache(stack, vllm):
     before = len(stack.engine.utility_calls)
-    response = call(stack, vllm.FlushCache, common_pb2.FlushCacheRequest(timeout_s=1.0))
+    response = call_on_loop(stack, vllm.FlushCache, common_pb2.FlushCacheRequest(timeout_s=1.0))
     assert response.success and "1 engine" in response.message
     assert len(stack.engine.utility_calls) == before + 1
 

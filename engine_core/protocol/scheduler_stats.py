@@ -1,0 +1,20 @@
+"""The scheduler's load and counters after one step (vLLM's SchedulerStats)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens of the requests admitted this step (resumed ones too)
+    prefix_cache_hits: int = 0  # of which found
+    num_preemptions: int = 0  # this step
+    num_scheduled_tokens: int = 0  # this step
+    num_prompt_tokens: int = 0  # this step: prompt lengths of requests that sampled their first token
+    num_generation_tokens: int = 0  # this step: tokens sampled
