@@ -114,7 +114,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         if info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no engine has connected yet, so the model is unknown")
         if self._archive is None or self._archive[0] != info:  # built once per model (a few hundred ms)
-            self._archive = info, await asyncio.to_thread(build_tokenizer_archive, self.llm.tokenizer, info)
+            self._archive = info, await asyncio.to_thread(build_tokenizer_archive, self.llm.tokenizer, info,
+                                                          self.llm.chat_template)
         archive = self._archive[1]
         chunks = archive.chunks()
         for i, data in enumerate(chunks):
