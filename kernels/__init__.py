@@ -16,6 +16,9 @@ have the same signature on every backend:
 K/V blocks in place (kernels/cpu_attention.py, built on first use by kernels/cpu_extension.py);
 "triton" runs the Triton kernels (CUDA, or the CPU interpreter under TRITON_INTERPRET=1).
 
+LoRA's shrink/expand products: `select_lora_ops` (kernels/lora_ops.py) gives Triton on CUDA and
+the kernel measured fastest per row bucket on the CPU; `LoraStepIndex` maps a step's rows to slots.
+
 `supports_cuda_graphs` says a backend may be captured in a CUDA graph: it reads every
 per-step value from the metadata's device tensors (never the host lists, beyond their
 length) and never syncs with the host. The torch reference sizes its gathers from the
@@ -28,8 +31,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kernels.attention_metadata import AttentionMetadata
+from kernels.lora_index import LoraStepIndex
+from kernels.lora_ops import LoraOps, LoraPlan, select_lora_ops
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "select_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "LoraOps", "LoraPlan", "LoraStepIndex", "select_backend",
+           "select_lora_ops"]
 
 
 @dataclass(frozen=True)
