@@ -18,6 +18,10 @@ import torch
 from engine_core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, ModelArchConfig, SchedulerConfig
 from engine_core.cuda_graphs import capture_sizes
 from engine_core.loader.registry import default_model_path, load_model
+from engine_core.lora.admission import LoraAdmission
+from engine_core.lora.errors import LoraDisabledError, LoraInUseError
+from engine_core.lora.manager import LoraInfo
+from engine_core.lora.runtime import LoraRuntime
 from engine_core.model_runner import ModelRunner, kv_cache_bytes_per_block
 from engine_core.profiler import Profiler
 from engine_core.request import Request, RequestStatus
@@ -115,17 +119,22 @@ class EngineCore:
         logger.info("step token budget %d", config.scheduler.max_num_batched_tokens)
         block_size = config.cache.block_size
         num_blocks = config.cache.num_blocks or self._num_blocks_for_memory(dtype)
+        self.lora = None  # the adapters (engine_core/lora), when the engine serves LoRA
+        if config.lora.enable:
+            self.lora = LoraRuntime.attach(self.model, config.lora, device, dtype, self.attention.name)
         self.structured = StructuredOutputs(self._tokenizer_path(), vocab_size=self.arch.vocab_size,
                                             eos_token_ids=list(self.arch.eos_token_ids))
         self.runner = ModelRunner(
             self.model, self.arch, self.attention,
             num_blocks=num_blocks, block_size=block_size, device=device, dtype=dtype,
             max_model_len=self.max_model_len, cuda_graph_sizes=self._cuda_graph_sizes(device),
-            structured=self.structured,
+            structured=self.structured, lora=self.lora,
         )
         every_layer_slides = all(self.arch.is_sliding(i) for i in range(self.arch.num_hidden_layers))
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len, log_stats=log_stats,
-                                   sliding_window=self.arch.sliding_window if every_layer_slides else None)
+                                   sliding_window=self.arch.sliding_window if every_layer_slides else None,
+                                   lora=LoraAdmission(config.lora.max_loras, config.lora.max_wait_steps)
+                                   if self.lora is not None else None)
         self._block_pool = self.scheduler.kv_cache_manager.block_pool
         self.records_kv_events = kv_events
         if kv_events:
@@ -228,6 +237,8 @@ class EngineCore:
                 )
         if params.structured is not None:
             self.structured.new_matcher(params.structured)  # compiles (and caches) or raises
+        if request.lora_name is not None:
+            self._require_lora().manager.info(request.lora_name)  # UnknownLoraError when not loaded
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Idempotent: unknown or finished ids are ignored."""
@@ -238,6 +249,34 @@ class EngineCore:
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
+
+    # ---- LoRA adapters (docs/lora.md) ---------------------------------------------------
+    def add_lora(self, name: str, path: str) -> LoraInfo:
+        """Load a PEFT adapter folder under `name`; LoraAdapterError says why one cannot be served."""
+        return self._require_lora().add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter. Refused (LoraInUseError) while requests that use it are in flight:
+        abort them or let them finish first."""
+        runtime = self._require_lora()
+        runtime.manager.info(name)
+        in_flight = sum(1 for r in self.scheduler.requests.values() if r.lora_name == name)
+        if in_flight:
+            raise LoraInUseError(f"LoRA adapter {name!r} has {in_flight} requests in flight: abort them or let "
+                                 "them finish before unloading it")
+        runtime.remove(name)
+
+    def pin_lora(self, name: str, pinned: bool = True) -> LoraInfo:
+        return self._require_lora().pin(name, pinned)
+
+    def list_loras(self) -> list[LoraInfo]:
+        return [] if self.lora is None else self.lora.list()
+
+    def _require_lora(self) -> LoraRuntime:
+        if self.lora is None:
+            raise LoraDisabledError("this engine serves no LoRA adapters: start it with --enable-lora "
+                                    "(or --lora NAME=PATH)")
+        return self.lora
 
     # ---- the step -----------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from engine_core.config import EngineConfig
 from engine_core.engine_core import EngineCore
+from engine_core.lora.manager import LoraInfo
 from engine_core.sampling_params import SamplingParams, validate_sampling_params
 from engine_core.types import EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs
 
@@ -64,7 +65,9 @@ class LLMEngine:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams | None = None,
         priority: int = 0,
+        lora_name: str | None = None,
     ) -> None:
+        """`lora_name`: a loaded LoRA adapter to run the request with (None: the base model)."""
         if request_id in self._outputs:
             raise ValueError(f"request id {request_id!r} is already in flight")
         params = validate_sampling_params(sampling_params or SamplingParams())
@@ -73,7 +76,8 @@ class LLMEngine:
         for index in range(params.n):
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
             child_params = params if params.n == 1 else params.for_child(index)
-            children.append(EngineCoreRequest(child_id, list(prompt_token_ids), child_params, arrival, priority))
+            children.append(EngineCoreRequest(child_id, list(prompt_token_ids), child_params, arrival, priority,
+                                              lora_name=lora_name))
         for child in children:  # validate all before queueing any
             self.engine_core.validate_request(child)
         for index, child in enumerate(children):
@@ -85,6 +89,19 @@ class LLMEngine:
             outputs=[CompletionOutput(index=i) for i in range(params.n)],
             arrival_time=arrival,
         )
+
+    # ---- LoRA adapters (docs/lora.md), as vLLM's LLMEngine names them ------------------
+    def add_lora(self, name: str, path: str) -> LoraInfo:
+        return self.engine_core.add_lora(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        self.engine_core.remove_lora(name)
+
+    def pin_lora(self, name: str) -> LoraInfo:
+        return self.engine_core.pin_lora(name)
+
+    def list_loras(self) -> list[LoraInfo]:
+        return self.engine_core.list_loras()
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Idempotent; aborting a parent aborts all its children."""
@@ -147,17 +164,23 @@ class LLMEngine:
         self,
         prompts: list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        lora_names: str | list[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run a batch to completion; outputs in prompt order."""
+        """Run a batch to completion; outputs in prompt order. `lora_names`: one adapter for every
+        prompt, or one each (None: the base model)."""
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(
                 f"got {len(sampling_params)} sampling params for {len(prompts)} prompts: give one or one each"
             )
+        if not isinstance(lora_names, list):
+            lora_names = [lora_names] * len(prompts)
+        if len(lora_names) != len(prompts):
+            raise ValueError(f"got {len(lora_names)} lora_names for {len(prompts)} prompts: give one or one each")
         request_ids = [f"generate-{next(self._ids)}" for _ in prompts]
-        for request_id, prompt, params in zip(request_ids, prompts, sampling_params):
-            self.add_request(request_id, prompt, params)
+        for request_id, prompt, params, lora_name in zip(request_ids, prompts, sampling_params, lora_names):
+            self.add_request(request_id, prompt, params, lora_name=lora_name)
         finished: dict[str, RequestOutput] = {}
         wanted = set(request_ids)
         while wanted - finished.keys():

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from engine_core.config import ModelArchConfig
 from engine_core.cuda_graphs import DecodeGraphRunner
+from engine_core.lora.runtime import LoraRuntime
 from engine_core.pooling_params import PoolingType
 from engine_core.request import Request
 from engine_core.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs
@@ -50,10 +51,12 @@ class ModelRunner:
         max_model_len: int,
         cuda_graph_sizes: Sequence[int] = (),
         structured: StructuredOutputs | None = None,
+        lora: LoraRuntime | None = None,
     ) -> None:
         """`cuda_graph_sizes`: decode batch buckets (empty: every step runs eagerly). On CUDA
         each bucket is captured as a graph; elsewhere the padded buckets run eagerly.
-        `structured`: the engine's grammars and masks (None: constrained requests sample freely)."""
+        `structured`: the engine's grammars and masks (None: constrained requests sample freely).
+        `lora`: the model's adapter slots (engine_core/lora), when the engine serves LoRA."""
         self.model = model
         self.arch = arch
         self.attention = attention
@@ -63,6 +66,7 @@ class ModelRunner:
         self.dtype = dtype
         self.sampler = Sampler()
         self.structured = structured
+        self.lora = lora
         self.generators: dict[str, torch.Generator] = {}
         self.pooling_state: dict[str, torch.Tensor] = {}  # request id -> running sum (mean) or first row (cls)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -106,6 +110,8 @@ class ModelRunner:
         masks = None  # the constrained rows' masks, computed during the forward
         if self.structured is not None and batch.sampling_requests:
             masks = self.structured.start_masks(batch.sampling_requests)
+        if self.lora is not None:
+            self.lora.begin_step([r.lora_name for r in batch.requests], batch.row_counts)
         hidden = self._forward(batch)
         output = ModelRunnerOutput(sampled_token_ids={})
         if batch.sampling_requests:
@@ -118,13 +124,16 @@ class ModelRunner:
 
     def _forward(self, batch: _Batch) -> torch.Tensor:  # [T, hidden]
         md = batch.attn_metadata
-        if self.decode_graphs is not None and self.decode_graphs.can_run(md):
+        adapters = self.lora is not None and self.lora.active  # graphs are captured without adapter rows
+        if self.decode_graphs is not None and not adapters and self.decode_graphs.can_run(md):
             return self.decode_graphs.run(batch.input_ids, batch.positions, md)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, md)
 
     def _sample(self, hidden: torch.Tensor, batch: _Batch, output: ModelRunnerOutput,
                 masks: StepMasks | None) -> None:
         requests = batch.sampling_requests
+        if self.lora is not None:
+            self.lora.select_head_rows(batch.logits_indices.tolist())
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab] fp32
         if masks is not None:  # before the sampler: logprobs are those of the constrained distribution
             disallowed, output.mask_timing = masks.result()
@@ -145,6 +154,8 @@ class ModelRunner:
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: _Batch, output: ModelRunnerOutput) -> None:
         for request, token_start, position_start, count in batch.prompt_logprob_spans:
             # hidden row at position p predicts prompt token p + 1
+            if self.lora is not None:
+                self.lora.select_head_rows(range(token_start, token_start + count))
             logits = self.model.compute_logits(hidden[token_start:token_start + count])
             targets = request.prompt_token_ids[position_start + 1:position_start + 1 + count]
             output.prompt_logprobs[request.request_id] = compute_prompt_logprobs(
@@ -174,9 +185,11 @@ class ModelRunner:
     # ---- batch preparation ------------------------------------------------------
     def _prepare_batch(self, scheduler_output: SchedulerOutput) -> _Batch:
         num_scheduled = scheduler_output.num_scheduled_tokens
-        # decodes (one query token) first, then prefill chunks: the attention layout
+        # decodes (one query token) first, then prefill chunks: the attention layout; within each, rows
+        # of one LoRA adapter together (runs the LoRA kernels take as one: kernels/cpu_lora.py)
         requests = sorted(
-            scheduler_output.scheduled_requests, key=lambda r: num_scheduled[r.request_id] != 1
+            scheduler_output.scheduled_requests,
+            key=lambda r: (num_scheduled[r.request_id] != 1, r.lora_name is not None, r.lora_name or ""),
         )
         block_size = self.block_size
         input_ids: list[int] = []
@@ -228,6 +241,8 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
         )
         return _Batch(
+            requests=requests,
+            row_counts=[num_scheduled[r.request_id] for r in requests],
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),
             attn_metadata=attn_metadata,
@@ -242,6 +257,8 @@ class ModelRunner:
 class _Batch:
     """The tensors of one step plus which rows sample and which want prompt logprobs."""
 
+    requests: list[Request]  # in batch order
+    row_counts: list[int]  # rows of each request
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     attn_metadata: AttentionMetadata

@@ -30,6 +30,7 @@ class EngineCoreRequest:
     priority: int = 0  # lower runs first under the priority policy
     trace_headers: dict[str, str] | None = None
     pooling: PoolingParams | None = None  # set: an embedding request, pooled instead of sampled
+    lora_name: str | None = None  # the LoRA adapter to run it with (engine_core/lora); None: the base model
 
 
 # ---- scheduler -> model runner ----------------------------------------------------
