@@ -20,7 +20,7 @@ from engine_core.cuda_graphs import capture_sizes
 from engine_core.loader.registry import default_model_path, load_model
 from engine_core.lora.admission import LoraAdmission
 from engine_core.lora.errors import LoraDisabledError, LoraInUseError
-from engine_core.lora.manager import LoraInfo
+from engine_core.lora.info import LoraInfo
 from engine_core.lora.runtime import LoraRuntime
 from engine_core.model_runner import ModelRunner, kv_cache_bytes_per_block
 from engine_core.profiler import Profiler

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from engine_core.config import EngineConfig
 from engine_core.engine_core import EngineCore
-from engine_core.lora.manager import LoraInfo
+from engine_core.lora.info import LoraInfo
 from engine_core.sampling_params import SamplingParams, validate_sampling_params
 from engine_core.types import EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs
 

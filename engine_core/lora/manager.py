@@ -20,24 +20,11 @@ from dataclasses import dataclass
 
 from engine_core.lora.adapter import LoraAdapter, load_peft_adapter
 from engine_core.lora.errors import LoraAdapterError, UnknownLoraError
+from engine_core.lora.info import LoraInfo
 from engine_core.lora.layers import LoraSlots
 from engine_core.lora.targets import LoraTarget
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LoraInfo:
-    """What `list_loras` says of one adapter."""
-
-    name: str
-    path: str
-    rank: int
-    alpha: float
-    target_modules: tuple[str, ...]
-    pinned: bool
-    location: str  # "device" (in a slot), "host" (in host memory) or "disk" (read again when used)
-    lora_id: int  # 1, 2, ... in load order (vLLM's lora_int_id)
 
 
 @dataclass

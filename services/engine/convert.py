@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from tandem.v1 import common_pb2, engine_core_pb2
 
 from engine_core.config import EngineConfig
+from engine_core.lora.info import LoraInfo
 from engine_core.pooling_params import PoolingParams, PoolingType
 from engine_core.sampling_params import SamplingParams, validate_sampling_params
 from engine_core.types import EngineCoreEventType, EngineCoreOutput, EngineCoreRequest, SchedulerStats
@@ -25,6 +26,7 @@ from services.engine.messages import (
     RequestError,
     RequestErrorKind,
     Utility,
+    UtilityErrorKind,
     UtilityMethod,
     UtilityResult,
 )
@@ -48,6 +50,13 @@ _PAUSE_MODES_TO_PROTO = {mode: proto for proto, mode in _PAUSE_MODES.items() if 
 _ERROR_KINDS = {
     RequestErrorKind.INVALID: engine_core_pb2.REQUEST_ERROR_KIND_UNSPECIFIED,
     RequestErrorKind.ASLEEP: engine_core_pb2.REQUEST_ERROR_KIND_ASLEEP,
+    RequestErrorKind.NOT_FOUND: engine_core_pb2.REQUEST_ERROR_KIND_NOT_FOUND,
+}
+_UTILITY_ERROR_KINDS = {
+    None: engine_core_pb2.UTILITY_ERROR_KIND_UNSPECIFIED,
+    UtilityErrorKind.INVALID_ARGUMENT: engine_core_pb2.UTILITY_ERROR_KIND_INVALID_ARGUMENT,
+    UtilityErrorKind.NOT_FOUND: engine_core_pb2.UTILITY_ERROR_KIND_NOT_FOUND,
+    UtilityErrorKind.FAILED_PRECONDITION: engine_core_pb2.UTILITY_ERROR_KIND_FAILED_PRECONDITION,
 }
 _METHODS = {
     engine_core_pb2.UTILITY_METHOD_PAUSE: UtilityMethod.PAUSE,
@@ -58,6 +67,10 @@ _METHODS = {
     engine_core_pb2.UTILITY_METHOD_START_PROFILE: UtilityMethod.START_PROFILE,
     engine_core_pb2.UTILITY_METHOD_STOP_PROFILE: UtilityMethod.STOP_PROFILE,
     engine_core_pb2.UTILITY_METHOD_GET_STATS: UtilityMethod.GET_STATS,
+    engine_core_pb2.UTILITY_METHOD_LOAD_LORA: UtilityMethod.LOAD_LORA,
+    engine_core_pb2.UTILITY_METHOD_UNLOAD_LORA: UtilityMethod.UNLOAD_LORA,
+    engine_core_pb2.UTILITY_METHOD_LIST_LORAS: UtilityMethod.LIST_LORAS,
+    engine_core_pb2.UTILITY_METHOD_PIN_LORA: UtilityMethod.PIN_LORA,
 }
 
 
@@ -92,6 +105,7 @@ def request_from_proto(request: engine_core_pb2.EngineCoreRequest) -> EngineCore
         priority=request.priority,
         trace_headers=dict(request.trace_headers) or None,
         pooling=pooling_from_proto(request.pooling) if request.HasField("pooling") else None,
+        lora_name=request.lora_name or None,
     )
 
 
@@ -114,7 +128,12 @@ def utility_from_proto(call: engine_core_pb2.UtilityCall) -> Utility:
         raise ValueError(f"unknown utility method {call.method}")
     if call.pause_mode not in _PAUSE_MODES:
         raise ValueError(f"unknown pause mode {call.pause_mode}")
-    return Utility(call.call_id, method, _PAUSE_MODES[call.pause_mode], call.profile_dir)
+    if method in (UtilityMethod.LOAD_LORA, UtilityMethod.UNLOAD_LORA, UtilityMethod.PIN_LORA) and not call.lora_name:
+        raise ValueError(f"utility {method.value}: lora_name must not be empty")
+    if method is UtilityMethod.LOAD_LORA and not call.lora_path:
+        raise ValueError("utility load_lora: lora_path must not be empty")
+    return Utility(call.call_id, method, _PAUSE_MODES[call.pause_mode], call.profile_dir, call.lora_name,
+                   call.lora_path)
 
 
 # ---- outputs --------------------------------------------------------------------------
@@ -141,7 +160,8 @@ def outputs_to_proto(message: ConnectionOutputs) -> engine_core_pb2.EngineCoreOu
 
 def engine_state_to_proto(state: EngineState) -> engine_core_pb2.EngineState:
     return engine_core_pb2.EngineState(paused=state.paused, asleep=state.asleep,
-                                       pause_mode=_PAUSE_MODES_TO_PROTO.get(state.pause_mode, 0))
+                                       pause_mode=_PAUSE_MODES_TO_PROTO.get(state.pause_mode, 0),
+                                       lora_names=state.lora_names)
 
 
 def output_to_proto(output: EngineCoreOutput) -> engine_core_pb2.EngineCoreOutput:
@@ -169,10 +189,17 @@ def stats_to_proto(stats: SchedulerStats) -> engine_core_pb2.SchedulerStats:
 
 
 def utility_result_to_proto(result: UtilityResult) -> engine_core_pb2.UtilityResult:
-    proto = engine_core_pb2.UtilityResult(call_id=result.call_id, ok=result.ok, error=result.error)
+    proto = engine_core_pb2.UtilityResult(call_id=result.call_id, ok=result.ok, error=result.error,
+                                          error_kind=_UTILITY_ERROR_KINDS[result.error_kind],
+                                          loras=[lora_to_proto(info) for info in result.loras])
     if result.stats is not None:
         proto.stats.CopyFrom(stats_to_proto(result.stats))
     return proto
+
+
+def lora_to_proto(info: LoraInfo) -> common_pb2.LoraAdapter:
+    return common_pb2.LoraAdapter(name=info.name, path=info.path, rank=info.rank, alpha=info.alpha,
+                                  target_modules=info.target_modules, pinned=info.pinned, location=info.location)
 
 
 def engine_info_to_proto(info: EngineInfo, config: EngineConfig) -> engine_core_pb2.GetEngineInfoResponse:

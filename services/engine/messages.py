@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Callable
 
+from engine_core.lora.info import LoraInfo
 from engine_core.types import EngineCoreOutput, EngineCoreRequest, KVCacheEvents, SchedulerStats
 
 
@@ -23,6 +24,10 @@ class UtilityMethod(enum.Enum):
     START_PROFILE = "start_profile"
     STOP_PROFILE = "stop_profile"
     GET_STATS = "get_stats"
+    LOAD_LORA = "load_lora"
+    UNLOAD_LORA = "unload_lora"
+    LIST_LORAS = "list_loras"
+    PIN_LORA = "pin_lora"
 
 
 class PauseMode(enum.Enum):
@@ -34,6 +39,15 @@ class PauseMode(enum.Enum):
 class RequestErrorKind(enum.Enum):
     INVALID = "invalid"  # the request itself is bad: the client's to fix
     ASLEEP = "asleep"  # the engine sleeps until WakeUp: a state of the server, not the client's fault
+    NOT_FOUND = "not_found"  # the request names a LoRA adapter the engine has not loaded
+
+
+class UtilityErrorKind(enum.Enum):
+    """Why a utility call was refused, when the engine says (the status the frontend answers with)."""
+
+    INVALID_ARGUMENT = "invalid_argument"
+    NOT_FOUND = "not_found"
+    FAILED_PRECONDITION = "failed_precondition"
 
 
 # ---- inputs: connection -> busy loop ------------------------------------------------
@@ -65,6 +79,8 @@ class Utility:
     method: UtilityMethod
     pause_mode: PauseMode = PauseMode.ABORT
     profile_dir: str = ""
+    lora_name: str = ""  # the LoRA methods
+    lora_path: str = ""  # LOAD_LORA
 
 
 @dataclass(frozen=True)
@@ -81,6 +97,8 @@ class UtilityResult:
     ok: bool
     error: str = ""
     stats: SchedulerStats | None = None
+    loras: tuple[LoraInfo, ...] = ()  # the LoRA methods' adapters
+    error_kind: UtilityErrorKind | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +115,7 @@ class EngineState:
     paused: bool = False  # new requests are held until resume
     pause_mode: PauseMode | None = None  # while paused
     asleep: bool = False  # new requests are refused until wake-up
+    lora_names: tuple[str, ...] = ()  # the LoRA adapters loaded (routers send their requests here)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from services.frontend.engine_client import EngineClient
 from services.frontend.errors import DuplicateRequest, EngineUnavailable, InvalidRequest, TooManyRequests
 from services.frontend.input_processor import InputProcessor, Prompt, new_request_id
 from services.frontend.limits import RequestLimits
+from services.frontend.lora_results import lora_results
 from services.frontend.messages import (
     EmbedResult, EngineInfo, EngineOutputs, EngineRequest, PoolingParams, RequestOutput, Usage, UtilityResult,
 )
@@ -91,13 +92,15 @@ class AsyncLLM(ChangeListeners):
 
     # ---- generation -----------------------------------------------------------------
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str = "", *,
-                       priority: int = 0, trace_headers: dict[str, str] | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs (sampling_params None: every default). Validation errors raise InvalidRequest.
+                       priority: int = 0, trace_headers: dict[str, str] | None = None,
+                       lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (sampling_params None: every default). Validation errors raise InvalidRequest;
+        `lora_name` no engine has loaded, NotFound.
 
         Closing the generator early (client cancel, deadline) aborts the request in the engine.
         """
         request_id, collector = self.add_request(prompt, sampling_params, request_id, priority=priority,
-                                                 trace_headers=trace_headers)
+                                                 trace_headers=trace_headers, lora_name=lora_name)
         finished = False
         try:
             while not finished:
@@ -109,7 +112,7 @@ class AsyncLLM(ChangeListeners):
                 self.abort(request_id)
 
     async def embed(self, prompts: list[Prompt], pooling: PoolingParams, request_id: str = "", *, priority: int = 0,
-                    trace_headers: dict[str, str] | None = None) -> EmbedResult:
+                    trace_headers: dict[str, str] | None = None, lora_name: str | None = None) -> EmbedResult:
         """One vector per prompt: each prompt is an engine request that is prefilled and pooled, in the
         same batches as generation. Validation errors raise InvalidRequest; cancelling aborts them all."""
         if not prompts:
@@ -122,7 +125,8 @@ class AsyncLLM(ChangeListeners):
                 if prompt is None:
                     raise InvalidRequest(f"inputs[{i}] is empty: set text or token_ids")
                 child_id, collector = self.add_request(prompt, params, f"{request_id}-{i}", priority=priority,
-                                                       trace_headers=trace_headers, pooling=pooling)
+                                                       trace_headers=trace_headers, pooling=pooling,
+                                                       lora_name=lora_name)
                 ids.append(child_id)
                 collectors.append(collector)
             outputs = [await collector.get() for collector in collectors]
@@ -138,7 +142,8 @@ class AsyncLLM(ChangeListeners):
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str = "", *,
                     priority: int = 0, trace_headers: dict[str, str] | None = None,
-                    pooling: PoolingParams | None = None) -> tuple[str, RequestOutputCollector]:
+                    pooling: PoolingParams | None = None,
+                    lora_name: str | None = None) -> tuple[str, RequestOutputCollector]:
         """Validate, admit and send a request (fanned out when n > 1); its id and collector."""
         if self.draining:
             raise EngineUnavailable("the server is draining and admits no new requests; use another replica")
@@ -148,6 +153,8 @@ class AsyncLLM(ChangeListeners):
             raise EngineUnavailable("no engine is connected; it may be starting or down, retry shortly")
         request = self.input_processor.process(request_id, prompt, sampling_params, priority=priority,
                                                trace_headers=trace_headers, pooling=pooling)
+        if lora_name:
+            request = replace(request, lora_name=lora_name)
         n = request.sampling_params.n
         in_flight = self.num_in_flight
         if in_flight + n > self.max_waiting_requests:
@@ -243,6 +250,26 @@ class AsyncLLM(ChangeListeners):
 
     async def stop_profile(self) -> list[UtilityResult]:
         return await self.engine_client.call_utility("stop_profile")
+
+    # ---- LoRA adapters (every engine; docs/lora.md) --------------------------------------
+    async def add_lora(self, name: str, path: str) -> list[UtilityResult]:
+        """Load the PEFT adapter folder `path` (on the engines' machines) as `name` into every engine."""
+        if not name or not path:
+            raise InvalidRequest(f"lora_name and lora_path must both be set (got {name!r}, {path!r})")
+        return lora_results(await self.engine_client.call_utility("load_lora", lora_name=name, lora_path=path))
+
+    async def remove_lora(self, name: str) -> list[UtilityResult]:
+        if not name:
+            raise InvalidRequest("lora_name is empty: name the adapter to unload")
+        return lora_results(await self.engine_client.call_utility("unload_lora", lora_name=name), missing_ok=True)
+
+    async def pin_lora(self, name: str) -> list[UtilityResult]:
+        if not name:
+            raise InvalidRequest("lora_name is empty: name the adapter to pin")
+        return lora_results(await self.engine_client.call_utility("pin_lora", lora_name=name), missing_ok=True)
+
+    async def list_loras(self) -> list[UtilityResult]:
+        return lora_results(await self.engine_client.call_utility("list_loras"))
 
     async def drain(self, timeout_s: float) -> int:
         """Stop admitting requests and wait up to timeout_s (finite, >= 0) for those in flight; how many are left."""

@@ -20,6 +20,7 @@ from services.frontend.messages import (
     EngineStatus,
     FinishReason,
     KVCacheEvents,
+    LoraInfo,
     PoolingParams,
     PoolingType,
     RequestError,
@@ -27,6 +28,12 @@ from services.frontend.messages import (
     SchedulerStats,
     UtilityResult,
 )
+
+_UTILITY_ERROR_KINDS = {
+    engine_core_pb2.UTILITY_ERROR_KIND_INVALID_ARGUMENT: "invalid_argument",
+    engine_core_pb2.UTILITY_ERROR_KIND_NOT_FOUND: "not_found",
+    engine_core_pb2.UTILITY_ERROR_KIND_FAILED_PRECONDITION: "failed_precondition",
+}
 
 
 # ---- public API -> frontend ------------------------------------------------------
@@ -156,6 +163,22 @@ def admin_response(results: list[UtilityResult], response_type: type[AdminRespon
     return response_type(ok=not failed, detail=detail)
 
 
+def lora_from_proto(lora: common_pb2.LoraAdapter) -> LoraInfo:
+    return LoraInfo(lora.name, lora.path, lora.rank, lora.alpha, tuple(lora.target_modules), lora.pinned,
+                    lora.location)
+
+
+def lora_to_proto(info: LoraInfo, engine: str) -> common_pb2.LoraAdapter:
+    return common_pb2.LoraAdapter(name=info.name, path=info.path, rank=info.rank, alpha=info.alpha,
+                                  target_modules=info.target_modules, pinned=info.pinned, location=info.location,
+                                  engine=engine)
+
+
+def lora_adapters(results: list[UtilityResult]) -> list[common_pb2.LoraAdapter]:
+    """Every engine's adapters, each named with its engine."""
+    return [lora_to_proto(info, result.address) for result in results for info in result.loras]
+
+
 def drain_response(left: int, timeout_s: float) -> admin_pb2.DrainResponse:
     detail = "drained" if not left else f"{left} requests still in flight after {timeout_s:g}s"
     return admin_pb2.DrainResponse(ok=not left, detail=detail)
@@ -169,6 +192,7 @@ def request_to_proto(request: EngineRequest) -> engine_core_pb2.EngineCoreInput:
         arrival_time=request.arrival_time, priority=request.priority, trace_headers=request.trace_headers,
         pooling=None if request.pooling is None else engine_core_pb2.PoolingParams(
             type=int(request.pooling.pooling_type), normalize=request.pooling.normalize),
+        lora_name=request.lora_name or "",
     ))
 
 
@@ -181,11 +205,14 @@ def engine_info_from_proto(info: engine_core_pb2.GetEngineInfoResponse) -> Engin
 def message_from_proto(batch: engine_core_pb2.EngineCoreOutputs) -> EngineMessage:
     """One message of the Connect stream: outputs, refused requests, a utility call's answer."""
     message = EngineMessage(outputs=outputs_from_proto(batch), errors=[
-        RequestError(e.request_id, e.message, engine_asleep=e.kind == engine_core_pb2.REQUEST_ERROR_KIND_ASLEEP)
+        RequestError(e.request_id, e.message, engine_asleep=e.kind == engine_core_pb2.REQUEST_ERROR_KIND_ASLEEP,
+                     not_found=e.kind == engine_core_pb2.REQUEST_ERROR_KIND_NOT_FOUND)
         for e in batch.errors])
     if batch.HasField("utility_result"):
         result = batch.utility_result
         message.utility_call_id, message.utility_ok, message.utility_error = result.call_id, result.ok, result.error
+        message.utility_loras = tuple(lora_from_proto(lora) for lora in result.loras)
+        message.utility_error_kind = _UTILITY_ERROR_KINDS.get(result.error_kind, "")
     if batch.HasField("scheduler_stats"):
         stats = batch.scheduler_stats
         message.scheduler_stats = SchedulerStats(num_running_reqs=stats.num_running_reqs,
@@ -198,7 +225,8 @@ def message_from_proto(batch: engine_core_pb2.EngineCoreOutputs) -> EngineMessag
     if batch.HasField("engine_state"):
         state = batch.engine_state
         message.engine_state = EngineState(paused=state.paused, asleep=state.asleep,
-                                           pause_mode=_PAUSE_MODES.get(state.pause_mode, "") if state.paused else "")
+                                           pause_mode=_PAUSE_MODES.get(state.pause_mode, "") if state.paused else "",
+                                           lora_names=tuple(state.lora_names))
     return message
 
 
@@ -232,12 +260,13 @@ def engine_info_request() -> engine_core_pb2.GetEngineInfoRequest:
     return engine_core_pb2.GetEngineInfoRequest()
 
 
-def utility_to_proto(call_id: int, method: str, pause_mode: str = "",
-                     profile_dir: str = "") -> engine_core_pb2.EngineCoreInput:
-    """method: pause, resume, sleep, wake_up, reset_prefix_cache, start_profile, stop_profile, get_stats."""
+def utility_to_proto(call_id: int, method: str, pause_mode: str = "", profile_dir: str = "", lora_name: str = "",
+                     lora_path: str = "") -> engine_core_pb2.EngineCoreInput:
+    """method: pause, resume, sleep, wake_up, reset_prefix_cache, start_profile, stop_profile, get_stats,
+    load_lora, unload_lora, list_loras, pin_lora."""
     call = engine_core_pb2.UtilityCall(
         call_id=call_id, method=engine_core_pb2.UtilityMethod.Value(f"UTILITY_METHOD_{method.upper()}"),
         pause_mode=common_pb2.PauseMode.Value(f"PAUSE_MODE_{pause_mode.upper()}") if pause_mode else 0,
-        profile_dir=profile_dir,
+        profile_dir=profile_dir, lora_name=lora_name, lora_path=lora_path,
     )
     return engine_core_pb2.EngineCoreInput(utility=call)

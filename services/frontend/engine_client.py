@@ -19,7 +19,7 @@ import logging
 import grpc
 
 from services.frontend import convert
-from services.frontend.engine_client_base import EngineClient, refusal_error  # EngineClient re-exported
+from services.frontend.engine_client_base import EngineClient, refusal_error, with_adapter  # EngineClient re-exported
 from services.frontend.engine_connection import EngineConnection
 from services.frontend.engine_discovery import (
     DEFAULT_RESOLVE_INTERVAL_S,
@@ -158,8 +158,8 @@ class GrpcEngineClient(EngineClient):
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
-        candidates = self._candidates()
-        decision = self.router.choose([e.load for e in candidates], request.prompt_token_ids)
+        candidates = with_adapter(self._candidates(), request.lora_name)
+        decision = self.router.choose([e.load for e in candidates], request.prompt_token_ids, request.lora_name)
         engine = candidates[decision.index]
         engine.track(request.request_id, decision.prefix_hashes)
         engine.send(convert.request_to_proto(request))
@@ -188,7 +188,8 @@ class GrpcEngineClient(EngineClient):
                 engine.send(convert.abort_to_proto(ids))
             self._retire_if_idle(engine)
 
-    async def call_utility(self, method: str, *, pause_mode: str = "", profile_dir: str = "") -> list[UtilityResult]:
+    async def call_utility(self, method: str, *, pause_mode: str = "", profile_dir: str = "", lora_name: str = "",
+                           lora_path: str = "") -> list[UtilityResult]:
         engines = [e for e in self._engines.values() if e.connected]
         if not engines:
             raise EngineUnavailable("no engine is connected; the call reached no engine")
@@ -196,7 +197,7 @@ class GrpcEngineClient(EngineClient):
         for engine in engines:
             call_id = next(self._call_ids)
             engine.pending[call_id] = future = asyncio.get_running_loop().create_future()
-            engine.send(convert.utility_to_proto(call_id, method, pause_mode, profile_dir))
+            engine.send(convert.utility_to_proto(call_id, method, pause_mode, profile_dir, lora_name, lora_path))
             calls.append(future)
         return list(await asyncio.gather(*calls))
 
@@ -254,7 +255,8 @@ class GrpcEngineClient(EngineClient):
         if message.utility_call_id is not None:
             future = engine.pending.pop(message.utility_call_id, None)
             if future is not None and not future.done():
-                future.set_result(UtilityResult(engine.address, message.utility_ok, message.utility_error))
+                future.set_result(UtilityResult(engine.address, message.utility_ok, message.utility_error,
+                                                message.utility_loras, message.utility_error_kind))
         for error in message.errors:
             engine.untrack([error.request_id])
             self._put_output(EngineOutputs(failed=[error.request_id], error=refusal_error(error)))

@@ -10,7 +10,7 @@ import asyncio
 from abc import ABC, abstractmethod
 
 from services.frontend.change_listeners import ChangeListeners
-from services.frontend.errors import EngineAsleep, InvalidRequest
+from services.frontend.errors import EngineAsleep, InvalidRequest, NotFound
 from services.frontend.messages import (
     EngineInfo,
     EngineOutputs,
@@ -43,8 +43,10 @@ class EngineClient(ChangeListeners, ABC):
         """Abort engine requests (never blocks; unknown ids are ignored)."""
 
     @abstractmethod
-    async def call_utility(self, method: str, *, pause_mode: str = "", profile_dir: str = "") -> list[UtilityResult]:
-        """Call `method` (pause, resume, sleep, wake_up, reset_prefix_cache, start_profile, ...) on every engine."""
+    async def call_utility(self, method: str, *, pause_mode: str = "", profile_dir: str = "", lora_name: str = "",
+                           lora_path: str = "") -> list[UtilityResult]:
+        """Call `method` (pause, resume, sleep, wake_up, reset_prefix_cache, start_profile, load_lora, ...) on
+        every engine."""
 
     @abstractmethod
     async def wait_for_engine(self) -> EngineInfo:
@@ -79,8 +81,22 @@ class EngineClient(ChangeListeners, ABC):
         self._outputs.put_nowait(outputs)
 
 
+def with_adapter(engines: list, lora_name: str | None) -> list:
+    """The engines (anything with an EngineState `state`) that have the LoRA adapter loaded; NotFound when none
+    has. A base-model request may go to any."""
+    if lora_name is None:
+        return engines
+    having = [e for e in engines if lora_name in e.state.lora_names]
+    if not having:
+        raise NotFound(f"no engine has the LoRA adapter {lora_name!r} loaded: load it (AdminService/LoadLoraAdapter, "
+                       "`tandem admin lora load`) or name a loaded one (ListLoraAdapters)")
+    return having
+
+
 def refusal_error(error: RequestError) -> Exception:
     """What the client hears of a request an engine refused: its own fault, or the engine's state."""
     if error.engine_asleep:
         return EngineAsleep()
+    if error.not_found:
+        return NotFound(f"the engine refused the request: {error.message}")
     return InvalidRequest(f"the engine refused the request: {error.message}")

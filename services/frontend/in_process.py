@@ -17,7 +17,7 @@ import asyncio
 import itertools
 import logging
 
-from services.frontend.engine_client_base import EngineClient, refusal_error
+from services.frontend.engine_client_base import EngineClient, refusal_error, with_adapter
 from services.frontend.errors import EngineAsleep, EngineUnavailable
 from services.frontend.messages import (
     EngineEvent,
@@ -98,6 +98,7 @@ class InProcessEngineClient(EngineClient):
             raise EngineUnavailable(f"the in-process engine is not running ({self._error or 'not started'})")
         if self._state.asleep:
             raise EngineAsleep()
+        with_adapter(self.engines(), request.lora_name)  # NotFound when the engine lacks the adapter
         self._in_flight.add(request.request_id)
         self._busy_loop.submit(self._connection, self._messages.Add(_core_request(request)))
 
@@ -107,14 +108,16 @@ class InProcessEngineClient(EngineClient):
         if ids and self.is_connected:
             self._busy_loop.submit(self._connection, self._messages.Abort(ids))
 
-    async def call_utility(self, method: str, *, pause_mode: str = "", profile_dir: str = "") -> list[UtilityResult]:
+    async def call_utility(self, method: str, *, pause_mode: str = "", profile_dir: str = "", lora_name: str = "",
+                           lora_path: str = "") -> list[UtilityResult]:
         if not self.is_connected:
             raise EngineUnavailable("the in-process engine is not running; the call reached no engine")
         m = self._messages
         call_id = next(self._call_ids)
         self._pending[call_id] = future = asyncio.get_running_loop().create_future()
         mode = m.PauseMode(pause_mode) if pause_mode else m.PauseMode.ABORT
-        self._busy_loop.submit(self._connection, m.Utility(call_id, m.UtilityMethod(method), mode, profile_dir))
+        self._busy_loop.submit(self._connection, m.Utility(call_id, m.UtilityMethod(method), mode, profile_dir,
+                                                           lora_name, lora_path))
         return [await future]
 
     # ---- from the busy loop's thread ------------------------------------------------
@@ -135,17 +138,20 @@ class InProcessEngineClient(EngineClient):
         if item.engine_state is not None:
             core = item.engine_state
             self._state = EngineState(paused=core.paused, asleep=core.asleep,
-                                      pause_mode=core.pause_mode.value if core.pause_mode else "")
+                                      pause_mode=core.pause_mode.value if core.pause_mode else "",
+                                      lora_names=core.lora_names)
             self._notify()
         if item.utility_result is not None:
             result = item.utility_result
             future = self._pending.pop(result.call_id, None)
             if future is not None and not future.done():
-                future.set_result(UtilityResult(self.address, result.ok, result.error))
+                kind = result.error_kind.value if result.error_kind else ""
+                future.set_result(UtilityResult(self.address, result.ok, result.error, result.loras, kind))
         for error in item.errors:
             self._in_flight.discard(error.request_id)
             asleep = error.kind is self._messages.RequestErrorKind.ASLEEP
-            refused = RequestError(error.request_id, error.message, engine_asleep=asleep)
+            not_found = error.kind is self._messages.RequestErrorKind.NOT_FOUND
+            refused = RequestError(error.request_id, error.message, engine_asleep=asleep, not_found=not_found)
             self._put_output(EngineOutputs(failed=[error.request_id], error=refusal_error(refused)))
         outputs = _outputs_from_core(item)
         if outputs:
@@ -195,7 +201,7 @@ def _core_request(request: EngineRequest):
     return EngineCoreRequest(request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
                              sampling_params=request.sampling_params, arrival_time=request.arrival_time,
                              priority=request.priority, trace_headers=dict(request.trace_headers) or None,
-                             pooling=request.pooling)
+                             pooling=request.pooling, lora_name=request.lora_name)
 
 
 def _outputs_from_core(message) -> list[EngineOutput]:

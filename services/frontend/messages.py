@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 
 # Shared with the engine core (one definition each, numbered like tandem.v1).
+from engine_core.lora.info import LoraInfo
 from engine_core.pooling_params import PoolingParams, PoolingType  # noqa: F401
 from engine_core.sampling_params import FinishReason, SamplingParams, TokenLogprobs  # noqa: F401
 from engine_core.types import KVCacheEvents, SchedulerStats  # noqa: F401
@@ -34,6 +35,7 @@ class EngineState:
     paused: bool = False  # held there until Resume
     pause_mode: str = ""  # abort | wait | keep, while paused
     asleep: bool = False  # refused until WakeUp
+    lora_names: tuple[str, ...] = ()  # the LoRA adapters it has loaded
 
     @property
     def admitting(self) -> bool:
@@ -57,6 +59,8 @@ class UtilityResult:
     address: str
     ok: bool
     error: str = ""
+    loras: tuple[LoraInfo, ...] = ()  # the LoRA calls' adapters
+    error_kind: str = ""  # invalid_argument | not_found | failed_precondition, when the engine said
 
 
 # ---- frontend -> engine -----------------------------------------------------------
@@ -69,6 +73,7 @@ class EngineRequest:
     priority: int = 0
     trace_headers: dict[str, str] = field(default_factory=dict)
     pooling: PoolingParams | None = None  # set: an embedding request (pooled, never sampled)
+    lora_name: str | None = None  # the LoRA adapter to run it with (None: the base model)
 
 
 # ---- engine -> frontend -----------------------------------------------------------
@@ -109,6 +114,7 @@ class RequestError:
     request_id: str
     message: str
     engine_asleep: bool = False  # refused for a state of the engine, not for anything in the request
+    not_found: bool = False  # it names a LoRA adapter the engine has not loaded
 
 
 @dataclass
@@ -120,6 +126,8 @@ class EngineMessage:
     utility_call_id: int | None = None
     utility_ok: bool = False
     utility_error: str = ""
+    utility_loras: tuple[LoraInfo, ...] = ()
+    utility_error_kind: str = ""
     scheduler_stats: SchedulerStats | None = None
     kv_events: KVCacheEvents | None = None  # the engine's prefix-cache changes (for the router)
     engine_state: EngineState | None = None  # set when the engine's state changed

@@ -135,7 +135,8 @@ def test_detokenize_servicer(generation_server, tokenizer):
 # (plus the model's tokenizer loader, and the structured-output constraint's llguidance check)
 TORCH_FREE_ENGINE_CORE = ("engine_core", "engine_core.gguf_metadata", "engine_core.pooling_params",
                           "engine_core.sampling_params", "engine_core.types", "engine_core.block_hash",
-                          "engine_core.tokenizer", "engine_core.structured", "engine_core.structured.grammar")
+                          "engine_core.tokenizer", "engine_core.structured", "engine_core.structured.grammar",
+                          "engine_core.lora", "engine_core.lora.info")
 
 
 def test_an_engine_refusing_while_asleep_is_unavailable_and_bad_input_stays_invalid_argument():
