@@ -13,6 +13,8 @@ _QUANTIZATIONS = ("auto", "int8", "int4", "none")
 _DEVICES = ("auto", "cpu", "cuda")
 _ATTENTION_BACKENDS = ("auto", "torch", "cpp", "triton")
 _POLICIES = ("fcfs", "priority")
+# kernels/lora_ops.py's choices, named here for the torch-free flag parser (tests/engine_core/test_lora.py checks)
+LORA_KERNELS = ("auto", "triton", "per_slot", "segments", "gather_bmm", "stacked")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -141,6 +143,7 @@ class LoraConfig:
         _require(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
                  f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         _require(self.max_wait_steps >= 0, f"max_wait_steps must be >= 0, got {self.max_wait_steps}")
+        _require(self.kernel in LORA_KERNELS, f"lora kernel must be one of {LORA_KERNELS}, got {self.kernel!r}")
         if self.adapters:
             self.enable = True
 

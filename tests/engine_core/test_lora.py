@@ -84,6 +84,13 @@ def assert_matches_merged(engine: LLMEngine, references, max_tokens: int = MAX_T
     return shared
 
 
+def test_the_flag_parser_names_the_kernels_there_are():
+    from engine_core.config import LORA_KERNELS
+    from kernels.lora_ops import LORA_KERNELS as KERNELS
+
+    assert LORA_KERNELS == KERNELS
+
+
 @pytest.mark.parametrize("kernel", ["per_slot", "segments", "gather_bmm", "stacked", "auto"])
 def test_mixed_batch_matches_merged_adapters_cpu(lora_models, kernel):
     base, folders, references = lora_models
