@@ -15,9 +15,15 @@ from engine_core.llm_engine import LLMEngine
 from engine_core.loader import default_model_path
 from engine_core.sampling_params import SamplingParams
 from tests.engine_core.tiny_lora import write_tiny_adapter
-from tests.test_stack import ENGINE_FLAGS, MAX_MODEL_LEN, Services, greedy, stream_tokens, tiny_model_dir  # noqa: F401
+from tests.engine_core.tiny_models import write_tiny_model
+from tests.test_stack import ENGINE_FLAGS, MAX_MODEL_LEN, VOCAB, Services, greedy, stream_tokens
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 2, 198]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-lora-stack"), vocab_size=VOCAB, max_position_embeddings=512)
 
 
 @pytest.fixture(scope="module")
