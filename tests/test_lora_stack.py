@@ -5,6 +5,7 @@ statuses of docs/lora.md (NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION)."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
 import pytest
@@ -128,3 +129,29 @@ def test_adapters_over_grpc(lora_services, tiny_model_dir, adapters):
             assert error.value.code() == grpc.StatusCode.NOT_FOUND
 
     asyncio.run(run())
+
+
+def test_python_client_and_cli(lora_services, tiny_model_dir, adapters):
+    from clients.client import TandemClient
+    from clients.errors import TandemError
+    from tests.clients.conftest import run_cli
+
+    address = lora_services.frontend_address
+    with TandemClient(address) as client:
+        loaded = client.load_lora("cli-y", str(adapters["y"]))
+        assert [(a.name, a.rank, a.engine) for a in loaded] == [("cli-y", 8, lora_services.engine_address)]
+        chunks = list(client.generate(PROMPT, max_tokens=12, temperature=0.0, ignore_eos=True, lora_name="cli-y"))
+        assert [t for c in chunks for t in c.token_ids] == offline_tokens(tiny_model_dir, adapters, "y", 12)
+        assert len(client.embed(PROMPT, lora_name="cli-y").embeddings[0]) > 0
+        with pytest.raises(TandemError) as error:
+            list(client.generate(PROMPT, max_tokens=2, lora_name="nope"))
+        assert error.value.code == grpc.StatusCode.NOT_FOUND
+    listed = run_cli("admin", "lora", "list", "--json", "--address", address)
+    assert listed.returncode == 0, listed.stderr
+    assert "cli-y" in {a["name"] for a in json.loads(listed.stdout)}
+    pinned = run_cli("admin", "lora", "pin", "cli-y", "--address", address)
+    assert pinned.returncode == 0 and "\tpinned\t" in pinned.stdout, pinned.stderr
+    unloaded = run_cli("admin", "lora", "unload", "cli-y", "--address", address)
+    assert unloaded.returncode == 0 and unloaded.stdout.startswith("unloaded cli-y"), unloaded.stderr
+    refused = run_cli("admin", "lora", "load", "wide", str(adapters["wide"]), "--address", address)
+    assert refused.returncode != 0 and "max_lora_rank" in refused.stderr
