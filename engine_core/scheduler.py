@@ -319,6 +319,13 @@ class Scheduler:
         A pure read: utility calls may ask between steps without taking counts from the step's metrics.
         """
         manager = self.kv_cache_manager
+        running_loras: dict[str, int] = {}
+        waiting_loras: dict[str, int] = {}
+        if self.lora is not None:
+            for request in self.requests.values():
+                if request.lora_name is not None:
+                    counts = running_loras if request.status == RequestStatus.RUNNING else waiting_loras
+                    counts[request.lora_name] = counts.get(request.lora_name, 0) + 1
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -331,6 +338,9 @@ class Scheduler:
             num_scheduled_tokens=self._num_scheduled_tokens,
             num_prompt_tokens=self._num_prompt_tokens,
             num_generation_tokens=self._num_generation_tokens,
+            running_lora_adapters=running_loras,
+            waiting_lora_adapters=waiting_loras,
+            max_lora=0 if self.lora is None else self.lora.max_loras,
         )
 
 

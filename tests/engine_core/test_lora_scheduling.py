@@ -221,3 +221,21 @@ def test_an_engine_without_lora_says_so(five_adapters):
     with pytest.raises(LoraDisabledError):
         core.validate_request(greedy("x", [1, 2], "a"))
     assert torch.is_grad_enabled()  # nothing above left inference mode on
+
+
+def test_stats_and_metrics_name_the_running_and_waiting_adapters():
+    from services.telemetry.metrics import EngineMetrics
+
+    scheduler = with_lora(make_scheduler(num_blocks=128, budget=64), max_loras=2, max_wait_steps=100)
+    runner = FakeRunner(BLOCK)
+    for i, name in enumerate(["a", "b", "c", "a", None]):
+        scheduler.add_request(lora_request(f"r{i}", [i + 1] * 3, name, max_tokens=8))
+    step(scheduler, runner)
+    stats = scheduler.make_stats()
+    assert (stats.running_lora_adapters, stats.waiting_lora_adapters, stats.max_lora) == ({"a": 2, "b": 1}, {"c": 1},
+                                                                                          2)
+    metrics = EngineMetrics("tiny")
+    metrics.record_step(stats, 0.01)
+    labels = {"model_name": "tiny", "max_lora": "2", "running_lora_adapters": "a,b", "waiting_lora_adapters": "c"}
+    assert metrics.registry.get_sample_value("tandem:lora_requests_info", labels) > 0
+    assert make_scheduler().make_stats().max_lora == 0  # without LoRA: no adapters, no info series
