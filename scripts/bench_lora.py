@@ -102,8 +102,8 @@ def main() -> None:
     prompts = torch.randint(100, vocab - 100, (args.streams, args.prompt_len),
                             generator=torch.Generator().manual_seed(0)).tolist()
     spread = [f"adapter-{i % args.adapters}" for i in range(args.streams)]
-    runs = {"base": (base, [None] * args.streams), "lora": (served, spread), "lora_engine_base": (served,
-                                                                                                  [None] * args.streams)}
+    no_adapter = [None] * args.streams
+    runs = {"base": (base, no_adapter), "lora": (served, spread), "lora_engine_base": (served, no_adapter)}
     results: dict[str, list[dict]] = {name: [] for name in runs}
     run_round(served, prompts[:1], 2, spread[:1])  # warm-up: first-call allocations, the adapters' first slots
     for round_index in range(args.rounds):
