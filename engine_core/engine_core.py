@@ -237,8 +237,8 @@ class EngineCore:
                 )
         if params.structured is not None:
             self.structured.new_matcher(params.structured)  # compiles (and caches) or raises
-        if request.lora_name is not None:
-            self._require_lora().manager.info(request.lora_name)  # UnknownLoraError when not loaded
+        if request.lora_name is not None:  # UnknownLoraError when not loaded; LoraAdapterError when unreadable
+            self._require_lora().manager.prepare(request.lora_name)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Idempotent: unknown or finished ids are ignored."""

@@ -87,6 +87,7 @@ class LoraManager:
         """Keep the adapter in host memory (read back first if it was pushed out)."""
         self._require(name)
         if pinned and name not in self.host:
+            self._make_host_room()
             self._host_adapter(name)
         self.registered[name].pinned = pinned
         return self.info(name)
@@ -132,25 +133,38 @@ class LoraManager:
         return min(candidates, key=lambda slot: (self.registered[self.slot_names[slot]].pinned, self._slot_used[slot]))
 
     # ---- host memory ----------------------------------------------------------------
+    def prepare(self, name: str) -> None:
+        """Before a request of `name` is queued: its weights in host memory (read again if they were pushed
+        out), so that a folder gone since the load is refused now (LoraAdapterError), not in a step."""
+        self._require(name)
+        if not (name in self.slot_names or name in self.host):
+            self._host_adapter(name)
+
     def _host_adapter(self, name: str) -> LoraAdapter:
-        """The adapter from host memory (marked recently used), read again from its folder if pushed out."""
+        """The adapter from host memory (marked recently used), read again from its folder if pushed out; when
+        every adapter in host memory is pinned, read for this use only."""
         if name in self.host:
             self.host.move_to_end(name)
             return self.host[name]
-        self._make_host_room()
         adapter = load_peft_adapter(name, self.registered[name].path, self.targets, self.max_rank)
-        self.host[name] = adapter
+        if self._make_host_room(required=False):
+            self.host[name] = adapter
         return adapter
 
-    def _make_host_room(self) -> None:
+    def _make_host_room(self, required: bool = True) -> bool:
+        """Push least recently used unpinned adapters out until one more fits; False (or LoraAdapterError when
+        `required`) when every adapter there is pinned."""
         while len(self.host) >= self.host_capacity:
             victim = next((name for name in self.host if not self.registered[name].pinned), None)
             if victim is None:
+                if not required:
+                    return False
                 raise LoraAdapterError(f"host memory holds max_cpu_loras={self.host_capacity} adapters and all are "
                                        "pinned: unpin or remove one, or raise --max-cpu-loras")
             del self.host[victim]
             logger.info("LoRA adapter %s left host memory (read again from %s when used)", victim,
                         self.registered[victim].path)
+        return True
 
     def _require(self, name: str) -> _Registered:
         entry = self.registered.get(name)

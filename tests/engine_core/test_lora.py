@@ -116,3 +116,20 @@ def test_mixed_batch_matches_merged_adapters_triton_interpreter(lora_models, max
     engine = LLMEngine(lora_config(base, folders, kernel="triton"))
     assert engine.engine_core.lora.context.ops.kernel == "triton"
     assert_matches_merged(engine, references, max_tokens)
+
+
+def test_prompt_logprobs_read_the_adapted_lm_head(lora_models):
+    """Prompt logprobs run the LM head over a span of rows of their own: it must take their adapter too."""
+    base, folders, references = lora_models
+    engine = LLMEngine(lora_config(base, folders, kernel="segments"))
+    prompt = torch.randint(4, VOCAB, (14,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    names = [None, "everything", "attention"]
+    outputs = engine.generate([prompt] * len(names), params, lora_names=names)
+    for name, output in zip(names, outputs):
+        with torch.no_grad():
+            expected = torch.log_softmax(references[name](torch.tensor([prompt])).logits[0].float(), -1)
+        ours = torch.tensor([entry.logprobs[0] for entry in output.prompt_logprobs])
+        assert [entry.token_ids[0] for entry in output.prompt_logprobs] == prompt[1:]
+        reference = expected[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+        assert (ours - reference).abs().max().item() < LOGPROB_ATOL, name

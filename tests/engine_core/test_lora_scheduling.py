@@ -239,3 +239,28 @@ def test_stats_and_metrics_name_the_running_and_waiting_adapters():
     labels = {"model_name": "tiny", "max_lora": "2", "running_lora_adapters": "a,b", "waiting_lora_adapters": "c"}
     assert metrics.registry.get_sample_value("tandem:lora_requests_info", labels) > 0
     assert make_scheduler().make_stats().max_lora == 0  # without LoRA: no adapters, no info series
+
+
+def test_host_memory_full_of_pinned_adapters_still_serves_the_others(five_adapters, tmp_path):
+    """max_cpu_loras 2, both pinned: a third adapter cannot be loaded into host memory, but one loaded before
+    them and pushed out is read for its requests without being kept; one whose folder vanished is refused when
+    its request arrives, not in a step."""
+    import shutil
+
+    base, folders = five_adapters
+    moved = tmp_path / "c"
+    shutil.copytree(folders["c"], moved)
+    core = EngineCore(lora_config(base, {"a": folders["a"], "b": folders["b"], "c": moved}, max_loras=2,
+                                  max_cpu_loras=2))
+    core.pin_lora("a")
+    core.pin_lora("b")
+    assert set(core.lora.manager.host) == {"a", "b"}
+    with pytest.raises(LoraAdapterError, match="all are pinned"):
+        core.add_lora("d", str(folders["d"]))
+    tokens = run_core(core, [greedy("c-1", [5, 6, 7], "c")], max_loras=2)["c-1"]
+    assert len(tokens) == 8 and set(core.lora.manager.host) == {"a", "b"}
+    run_core(core, [greedy(f"{n}-1", [5, 6, 7], n) for n in "ab"], max_loras=2)  # c leaves the slots
+    shutil.rmtree(moved)
+    with pytest.raises(LoraAdapterError, match="does not exist"):
+        core.add_request(greedy("c-2", [5, 6, 7], "c"))
+    assert not core.has_unfinished_requests()
