@@ -5,6 +5,8 @@ and what unloading an adapter in use does (refused: docs/lora.md)."""
 from __future__ import annotations
 
 import json
+from array import array
+from hashlib import blake2b
 
 import pytest
 import torch
@@ -109,6 +111,10 @@ def test_prefix_cache_is_keyed_by_adapter():
     assert hash_prompt_blocks(prompt, BLOCK, lora_name="x") == lora_request("q", prompt, "x").block_hashes
     assert hash_prompt_blocks(prompt, BLOCK) == lora_request("q", prompt, None).block_hashes
     assert not set(hash_prompt_blocks(prompt, BLOCK, lora_name="x")) & set(hash_prompt_blocks(prompt, BLOCK))
+    # the scheme as engine_core.proto's KVCacheEvents states it, for routers written elsewhere
+    root = blake2b("x".encode(), digest_size=8, person=b"tandem-kv-v1", salt=b"lora").digest()
+    first = blake2b(root + array("i", prompt[:BLOCK]).tobytes(), digest_size=8, person=b"tandem-kv-v1").digest()
+    assert hash_prompt_blocks(prompt, BLOCK, lora_name="x")[0] == int.from_bytes(first, "little")
 
 
 # ---- the engine: five adapters over four slots ------------------------------------------------------
