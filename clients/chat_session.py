@@ -3,14 +3,18 @@
 On a terminal it prompts "you> " (with line editing); piped, each input line is one user turn
 and only the answers are printed, one per line. /reset forgets the history, /exit (or EOF) quits.
 Ctrl-C during an answer stops that answer (the server aborts the request) and drops the turn.
+With --tools FILE (a JSON list of {"name", "description", "parameters"}), the model's tool calls are
+printed as JSON lines {"tool_call": {"id", "name", "arguments"}}; "/tool ID RESULT" answers one and the
+model goes on.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
-from clients.cli_options import client_from_args, sampling_from_args
+from clients.cli_options import client_from_args, sampling_from_args, tools_from_args
 from clients.client import TandemClient
 
 
@@ -19,9 +23,9 @@ class ChatSession:
 
     def __init__(self, client: TandemClient, sampling: dict, system: str | None = None) -> None:
         self.client = client
-        self.sampling = sampling
+        self.sampling = sampling  # sampling keywords, and tools / tool_choice when given
         self.system = system
-        self.history: list[dict[str, str]] = []
+        self.history: list[dict] = []
         self.reset()
 
     def reset(self) -> None:
@@ -29,14 +33,26 @@ class ChatSession:
 
     def turn(self, user_text: str, out=sys.stdout) -> str:
         """Send one user message, stream the answer to `out`, remember both; returns the answer."""
-        messages = [*self.history, {"role": "user", "content": user_text}]
-        answer = []
+        return self._reply([*self.history, {"role": "user", "content": user_text}], out)
+
+    def tool_result(self, call_id: str, result: str, out=sys.stdout) -> str:
+        """Answer a tool call with its result; the model goes on from there."""
+        return self._reply([*self.history, {"role": "tool", "content": result, "tool_call_id": call_id}], out)
+
+    def _reply(self, messages: list[dict], out) -> str:
+        answer, calls = [], ()
         for chunk in self.client.chat(messages, **self.sampling):
             answer.append(chunk.text)
             out.write(chunk.text)
             out.flush()
+            calls = chunk.tool_calls or calls
         out.write("\n")
-        self.history = [*messages, {"role": "assistant", "content": "".join(answer)}]
+        for call in calls:
+            out.write(json.dumps({"tool_call": {"id": call.id, "name": call.name, "arguments": call.arguments}}) + "\n")
+        reply = {"role": "assistant", "content": "".join(answer)}
+        if calls:
+            reply["tool_calls"] = list(calls)
+        self.history = [*messages, reply]
         return "".join(answer)
 
 
@@ -48,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             pass
     with client_from_args(args) as client:
-        session = ChatSession(client, sampling_from_args(args), args.system)
+        session = ChatSession(client, {**sampling_from_args(args), **tools_from_args(args)}, args.system)
         if interactive:
             print(f"chatting with {args.address}; /reset forgets the history, /exit or Ctrl-D quits", file=sys.stderr)
         while True:
@@ -69,10 +85,14 @@ def run(args: argparse.Namespace) -> int:
                 session.reset()
                 print("(history cleared)", file=sys.stderr)
                 continue
+            tool = text.split(maxsplit=2) if text.startswith("/tool ") else None
+            if tool is not None and len(tool) < 3:
+                print("(usage: /tool CALL_ID RESULT)", file=sys.stderr)
+                continue
             if interactive:
                 print("assistant> ", end="", flush=True)
             try:
-                session.turn(text)
+                session.tool_result(tool[1], tool[2]) if tool else session.turn(text)
             except KeyboardInterrupt:
                 if not interactive:
                     raise

@@ -41,7 +41,8 @@ _EXAMPLES = {
     "chat": """examples:
   tandem chat                                   # on a terminal: you> ... assistant> ...
   tandem chat --system "Answer in one sentence." --temperature 0
-  printf 'Hi!\\nWhat did I just say?\\n' | tandem chat --max-tokens 32   # one turn per line""",
+  printf 'Hi!\\nWhat did I just say?\\n' | tandem chat --max-tokens 32   # one turn per line
+  tandem chat --tools tools.json --tool-choice required   # calls printed as {"tool_call": ...} lines""",
     "tokenize": """examples:
   tandem tokenize "Hello world"
   tandem tokenize "Hello world" --chat --json    # as the chat template renders a user message
@@ -104,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat = _add(subcommands, "chat", "chat in the terminal (streams tokens, keeps history)", [connection, sampling],
                 chat_session.__doc__.strip())
     chat.add_argument("--system", help="a system message that starts the conversation")
+    chat.add_argument("--tools", metavar="FILE", help="a JSON file with a list of tools the model may call: "
+                      '[{"name": ..., "description": ..., "parameters": JSON schema}]; see docs/tools.md')
+    chat.add_argument("--tool-choice", metavar="CHOICE", help="auto (default), none, required, or a tool's name "
+                      "to force that call")
     chat.set_defaults(run=chat_session.run)
 
     tokenize = _add(subcommands, "tokenize", "token ids of text (or text of token ids)", [connection],

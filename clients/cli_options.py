@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 from clients.client import TandemClient
@@ -95,6 +96,24 @@ def sampling_from_args(args: argparse.Namespace) -> dict:
         if getattr(args, name, None) is not None:
             sampling[name] = _read_text(f"--{name.replace('_', '-')}", getattr(args, name))
     return sampling
+
+
+def tools_from_args(args: argparse.Namespace) -> dict:
+    """tools (the --tools file: a JSON list of tools) and tool_choice for the client, when given."""
+    if getattr(args, "tools", None) is None:
+        if getattr(args, "tool_choice", None) is not None:
+            raise ValueError("--tool-choice needs --tools")
+        return {}
+    try:
+        tools = json.loads(_read_text("--tools", args.tools))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--tools: {args.tools} is not JSON ({e})") from None
+    if not isinstance(tools, list):
+        raise ValueError(f"--tools: {args.tools} must hold a JSON list of tools, got {type(tools).__name__}")
+    choice = args.tool_choice
+    if choice is not None and choice not in ("auto", "none", "required"):
+        choice = {"name": choice}
+    return {"tools": tools, **({"tool_choice": choice} if choice is not None else {})}
 
 
 def _read_text(flag: str, path: str) -> str:

@@ -64,7 +64,8 @@ class TandemClient:
     def chat(self, messages: Iterable, *, timeout: float | None = None, metadata: Metadata = None,
              traceparent: str | None = None, **sampling) -> Iterator[GenerateChunk]:
         """Stream the assistant's answer to chat messages. Keywords: SamplingParams fields and
-        request_id, priority, add_generation_prompt, continue_final_message, lora_name."""
+        request_id, priority, add_generation_prompt, continue_final_message, lora_name, and tools, tool_choice,
+        parallel_tool_calls (calls arrive as chunk.completions[i].tool_call_deltas, then tool_calls)."""
         request = wire.chat_request(messages, **sampling)
         return self._stream(self._stub.Chat, request, timeout, metadata, traceparent)
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from grpc_health.v1 import health_pb2
 from tandem.v1 import common_pb2, generation_pb2
 
+from clients import tools
+
 # Structured output as keywords (json_schema={...}, regex="...", choice=[...]): at most one constraint.
 STRUCTURED_CONSTRAINTS = ("json_schema", "json_object", "regex", "choice", "grammar")
 STRUCTURED_KEYWORDS = (*STRUCTURED_CONSTRAINTS, "whitespace_flexible")
@@ -22,12 +24,13 @@ SAMPLING_FIELDS = tuple(f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fie
 _OUTPUT_KINDS = {"delta": common_pb2.OUTPUT_KIND_DELTA, "cumulative": common_pb2.OUTPUT_KIND_CUMULATIVE,
                  "final_only": common_pb2.OUTPUT_KIND_FINAL_ONLY}
 _FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-                   common_pb2.FINISH_REASON_ABORT: "abort"}
+                   common_pb2.FINISH_REASON_ABORT: "abort", common_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls"}
 # What model_info() and server_info() return: the response messages as they come (read-only).
 ModelInfo = generation_pb2.GetModelInfoResponse
 ServerInfo = generation_pb2.GetServerInfoResponse
 _GENERATE_OPTIONS = ("request_id", "priority", "add_special_tokens", "lora_name")
-_CHAT_OPTIONS = ("request_id", "priority", "add_generation_prompt", "continue_final_message", "lora_name")
+_CHAT_OPTIONS = ("request_id", "priority", "add_generation_prompt", "continue_final_message", "lora_name",
+                 *tools.TOOL_OPTIONS)
 
 
 # ---- results ---------------------------------------------------------------------------------------
@@ -45,10 +48,12 @@ class Completion:
     index: int
     text: str
     token_ids: tuple[int, ...]
-    finish_reason: str | None  # None while running, then "stop" | "length" | "abort"
+    finish_reason: str | None  # None while running, then "stop" | "length" | "abort" | "tool_calls"
     stop_string: str | None = None
     stop_token_id: int | None = None
     logprobs: tuple[dict[int, float], ...] = ()  # per token: token id -> logprob, chosen token first
+    tool_call_deltas: tuple[tools.ToolCallDelta, ...] = ()  # chat with tools, delta output
+    tool_calls: tuple[tools.ToolCall, ...] = ()  # chat with tools: all calls, in the completion's last message
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,10 @@ class GenerateChunk:
     def finish_reason(self) -> str | None:
         return next((c.finish_reason for c in self.completions if c.finish_reason), None)
 
+    @property
+    def tool_calls(self) -> tuple[tools.ToolCall, ...]:
+        return tuple(call for c in self.completions for call in c.tool_calls)
+
 
 @dataclass(frozen=True)
 class Tokens:
@@ -88,6 +97,7 @@ def chunk_from_proto(response: generation_pb2.GenerateResponse | generation_pb2.
             stop_string=c.stop_string if c.WhichOneof("stop_reason") == "stop_string" else None,
             stop_token_id=c.stop_token_id if c.WhichOneof("stop_reason") == "stop_token_id" else None,
             logprobs=tuple(dict(zip(lp.token_ids, lp.logprobs)) for lp in c.logprobs),
+            **dict(zip(("tool_call_deltas", "tool_calls"), tools.tool_calls_from_proto(c))),
         )
         for c in response.completions
     )
@@ -171,10 +181,15 @@ def generate_request(prompt: str | Sequence[int], **kwargs) -> generation_pb2.Ge
 
 
 def chat_request(messages: Iterable, **kwargs) -> generation_pb2.ChatRequest:
-    """A ChatRequest from messages ({"role": ..., "content": ...} dicts or (role, content) pairs)."""
+    """A ChatRequest from messages ({"role": ..., "content": ...} dicts or (role, content) pairs), with
+    tools=[{"name", "description", "parameters"}], tool_choice="auto"|"none"|"required"|{"name": ...} and
+    parallel_tool_calls (clients/tools.py)."""
     options = {k: kwargs.pop(k) for k in _CHAT_OPTIONS if kwargs.get(k) is not None}
-    return generation_pb2.ChatRequest(messages=chat_messages(messages),
-                                      sampling_params=_sampling_or_options(kwargs, _CHAT_OPTIONS), **options)
+    tool_options = {k: options.pop(k) for k in tools.TOOL_OPTIONS if k in options}
+    request = generation_pb2.ChatRequest(messages=chat_messages(messages),
+                                         sampling_params=_sampling_or_options(kwargs, _CHAT_OPTIONS), **options)
+    tools.tool_options_to_proto(request, **tool_options)
+    return request
 
 
 def chat_messages(messages: Iterable) -> list[generation_pb2.ChatMessage]:
@@ -183,19 +198,22 @@ def chat_messages(messages: Iterable) -> list[generation_pb2.ChatMessage]:
         if isinstance(message, generation_pb2.ChatMessage):
             result.append(message)
             continue
+        calls, call_id = (), ""
         if isinstance(message, Mapping):
-            extra = set(message) - {"role", "content"}
+            extra = set(message) - {"role", "content", "tool_calls", "tool_call_id"}
             if extra or "role" not in message or "content" not in message:
-                raise ValueError(f"messages[{i}] must have exactly the keys 'role' and 'content', "
-                                 f"got {sorted(message)}")
-            role, content = message["role"], message["content"]
+                raise ValueError(f"messages[{i}] must have the keys 'role' and 'content' (and maybe 'tool_calls' "
+                                 f"or 'tool_call_id'), got {sorted(message)}")
+            role, content = message["role"], message["content"] or ""
+            calls = tools.history_calls_to_proto(message.get("tool_calls") or (), f"messages[{i}]")
+            call_id = message.get("tool_call_id") or ""
         elif isinstance(message, Sequence) and not isinstance(message, str) and len(message) == 2:
             role, content = message
         else:
             raise TypeError(f"messages[{i}] must be a dict with 'role' and 'content' or a (role, content) pair")
         if not isinstance(role, str) or not isinstance(content, str):
             raise TypeError(f"messages[{i}]: role and content must be strings")
-        result.append(generation_pb2.ChatMessage(role=role, content=content))
+        result.append(generation_pb2.ChatMessage(role=role, content=content, tool_calls=calls, tool_call_id=call_id))
     return result
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine_core.block_hash import BlockHash
-from engine_core.types import KVCacheEvents
+from engine_core.protocol import KVCacheEvents
+from engine_core.protocol.block_hash import BlockHash
 
 
 class KVCacheBlock:

@@ -15,6 +15,7 @@ _ATTENTION_BACKENDS = ("auto", "torch", "cpp", "triton")
 _POLICIES = ("fcfs", "priority")
 # kernels/lora_ops.py's choices, named here for the torch-free flag parser (tests/engine_core/test_lora.py checks)
 LORA_KERNELS = ("auto", "triton", "per_slot", "segments", "gather_bmm", "stacked")
+_OVERLAP = ("auto", "on", "off")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -107,6 +108,9 @@ class DeviceConfig:
     # True: no CUDA graphs and no fused layer ops (C++ / Triton), every layer runs plain torch ops (vLLM's flag)
     enforce_eager: bool = False
     cuda_graph_max_batch_size: int = 256  # largest decode batch captured (also capped by max_num_seqs)
+    # Overlapped steps (engine_core/overlap.py): schedule and prepare the next step while this one runs.
+    # auto: on for CUDA, off on CPU (docs/gpu.md has the measurements)
+    overlap: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.device in _DEVICES, f"device must be one of {_DEVICES}, got {self.device!r}")
@@ -118,6 +122,7 @@ class DeviceConfig:
             self.num_threads is None or self.num_threads >= 1,
             f"num_threads must be >= 1, got {self.num_threads}",
         )
+        _require(self.overlap in _OVERLAP, f"overlap must be one of {_OVERLAP}, got {self.overlap!r}")
         _require(
             self.cuda_graph_max_batch_size >= 1,
             f"cuda_graph_max_batch_size must be >= 1, got {self.cuda_graph_max_batch_size}",

@@ -10,48 +10,39 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from engine_core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, ModelArchConfig, SchedulerConfig
 from engine_core.cuda_graphs import capture_sizes
-from engine_core.loader.registry import default_model_path, load_model
+from engine_core.loader.registry import default_model_path, load_model, prepare_for_cpu
 from engine_core.lora.admission import LoraAdmission
-from engine_core.lora.errors import LoraDisabledError, LoraInUseError
-from engine_core.lora.info import LoraInfo
+from engine_core.lora.engine_calls import EngineLoraCalls
 from engine_core.lora.runtime import LoraRuntime
 from engine_core.model_runner import ModelRunner, kv_cache_bytes_per_block
+from engine_core.overlap import InlineQueue, OverlappedSteps, ThreadQueue, resolve_overlap
 from engine_core.profiler import Profiler
+from engine_core.protocol import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineInfo,
+    KVCacheEvents,
+    SchedulerStats,
+    validate_sampling_params,
+)
 from engine_core.request import Request, RequestStatus
 from engine_core.scheduler import Scheduler
 from engine_core.structured.masks import StructuredOutputs
-from engine_core.types import EngineCoreOutputs, EngineCoreRequest, KVCacheEvents, SchedulerStats
-from kernels import select_backend
-from kernels.fused_ops import select_fused_ops
-from kernels.float_dtype import fastest_float_dtype
+from kernels import fastest_float_dtype, select_backend, select_fused_ops
 
 logger = logging.getLogger(__name__)
 
+# hidden x intermediate of the MLP the dtype race multiplies: the default model's (SmolLM2-135M), since the race
+# picks the dtype the weights load in, before any model is read
+_DTYPE_RACE_SHAPE = (576, 1536)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What a frontend needs to know about the engine it talks to."""
-
-    model_name: str
-    model_path: str
-    max_model_len: int
-    block_size: int
-    num_blocks: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
-    dtype: str
-    device: str
-    attention_backend: str
 
 
 def resolve_device(name: str) -> torch.device:
@@ -68,7 +59,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return _DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16
-    return fastest_float_dtype()
+    return fastest_float_dtype(*_DTYPE_RACE_SHAPE)
 
 
 def resolve_quantization(name: str, dtype_name: str, device: torch.device) -> str:
@@ -92,7 +83,7 @@ def resolve_scheduler(config: SchedulerConfig, device: torch.device, max_model_l
     return replace(config, max_num_batched_tokens=budget)
 
 
-class EngineCore:
+class EngineCore(EngineLoraCalls):  # add_lora, remove_lora, pin_lora, list_loras: engine_core/lora/engine_calls.py
     def __init__(self, config: EngineConfig, *, log_stats: bool = False, kv_events: bool = False) -> None:
         """log_stats: outputs carry per-request events (queued, scheduled, preempted) as in vLLM v1.
         kv_events: each step's outputs carry the prefix-cache hashes indexed and evicted (for routers)."""
@@ -108,7 +99,9 @@ class EngineCore:
 
         started = time.perf_counter()
         quantization = resolve_quantization(config.model.quantization, config.model.dtype, device)
-        self.model, self.arch = load_model(config.model.model, dtype, device, self.attention, quantization, fused)
+        self.model, self.arch = load_model(config.model.model, dtype, device, self.attention, fused)
+        if device.type == "cpu":
+            prepare_for_cpu(self.model, quantization)
         self.model_path = str(Path(config.model.model) if config.model.model else default_model_path())
         logger.info("loaded %s in %.1f s", self.model_path, time.perf_counter() - started)
 
@@ -124,6 +117,7 @@ class EngineCore:
             self.lora = LoraRuntime.attach(self.model, config.lora, device, dtype, self.attention.name)
         self.structured = StructuredOutputs(self._tokenizer_path(), vocab_size=self.arch.vocab_size,
                                             eos_token_ids=list(self.arch.eos_token_ids))
+        self.last_mask_timing = None  # the last step's structured-output mask timing (metrics only)
         self.runner = ModelRunner(
             self.model, self.arch, self.attention,
             num_blocks=num_blocks, block_size=block_size, device=device, dtype=dtype,
@@ -136,6 +130,10 @@ class EngineCore:
                                    lora=LoraAdmission(config.lora.max_loras, config.lora.max_wait_steps)
                                    if self.lora is not None else None)
         self._block_pool = self.scheduler.kv_cache_manager.block_pool
+        self.overlapped: OverlappedSteps | None = None  # None: each step() runs its step to the end
+        if resolve_overlap(config.device.overlap, device):
+            queue = InlineQueue() if device.type == "cuda" else ThreadQueue()
+            self.overlapped = OverlappedSteps(self.scheduler, self.runner, queue)
         self.records_kv_events = kv_events
         if kv_events:
             self._block_pool.record_events()
@@ -228,64 +226,37 @@ class EngineCore:
         bad = next((t for t in request.prompt_token_ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is out of range: the vocabulary has {vocab_size} tokens")
-        params = request.sampling_params
-        for token_id in (*params.stop_token_ids, *params.logit_bias):
-            if not 0 <= token_id < vocab_size:
-                raise ValueError(
-                    f"token id {token_id} in stop_token_ids/logit_bias is out of range: "
-                    f"the vocabulary has {vocab_size} tokens"
-                )
+        params = validate_sampling_params(request.sampling_params, vocab_size=vocab_size)
+        if params.n != 1:
+            raise ValueError(f"n must be 1 at the engine core (fan n > 1 out first, as the frontend does), "
+                             f"got {params.n}")
         if params.structured is not None:
             self.structured.new_matcher(params.structured)  # compiles (and caches) or raises
-        if request.lora_name is not None:  # UnknownLoraError when not loaded; LoraAdapterError when unreadable
-            self._require_lora().manager.prepare(request.lora_name)
+        self.validate_lora(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Idempotent: unknown or finished ids are ignored."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Also True while an overlapped step is in flight: the next step() takes in its outputs."""
+        return self.scheduler.has_unfinished_requests() or (self.overlapped is not None and self.overlapped.in_flight)
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
 
-    # ---- LoRA adapters (docs/lora.md) ---------------------------------------------------
-    def add_lora(self, name: str, path: str) -> LoraInfo:
-        """Load a PEFT adapter folder under `name`; LoraAdapterError says why one cannot be served."""
-        return self._require_lora().add(name, path)
-
-    def remove_lora(self, name: str) -> None:
-        """Unload an adapter. Refused (LoraInUseError) while requests that use it are in flight:
-        abort them or let them finish first."""
-        runtime = self._require_lora()
-        runtime.manager.info(name)
-        in_flight = sum(1 for r in self.scheduler.requests.values() if r.lora_name == name)
-        if in_flight:
-            raise LoraInUseError(f"LoRA adapter {name!r} has {in_flight} requests in flight: abort them or let "
-                                 "them finish before unloading it")
-        runtime.remove(name)
-
-    def pin_lora(self, name: str, pinned: bool = True) -> LoraInfo:
-        return self._require_lora().pin(name, pinned)
-
-    def list_loras(self) -> list[LoraInfo]:
-        return [] if self.lora is None else self.lora.list()
-
-    def _require_lora(self) -> LoraRuntime:
-        if self.lora is None:
-            raise LoraDisabledError("this engine serves no LoRA adapters: start it with --enable-lora "
-                                    "(or --lora NAME=PATH)")
-        return self.lora
-
     # ---- the step -----------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute_model(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.overlapped is not None:  # the previous step's outputs; this one's forward is running
+            outputs = self.overlapped.step()
+            self.last_mask_timing = self.overlapped.mask_timing
+        else:
+            scheduler_output = self.scheduler.schedule()
+            runner_output = self.runner.execute_model(scheduler_output)
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+            self.last_mask_timing = runner_output.mask_timing  # for the step's metrics (never sent)
         outputs.timestamp = time.time()
         outputs.kv_events = self._block_pool.take_events()
-        outputs.mask_timing = runner_output.mask_timing
         return outputs
 
     # ---- utilities ----------------------------------------------------------------

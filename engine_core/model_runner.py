@@ -12,7 +12,7 @@ structured-output constraint get their token masks computed while the forward ru
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -21,9 +21,11 @@ import torch.nn.functional as F
 from engine_core.config import ModelArchConfig
 from engine_core.cuda_graphs import DecodeGraphRunner
 from engine_core.lora.runtime import LoraRuntime
-from engine_core.pooling_params import PoolingType
+from engine_core.protocol import PoolingType
 from engine_core.request import Request
 from engine_core.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs
+from engine_core.sampling_metadata import SamplingMetadata
+from engine_core.step_output import StepOutput
 from engine_core.structured.bitmask import apply_token_mask
 from engine_core.structured.masks import StepMasks, StructuredOutputs
 from engine_core.types import ModelRunnerOutput, SchedulerOutput
@@ -70,6 +72,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.pooling_state: dict[str, torch.Tensor] = {}  # request id -> running sum (mean) or first row (cls)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._last_step: StepOutput | None = None  # its sampled tokens feed the next step's placeholders
         self.decode_graphs: DecodeGraphRunner | None = None
         if cuda_graph_sizes:
             self.decode_graphs = DecodeGraphRunner(
@@ -101,54 +104,85 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        batch = self.prepare_step(scheduler_output)
+        if batch is None:
+            return ModelRunnerOutput(sampled_token_ids={})
+        masks = self.start_masks(batch)  # the constrained rows' masks, computed during the forward
+        hidden = self.forward(batch)
+        step = self.new_step_output(batch)
+        self.compute_outputs(step, hidden, self.sampling_metadata(batch), masks)
+        return step.result()
+
+    # The phases of a step, for engine_core/overlap.py, which runs forward() and compute_outputs() on its
+    # device queue and the rest on the host thread.
+    def prepare_step(self, scheduler_output: SchedulerOutput) -> _Batch | None:
+        """The step's inputs (None for an empty step); forgets the finished requests' state."""
         for request_id in scheduler_output.finished_request_ids:
             self.generators.pop(request_id, None)
             self.pooling_state.pop(request_id, None)
         if scheduler_output.is_empty:
-            return ModelRunnerOutput(sampled_token_ids={})
-        batch = self._prepare_batch(scheduler_output)
-        masks = None  # the constrained rows' masks, computed during the forward
-        if self.structured is not None and batch.sampling_requests:
-            masks = self.structured.start_masks(batch.sampling_requests)
-        if self.lora is not None:
-            self.lora.begin_step([r.lora_name for r in batch.requests], batch.row_counts)
-        hidden = self._forward(batch)
-        output = ModelRunnerOutput(sampled_token_ids={})
-        if batch.sampling_requests:
-            self._sample(hidden, batch, output, masks)
-        if batch.prompt_logprob_spans:
-            self._prompt_logprobs(hidden, batch, output)
-        if batch.pooling_spans:
-            self._pool(hidden, batch, output)
-        return output
+            return None
+        return self._prepare_batch(scheduler_output)
 
-    def _forward(self, batch: _Batch) -> torch.Tensor:  # [T, hidden]
+    def start_masks(self, batch: _Batch) -> StepMasks | None:
+        """Start the constrained rows' masks (their grammars must have seen every earlier token)."""
+        if self.structured is None or not batch.sampling_requests:
+            return None
+        return self.structured.start_masks(batch.sampling_requests)
+
+    def sampling_metadata(self, batch: _Batch) -> SamplingMetadata | None:
+        # creates (once) the generator of each seeded request in self.generators
+        if not batch.sampling_requests:
+            return None
+        return build_sampling_metadata(batch.sampling_requests, self.generators, self.device)
+
+    def new_step_output(self, batch: _Batch) -> StepOutput:
+        """The step's output to be: the next step's placeholder inputs read its sampled tokens."""
+        step = StepOutput(batch)
+        self._last_step = step
+        return step
+
+    @torch.inference_mode()
+    def forward(self, batch: _Batch) -> torch.Tensor:  # [T, hidden]
+        if batch.placeholder_rows is not None:  # tokens the step before sampled, still on the device
+            source = batch.placeholder_source.sampled
+            batch.input_ids[batch.placeholder_rows] = source[batch.placeholder_source_rows]
+        if self.lora is not None:  # here, on the device queue: the step before has sampled with its own rows
+            self.lora.begin_step([r.lora_name for r in batch.requests], batch.row_counts)
         md = batch.attn_metadata
         adapters = self.lora is not None and self.lora.active  # graphs are captured without adapter rows
         if self.decode_graphs is not None and not adapters and self.decode_graphs.can_run(md):
             return self.decode_graphs.run(batch.input_ids, batch.positions, md)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, md)
 
-    def _sample(self, hidden: torch.Tensor, batch: _Batch, output: ModelRunnerOutput,
+    @torch.inference_mode()
+    def compute_outputs(self, step: StepOutput, hidden: torch.Tensor, metadata: SamplingMetadata | None,
+                        masks: StepMasks | None) -> None:
+        """Sample (leaving the tokens on the device, copied back without blocking), prompt logprobs, pooling."""
+        batch, output = step.batch, step.output
+        if step.requests:
+            self._sample(hidden, step, metadata, masks)
+        if batch.prompt_logprob_spans:
+            self._prompt_logprobs(hidden, batch, output)
+        if batch.pooling_spans:
+            self._pool(hidden, batch, output)
+
+    def _sample(self, hidden: torch.Tensor, step: StepOutput, metadata: SamplingMetadata,
                 masks: StepMasks | None) -> None:
-        requests = batch.sampling_requests
+        output = step.output
         if self.lora is not None:
-            self.lora.select_head_rows(batch.logits_indices.tolist())
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab] fp32
+            self.lora.select_head_rows(step.batch.logits_rows)
+        logits = self.model.compute_logits(hidden[step.batch.logits_indices])  # [N, vocab] fp32
         if masks is not None:  # before the sampler: logprobs are those of the constrained distribution
             disallowed, output.mask_timing = masks.result()
             apply_token_mask(logits, disallowed, masks.rows)
-        # creates (once) the generator of each seeded request in self.generators
-        metadata = build_sampling_metadata(requests, self.generators, self.device)
-        sampled = self.sampler(logits, metadata)
-        output.sampled_token_ids = {
-            request.request_id: token for request, token in zip(requests, sampled.sampled_token_ids)
-        }
-        if sampled.logprobs is not None:
+        sampled, logprobs = self.sampler.sample(logits, metadata)
+        step.set_sampled(sampled)
+        if logprobs is not None:
             output.logprobs = {
-                request.request_id: logprobs
-                for request, logprobs in zip(requests, sampled.logprobs)
-                if logprobs is not None and request.sampling_params.logprobs is not None
+                request.request_id: row_logprobs
+                for request, row_logprobs in zip(step.requests, logprobs)
+                if row_logprobs is not None and request.sampling_params.logprobs is not None
             }
 
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: _Batch, output: ModelRunnerOutput) -> None:
@@ -202,6 +236,8 @@ class ModelRunner:
         sampling_requests: list[Request] = []
         prompt_logprob_spans: list[tuple[Request, int, int, int]] = []
         pooling_spans: list[tuple[Request, int, int, int]] = []
+        placeholder_rows: list[int] = []
+        placeholder_source_rows: list[int] = []
         num_decodes = 0
         for request in requests:
             count = num_scheduled[request.request_id]
@@ -210,7 +246,12 @@ class ModelRunner:
             start = end - count
             block_ids = scheduler_output.block_ids[request.request_id]
             token_start = len(input_ids)
-            input_ids.extend(request.all_token_ids[start:end])
+            tokens = request.all_token_ids[start:end]
+            if len(tokens) < count:  # overlapped steps: the token the step in flight samples (forward())
+                placeholder_rows.append(token_start + len(tokens))
+                placeholder_source_rows.append(self._last_step.row_of[request.request_id])
+                tokens.append(0)
+            input_ids.extend(tokens)
             positions.extend(range(start, end))
             slot_mapping.extend(block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
             query_start_loc.append(len(input_ids))
@@ -226,14 +267,13 @@ class ModelRunner:
             if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
                 num_prompt_positions = min(end, request.num_prompt_tokens - 1) - start
                 prompt_logprob_spans.append((request, token_start, start, num_prompt_positions))
-        device = self.device
         max_blocks = max(len(table) for table in block_tables)
         padded_tables = [table + [0] * (max_blocks - len(table)) for table in block_tables]  # 0 = null block
         attn_metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(padded_tables, dtype=torch.int32, device=device),
+            slot_mapping=self._to_device(slot_mapping, torch.int64),
+            query_start_loc=self._to_device(query_start_loc, torch.int32),
+            seq_lens=self._to_device(seq_lens, torch.int32),
+            block_tables=self._to_device(padded_tables, torch.int32),
             max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
             max_seq_len=max(seq_lens),
             num_decodes=num_decodes,
@@ -241,24 +281,34 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
         )
         return _Batch(
-            requests=requests,
-            row_counts=[num_scheduled[r.request_id] for r in requests],
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            input_ids=self._to_device(input_ids, torch.int64),
+            positions=self._to_device(positions, torch.int64),
             attn_metadata=attn_metadata,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+            logits_indices=self._to_device(logits_indices, torch.int64),
             sampling_requests=sampling_requests,
             prompt_logprob_spans=prompt_logprob_spans,
             pooling_spans=pooling_spans,
+            placeholder_rows=self._to_device(placeholder_rows, torch.int64) if placeholder_rows else None,
+            placeholder_source=self._last_step if placeholder_rows else None,
+            placeholder_source_rows=self._to_device(placeholder_source_rows, torch.int64) if placeholder_rows else None,
+            requests=requests,
+            row_counts=[num_scheduled[r.request_id] for r in requests],
+            logits_rows=logits_indices,
         )
+
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A host list as a device tensor; on CUDA through pinned memory without blocking, so preparing the
+        next step never waits for the forward in flight (the pinned allocator reuses a buffer only once its
+        copy is done)."""
+        if self.device.type != "cuda":
+            return torch.tensor(values, dtype=dtype)
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
 
 
 @dataclass
 class _Batch:
     """The tensors of one step plus which rows sample and which want prompt logprobs."""
 
-    requests: list[Request]  # in batch order
-    row_counts: list[int]  # rows of each request
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     attn_metadata: AttentionMetadata
@@ -267,3 +317,11 @@ class _Batch:
     # (request, first row in the batch, first position, number of positions)
     prompt_logprob_spans: list[tuple[Request, int, int, int]]
     pooling_spans: list[tuple[Request, int, int, int]]  # the same, for every chunk of a pooling request
+    # Overlapped steps: input rows whose token the step before sampled, and where in its output to find it.
+    placeholder_rows: torch.Tensor | None = None
+    placeholder_source: StepOutput | None = None
+    placeholder_source_rows: torch.Tensor | None = None
+    # LoRA: the requests in batch order, their rows, and the sampled rows as a host list
+    requests: list[Request] = field(default_factory=list)
+    row_counts: list[int] = field(default_factory=list)
+    logits_rows: list[int] = field(default_factory=list)

@@ -8,10 +8,15 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine_core.block_hash import BlockHash, hash_block_tokens, root_hash
-from engine_core.pooling_params import PoolingParams
-from engine_core.sampling_params import SamplingParams
-from engine_core.types import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
+from engine_core.protocol import (
+    EngineCoreEvent,
+    EngineCoreEventType,
+    EngineCoreRequest,
+    FinishReason,
+    PoolingParams,
+    SamplingParams,
+)
+from engine_core.protocol.block_hash import BlockHash, hash_block_tokens, root_hash
 
 if TYPE_CHECKING:
     from engine_core.structured.matcher import GrammarMatcher
@@ -60,7 +65,7 @@ class Request:
     priority: int = 0
     max_model_len: int | None = None
     pooling: PoolingParams | None = None  # set: pooled (an embedding), never sampled
-    lora_name: str | None = None  # its LoRA adapter; block hashes are rooted in it (engine_core/block_hash.py)
+    lora_name: str | None = None  # its LoRA adapter; block hashes are rooted in it (protocol/block_hash.py)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -70,10 +75,12 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Overlapped steps (engine_core/overlap.py): tokens a step in flight samples, not yet appended.
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # set when first scheduled
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
-        self.stop_reason: int | str | None = None
+        self.stop_token_id: int | None = None  # the stop token (EOS or stop_token_ids) that ended it
         self.block_hashes: list[BlockHash] = []
         self.events: list[EngineCoreEvent] = []  # recorded only when the scheduler logs stats
         self.grammar: GrammarMatcher | None = None  # structured output: set by the engine, fed every output token
@@ -107,6 +114,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_ahead(self) -> int:
+        """num_tokens plus the tokens still in flight: how far the scheduler may compute."""
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def num_output_tokens(self) -> int:
@@ -163,7 +175,7 @@ class Request:
                 return True
             if last in params.stop_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
-                self.stop_reason = last
+                self.stop_token_id = last
                 return True
         if self.max_output_tokens is not None and self.num_output_tokens >= self.max_output_tokens:
             self.status = RequestStatus.FINISHED_LENGTH

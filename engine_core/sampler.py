@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_core.protocol import TokenLogprobs
 from engine_core.sampling_metadata import (
     Penalties,
     SamplingMetadata,
@@ -25,8 +26,7 @@ from engine_core.sampling_metadata import (
     build_sampling_metadata,
     make_generator,
 )
-from engine_core.types import TokenLogprobs
-from kernels.fused_ops import argmax
+from kernels import argmax
 
 __all__ = [
     "Sampler",
@@ -54,6 +54,13 @@ class Sampler:
     """Stateless; call once per step with the rows' logits and their metadata."""
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        sampled, logprobs = self.sample(logits, metadata)
+        return SamplerOutput(sampled.tolist(), logprobs)
+
+    def sample(
+        self, logits: torch.Tensor, metadata: SamplingMetadata
+    ) -> tuple[torch.Tensor, list[TokenLogprobs | None] | None]:
+        """The sampled ids left on the logits' device ([N] int64), and the logprobs when a row asked."""
         logits = logits.float()  # [N, V]
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
@@ -65,7 +72,7 @@ class Sampler:
         logprobs = None
         if raw_logprobs is not None:
             logprobs = to_token_logprobs(raw_logprobs, sampled, metadata.num_logprobs)
-        return SamplerOutput(sampled.tolist(), logprobs)
+        return sampled, logprobs
 
 
 def compute_prompt_logprobs(

@@ -22,16 +22,10 @@ from collections.abc import Iterable
 from engine_core.config import CacheConfig, SchedulerConfig
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.lora.admission import LoraAdmission
+from engine_core.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from engine_core.request import Request, RequestStatus
 from engine_core.request_queue import FcfsQueue, PriorityQueue
-from engine_core.types import (
-    EngineCoreEventType,
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    ModelRunnerOutput,
-    SchedulerOutput,
-    SchedulerStats,
-)
+from engine_core.types import ModelRunnerOutput, SchedulerOutput
 
 
 class Scheduler:
@@ -147,8 +141,8 @@ class Scheduler:
         while i < len(self.running):
             request = self.running[i]
             decode = _is_decode(request)
-            num_new = 1 if decode else min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:
+            num_new = 1 if decode else min(request.num_tokens_ahead - request.num_computed_tokens, budget)
+            if num_new <= 0 or self._at_limit_in_flight(request):
                 i += 1
                 continue
             while self.kv_cache_manager.allocate_slots(request, num_new) is None:
@@ -170,6 +164,15 @@ class Scheduler:
                     budget -= num_new
                 i += 1
         return budget
+
+    def _at_limit_in_flight(self, request: Request) -> bool:
+        """Overlapped steps: the token in flight is the request's last (max_tokens or max_model_len), so
+        computing past it would be thrown away."""
+        if not request.num_output_placeholders:
+            return False
+        limit = request.max_output_tokens
+        return (limit is not None and request.num_output_tokens + request.num_output_placeholders >= limit
+                or request.num_tokens_ahead >= self.max_model_len)
 
     def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int]) -> None:
         """Admit waiting requests in queue order while budget, KV cache and max_num_seqs allow; with
@@ -238,11 +241,13 @@ class Scheduler:
         num_prompt_tokens = num_generation_tokens = 0  # prompts: of requests that sampled their first token
         for request in scheduler_output.scheduled_requests:
             request_id = request.request_id
-            if request.status != RequestStatus.RUNNING:
+            if request.is_finished:
                 continue  # aborted since schedule()
             new_token_ids: list[int] = []
             token_id = model_runner_output.sampled_token_ids.get(request_id)
-            if token_id is not None and request.num_computed_tokens >= request.num_tokens:
+            if token_id is not None:
+                # overlapped steps: the next step's schedule() may have preempted it since
+                waiting = request.status == RequestStatus.PREEMPTED
                 request.append_output_token_ids(token_id)
                 new_token_ids.append(token_id)
                 num_generation_tokens += 1
@@ -250,6 +255,8 @@ class Scheduler:
                     num_prompt_tokens += request.num_prompt_tokens
                 if request.check_stop() or self._check_model_len(request):
                     stopped.add(request_id)
+                    if waiting:
+                        self.waiting.remove(request)
             embedding = model_runner_output.pooled.get(request_id)
             if embedding is not None:  # a pooling request is done once its prompt is
                 request.status = RequestStatus.FINISHED_STOPPED
@@ -265,7 +272,7 @@ class Scheduler:
                 new_logprobs=None if logprobs is None else [logprobs],
                 new_prompt_logprobs=prompt_logprobs or None,
                 finish_reason=request.finish_reason,
-                stop_reason=request.stop_reason,
+                stop_token_id=request.stop_token_id,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 events=request.take_events() if self.log_stats else None,
                 embedding=embedding,
@@ -319,13 +326,7 @@ class Scheduler:
         A pure read: utility calls may ask between steps without taking counts from the step's metrics.
         """
         manager = self.kv_cache_manager
-        running_loras: dict[str, int] = {}
-        waiting_loras: dict[str, int] = {}
-        if self.lora is not None:
-            for request in self.requests.values():
-                if request.lora_name is not None:
-                    counts = running_loras if request.status == RequestStatus.RUNNING else waiting_loras
-                    counts[request.lora_name] = counts.get(request.lora_name, 0) + 1
+        running_loras, waiting_loras = self.lora.request_counts(self.requests.values()) if self.lora else ({}, {})
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -346,4 +347,4 @@ class Scheduler:
 
 def _is_decode(request: Request) -> bool:
     """One token left to compute: its next sampled token's input (not yet counted as computed)."""
-    return request.num_tokens - request.num_computed_tokens == 1
+    return request.num_tokens_ahead - request.num_computed_tokens == 1

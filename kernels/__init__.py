@@ -1,4 +1,14 @@
-"""Paged-attention kernels behind one dispatch point.
+"""The kernels' one front door: the engine imports `kernels` and nothing deeper (tests/test_layering.py).
+
+What it offers: paged attention and the KV-cache write (`select_backend`), fused layer ops and argmax
+(`select_fused_ops`, `argmax`), the float dtype measured fastest here (`fastest_float_dtype`), LoRA's
+shrink/expand products (`select_lora_ops`: Triton on CUDA, the kernel measured fastest per row bucket on the
+CPU; `LoraStepIndex` maps a step's rows to adapter slots), and the CPU
+linears: every kernel that can take a layer, timed per batch bucket on this machine (`use_measured_linears`,
+with the model's `LinearRole`s) and the pieces the one-op CPU decode layers reuse. Which layer gets which
+kernel is decided by the engine (engine_core/models): the kernels only offer, check and time.
+
+Paged attention behind one dispatch point:
 
 `select_backend(device, name)` returns an `AttentionBackend` whose two functions
 have the same signature on every backend:
@@ -16,9 +26,6 @@ have the same signature on every backend:
 K/V blocks in place (kernels/cpu_attention.py, built on first use by kernels/cpu_extension.py);
 "triton" runs the Triton kernels (CUDA, or the CPU interpreter under TRITON_INTERPRET=1).
 
-LoRA's shrink/expand products: `select_lora_ops` (kernels/lora_ops.py) gives Triton on CUDA and
-the kernel measured fastest per row bucket on the CPU; `LoraStepIndex` maps a step's rows to slots.
-
 `supports_cuda_graphs` says a backend may be captured in a CUDA graph: it reads every
 per-step value from the metadata's device tensors (never the host lists, beyond their
 length) and never syncs with the host. The torch reference sizes its gathers from the
@@ -31,11 +38,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kernels.attention_metadata import AttentionMetadata
-from kernels.lora_index import LoraStepIndex
-from kernels.lora_ops import LoraOps, LoraPlan, select_lora_ops
-
-__all__ = ["AttentionBackend", "AttentionMetadata", "LoraOps", "LoraPlan", "LoraStepIndex", "select_backend",
-           "select_lora_ops"]
 
 
 @dataclass(frozen=True)
@@ -74,3 +76,30 @@ def select_backend(device: str, name: str = "auto") -> AttentionBackend:
             supports_cuda_graphs=True,
         )
     raise ValueError(f"attention backend must be 'auto', 'torch', 'cpp' or 'triton', got {name!r}")
+
+
+# ---- the rest of the front door (imported after AttentionBackend: these modules import this package)
+from kernels.cpu_linear import (  # noqa: E402
+    BUCKETS,
+    LinearRole,
+    allowed_kernels,
+    int4_allowed,
+    kernel_fits,
+    prepare_int4_gemv,
+    prepare_int8_gemv,
+    use_measured_linears,
+)
+from kernels.float_dtype import fastest_float_dtype  # noqa: E402
+from kernels.fused_ops import FusedOps, argmax, select_fused_ops  # noqa: E402
+from kernels.linear_timing import Timer, fastest_uncontended, one_thread, wall_timer  # noqa: E402
+from kernels.lora_index import LoraStepIndex  # noqa: E402
+from kernels.lora_ops import LORA_KERNELS, LoraOps, LoraPlan, select_lora_ops  # noqa: E402
+
+__all__ = [
+    "AttentionBackend", "AttentionMetadata", "BUCKETS", "FusedOps", "LORA_KERNELS", "LinearRole", "LoraOps",
+    "LoraPlan", "LoraStepIndex", "Timer", "allowed_kernels",
+    "argmax", "fastest_float_dtype", "fastest_uncontended", "int4_allowed", "kernel_fits", "one_thread",
+    "prepare_int4_gemv", "prepare_int8_gemv", "select_backend", "select_fused_ops", "select_lora_ops",
+    "use_measured_linears",
+    "wall_timer",
+]

@@ -19,7 +19,9 @@ kernels/int4_linear.py (tests/kernels/test_cpu_linear.py states the tolerances a
 
 from __future__ import annotations
 
+import enum
 import logging
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -28,13 +30,32 @@ from torch import nn
 from kernels import cpu_extension, linear_plan_cache, linear_timing
 from kernels.bf16_linear import bf16_packed_supported, prepare_bf16_packed, run_bf16_packed
 from kernels.int4_linear import (
-    GROUP_SIZE, dequantize_int4, int4_gemv_supported, int4_supported, prepare_int4, prepare_int4_gemv, quantize_int4,
-    run_int4, run_int4_gemv,
+    GROUP_SIZE,
+    dequantize_int4,
+    int4_gemv_supported,
+    int4_supported,
+    prepare_int4,
+    prepare_int4_gemv,
+    quantize_int4,
+    run_int4,
+    run_int4_gemv,
 )
 from kernels.int8_linear import (  # noqa: F401 (quantize_int8 / dequantize_int8 re-exported)
-    dequantize_int8, int8_grouped_fits, int8_vnni_supported, int_mm_is_exact, prepare_int8_dynamic, prepare_int8_gemv,
-    prepare_int8_grouped, prepare_int8_vnni, prepare_int8_weight_only, quantize_int8, run_int8_dynamic, run_int8_gemv,
-    run_int8_grouped, run_int8_vnni, run_int8_weight_only,
+    dequantize_int8,
+    int8_grouped_fits,
+    int8_vnni_supported,
+    int_mm_is_exact,
+    prepare_int8_dynamic,
+    prepare_int8_gemv,
+    prepare_int8_grouped,
+    prepare_int8_vnni,
+    prepare_int8_weight_only,
+    quantize_int8,
+    run_int8_dynamic,
+    run_int8_gemv,
+    run_int8_grouped,
+    run_int8_vnni,
+    run_int8_weight_only,
 )
 from kernels.linear_timing import Timer, fastest_uncontended, one_thread, rotating
 from kernels.linear_timing import wall_timer as _wall_timer  # a module global: tests swap the clock here
@@ -47,6 +68,16 @@ logger = logging.getLogger(__name__)
 # ran within 1.3x of each other on a Zen 4 and one noisy load picked bf16 for every prefill, while
 # from 256 rows on W8A8 led by 1.5-1.6x (gate/up, q/k/v, o).
 BUCKETS = (1, 8, 32, 128, 512)
+class LinearRole(str, enum.Enum):
+    """What the model knows about one of its linears that limits the kernels it may take; the model names
+    its layers' roles (engine_core/models/layers.py), the kernels only act on them. The values are the
+    plan cache's keys."""
+
+    ANY = "any"
+    OUTPUT_HEAD = "lm_head"  # the vocabulary projection: decode-sized batches only; int4 too lossy here
+    OUTLIER_INPUT = "down_proj"  # its input has outlier channels (an MLP's SiLU·mul): no per-token W8A8
+
+
 HEAD_MAX_ROWS = 128  # the LM head sees one row per sampling request (max_num_seqs): not timed above
 FLOAT_KERNELS = ("linear", "linear_colmajor", "linear_onednn", "linear_bf16_packed")
 INT8_KERNELS = ("int8_weight_only", "int8_dynamic", "int8_gemv", "int8_vnni", "int8_grouped")
@@ -225,9 +256,8 @@ def allowed_kernels(quantization: str) -> tuple[str, ...]:
             "auto": FLOAT_KERNELS + INT8_KERNELS}[quantization]
 
 
-def _kernels_for(quantization: str, weights: list[torch.Tensor], role: str) -> tuple[str, ...]:
-    """The allowed kernels that fit every weight of a same-shape group (see `allowed_kernels`);
-    `role`: "lm_head", "down_proj" or "" for any other linear.
+def _kernels_for(quantization: str, weights: list[torch.Tensor], role: LinearRole) -> tuple[str, ...]:
+    """The allowed kernels that fit every weight of a same-shape group (see `allowed_kernels`) in its role.
 
     int4 leaves the LM head at int8, as llama.cpp's Q4 files keep their output layer at 6-8 bits:
     an int4 head turned SmolLM2's "The capital of France is Paris." into "L'Étoile (The City of
@@ -242,10 +272,10 @@ def _kernels_for(quantization: str, weights: list[torch.Tensor], role: str) -> t
     per-token W8A8: over 414 tokens it moved the mean |log-prob change| from 0.159 to 0.175, its top-1
     agreement within noise (0.889 -> 0.906), and the answer above stayed.
     """
-    if quantization == "int4" and role == "lm_head":
+    if quantization == "int4" and role is LinearRole.OUTPUT_HEAD:
         quantization = "int8"
     kernels = [k for k in allowed_kernels(quantization) if all(kernel_fits(k, w) for w in weights)]
-    if role == "down_proj":  # outlier activations: see the docstring
+    if role is LinearRole.OUTLIER_INPUT:  # see the docstring
         kernels = [k for k in kernels if k not in W8A8_KERNELS] or kernels
     else:
         kernels = [k for k in kernels if k not in GROUPED_KERNELS] or kernels
@@ -309,9 +339,11 @@ def choose_plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], kernels
 
 @torch.no_grad()
 def use_measured_linears(model: nn.Module, quantization: str = "none", buckets: tuple[int, ...] = BUCKETS,
-                         timer: Timer | None = None) -> dict[tuple[int, int], Plan]:
+                         timer: Timer | None = None,
+                         roles: Mapping[str, LinearRole] | None = None) -> dict[tuple[int, int], Plan]:
     """Replace every `nn.Linear` in `model` (on CPU) by a `CpuLinear` whose kernel per batch
-    bucket was measured fastest on this machine among those `quantization` allows.
+    bucket was measured fastest on this machine among those `quantization` allows for its role
+    (`roles`: the model's, by attribute name; any other linear is LinearRole.ANY).
 
     Same-shape layers share one measurement, kept on disk for the next load on this machine
     (kernels/linear_plan_cache.py; not with an injected `timer`). Logs one line per shape and
@@ -319,24 +351,24 @@ def use_measured_linears(model: nn.Module, quantization: str = "none", buckets: 
     """
     allowed_kernels(quantization)  # validates the name
     cached = timer is None and _wall_timer is linear_timing.wall_timer
-    groups: dict[tuple[int, int, bool, bool], list[tuple[nn.Module, str, nn.Linear]]] = {}
+    groups: dict[tuple[int, int, bool, LinearRole], list[tuple[nn.Module, str, nn.Linear]]] = {}
     for parent in model.modules():
         for child_name, child in parent.named_children():
             if isinstance(child, nn.Linear):
-                role = child_name if child_name in ("lm_head", "down_proj") else ""
+                role = (roles or {}).get(child_name, LinearRole.ANY)
                 key = (child.out_features, child.in_features, child.bias is not None, role)
                 groups.setdefault(key, []).append((parent, child_name, child))
     plans = {}
     for (out_f, in_f, _, role), members in groups.items():
         group_buckets = buckets
-        if role == "lm_head":
+        if role is LinearRole.OUTPUT_HEAD:
             group_buckets = tuple(b for b in buckets if b <= HEAD_MAX_ROWS) or buckets[:1]
         weight_bytes = out_f * in_f * members[0][2].weight.element_size()
         count = max(1, min(len(members), _TIMING_BYTES // max(weight_bytes, 1)))
         sample = [(m.weight, m.bias) for _, _, m in members[:count]]
         with one_thread():
             kernels = _kernels_for(quantization, [m.weight for _, _, m in members], role)
-        entry = (f"linear {out_f}x{in_f} bias={members[0][2].bias is not None} role={role or 'any'} "
+        entry = (f"linear {out_f}x{in_f} bias={members[0][2].bias is not None} role={role.value} "
                  f"{members[0][2].weight.dtype} kernels={','.join(kernels)} buckets={group_buckets}")
         stored = linear_plan_cache.lookup(entry) if cached else None
         if stored is not None and all(name in kernels for _, name in stored):

@@ -25,7 +25,7 @@ def _native_bf16() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
-def fastest_float_dtype(hidden: int = 576, intermediate: int = 1536, timer: Timer = _wall_timer,
+def fastest_float_dtype(hidden: int, intermediate: int, timer: Timer = _wall_timer,
                         native_bf16: bool | None = None) -> torch.dtype:
     """bfloat16 or float32, whichever multiplies an MLP-shaped weight faster here at 1 and 32 rows,
     each dtype through its fastest float kernel (row-major F.linear is not always it: on an AMD

@@ -45,7 +45,7 @@ while True:
 
 def median_decode_step_ms(engine, batch: int, steps: int, tag: str) -> float:
     """Median pure-decode step (every request decoding) of `batch` requests after 128-token prompts."""
-    from engine_core.sampling_params import SamplingParams
+    from engine_core.protocol import SamplingParams
 
     for i in range(batch):
         prompt = [1000 + (sum(map(ord, tag)) + i * 7 + j) % 30000 for j in range(128)]

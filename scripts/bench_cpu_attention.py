@@ -35,8 +35,10 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from engine_core.engine_core import EngineCore  # noqa: E402
-from engine_core.sampling_params import SamplingParams  # noqa: E402
-from engine_core.types import EngineCoreRequest  # noqa: E402
+from engine_core.protocol import (
+    EngineCoreRequest,  # noqa: E402
+    SamplingParams,  # noqa: E402
+)
 from kernels import AttentionMetadata, cpu_extension, select_backend  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M

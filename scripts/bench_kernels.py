@@ -119,7 +119,7 @@ def kv_bytes_per_token(engine) -> int:
 
 def bench_decode(engine, batch: int, args, bandwidth: float) -> dict:
     """Prefill `batch` prompts, then time the pure-decode steps until every request ends."""
-    from engine_core.sampling_params import SamplingParams
+    from engine_core.protocol import SamplingParams
 
     engine.engine_core.reset_prefix_cache()
     gen = torch.Generator().manual_seed(batch)
@@ -130,7 +130,7 @@ def bench_decode(engine, batch: int, args, bandwidth: float) -> dict:
         engine.add_request(f"bench-{batch}-{i}", prompt, params)
     started = set()
     while len(started) < batch:  # prefill steps: every request gets its first token
-        started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
+        started.update(o.request_id for o in engine.step() if o.completions[0].token_ids)
     torch.cuda.synchronize()
     begin = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
@@ -139,7 +139,7 @@ def bench_decode(engine, batch: int, args, bandwidth: float) -> dict:
     while engine.has_unfinished_requests():
         outputs = engine.step()  # sampled ids reach the host: each step ends in a sync
         steps += 1
-        tokens += sum(len(c.new_token_ids) for o in outputs for c in o.outputs)
+        tokens += sum(len(c.token_ids) for o in outputs for c in o.completions)
     end.record()
     torch.cuda.synchronize()
     seconds = begin.elapsed_time(end) / 1e3

@@ -31,7 +31,7 @@ from safetensors.torch import save_file  # noqa: E402
 from engine_core.config import CacheConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from engine_core.llm_engine import LLMEngine  # noqa: E402
 from engine_core.lora.targets import LINEAR_LEAVES  # noqa: E402
-from engine_core.sampling_params import SamplingParams  # noqa: E402
+from engine_core.protocol import SamplingParams  # noqa: E402
 
 TARGETS = [leaf for leaf in LINEAR_LEAVES if leaf not in ("qkv_proj", "gate_up_proj", "lm_head")]
 
@@ -79,10 +79,16 @@ def run_round(engine: LLMEngine, prompts: list[list[int]], gen_len: int, lora_na
     params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
     engine.engine_core.reset_prefix_cache()
     started = time.perf_counter()
-    outputs = engine.generate(prompts, params, lora_names=lora_names)
+    for index, (prompt, lora_name) in enumerate(zip(prompts, lora_names)):
+        engine.add_request(f"bench-{index}", prompt, params, lora_name=lora_name)
+    first_token: dict[str, float] = {}
+    generated = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():  # DELTA: each message holds the step's new tokens
+            first_token.setdefault(output.request_id, time.perf_counter() - started)
+            generated += sum(len(c.token_ids) for c in output.completions)
     elapsed = time.perf_counter() - started
-    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    ttfts = sorted(o.first_token_time - o.arrival_time for o in outputs)
+    ttfts = sorted(first_token.values())
     return {"seconds": elapsed, "generated_tokens": generated, "tok_per_s": generated / elapsed,
             "ttft_p50_s": ttfts[len(ttfts) // 2]}
 

@@ -26,7 +26,7 @@ from clients.bench.transformers_peer import generate_batch, load_transformers  #
 from engine_core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from engine_core.llm_engine import LLMEngine  # noqa: E402
 from engine_core.loader.registry import default_model_path  # noqa: E402
-from engine_core.sampling_params import SamplingParams  # noqa: E402
+from engine_core.protocol import SamplingParams  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -52,10 +52,16 @@ def bench_tandem(engine: LLMEngine, prompts: list[list[int]], gen_len: int) -> d
     params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
     engine.engine_core.reset_prefix_cache()
     started = time.perf_counter()
-    outputs = engine.generate(prompts, params)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"bench-{index}", prompt, params)
+    first_token: dict[str, float] = {}
+    generated = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():  # DELTA: each message holds the step's new tokens
+            first_token.setdefault(output.request_id, time.perf_counter() - started)
+            generated += sum(len(c.token_ids) for c in output.completions)
     elapsed = time.perf_counter() - started
-    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    ttfts = sorted(o.first_token_time - o.arrival_time for o in outputs)
+    ttfts = sorted(first_token.values())
     return {"seconds": elapsed, "generated_tokens": generated, "tok_per_s": generated / elapsed,
             "ttft_p50_s": ttfts[len(ttfts) // 2]}
 

@@ -30,7 +30,7 @@ DEFAULT = "default"
 
 def median_step_ms(engine, batch: int, max_tokens: int, budget_s: float) -> float:
     """Median decode step of `batch` requests (64-token prompts), stopping after `budget_s`."""
-    from engine_core.sampling_params import SamplingParams
+    from engine_core.protocol import SamplingParams
 
     tag = f"b{batch}-{time.monotonic_ns()}"
     for i in range(batch):

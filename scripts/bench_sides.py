@@ -131,7 +131,7 @@ def low_priority_client():
 def in_process_round(engine, prompts: list[BenchPrompt], streams: int) -> Round:
     """A closed loop of `streams`, stepped here: the requests are all the same length, so it runs
     in batches of `streams` prompts added at once, each stepped until it finishes."""
-    from engine_core.sampling_params import SamplingParams
+    from engine_core.protocol import SamplingParams
 
     records: dict[str, RequestRecord] = {}
     started = time.perf_counter()
@@ -146,7 +146,7 @@ def in_process_round(engine, prompts: list[BenchPrompt], streams: int) -> Round:
                 for output in engine.step():
                     now = time.perf_counter()
                     record = records[output.request_id]
-                    record.add_tokens(len(output.outputs[0].new_token_ids), now)
+                    record.add_tokens(len(output.completions[0].token_ids), now)
                     if output.finished:
                         record.end = now
     return timed.round(list(records.values()), time.perf_counter() - started, streams)
@@ -158,14 +158,13 @@ def transport_round(engine, model: str, tokenizer_path: str, prompts: list[Bench
     from clients.bench.backends import InProcessBackend
     from services.engine.busy_loop import EngineBusyLoop
     from services.engine.process import run_beside_engine
-    from services.frontend.in_process import engine_info_from_core
 
     core = engine.engine_core
     busy_loop = EngineBusyLoop(core)
     timed = TimedSteps(core)
 
     async def main() -> tuple[list[RequestRecord], float]:
-        backend = InProcessBackend(model, tokenizer_path, engine=(busy_loop, engine_info_from_core(core.info)))
+        backend = InProcessBackend(model, tokenizer_path, engine=(busy_loop, core.info))
         try:
             await closed_loop(backend, WARM_UP, 1)
             timed.steps.clear()  # the warm-up's steps are not the round's

@@ -19,7 +19,7 @@ from tokenizers.decoders import DecodeStream  # noqa: E402
 from engine_core.config import EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from engine_core.llm_engine import LLMEngine  # noqa: E402
 from engine_core.loader.registry import default_model_path  # noqa: E402
-from engine_core.sampling_params import SamplingParams  # noqa: E402
+from engine_core.protocol import SamplingParams  # noqa: E402
 from services.frontend.chat_template import render_chat  # noqa: E402
 from services.frontend.tokenizer import load_tokenizer  # noqa: E402
 
@@ -44,7 +44,7 @@ def stream_answer(engine: LLMEngine, tokenizer, prompt_ids: list[int], params: S
     started = time.perf_counter()
     while engine.has_unfinished_requests():
         for output in engine.step():
-            for token_id in output.outputs[0].new_token_ids:
+            for token_id in output.completions[0].token_ids:
                 token_ids.append(token_id)
                 text = decoder.step(tokenizer.tokenizer, token_id)
                 if text:

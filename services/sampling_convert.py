@@ -1,4 +1,4 @@
-"""Protos <-> the shared request protocol (engine_core.sampling_params), for both services.
+"""Protos <-> the shared request protocol (engine_core/protocol/), for both services.
 
 tandem.v1's enums carry the same numbers as OutputKind and FinishReason, so enums cross as ints;
 every sampling scalar is `optional` on the wire and an unset one takes the dataclass default.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from tandem.v1 import common_pb2
 
-from engine_core.sampling_params import FinishReason, SamplingParams, StructuredOutput, TokenLogprobs
+from engine_core.protocol import FinishReason, SamplingParams, StructuredOutput, TokenLogprobs
 
 # Optional scalars copied only when set: unset ones take the dataclass defaults.
 _OPTIONAL_SCALARS = (

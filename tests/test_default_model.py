@@ -7,7 +7,7 @@ import pytest
 from engine_core.config import EngineConfig, ModelConfig
 from engine_core.llm_engine import LLMEngine
 from engine_core.loader import default_model_path
-from engine_core.sampling_params import SamplingParams
+from engine_core.protocol import SamplingParams
 from services.frontend.chat_template import render_chat
 from services.frontend.tokenizer import load_tokenizer
 from tests.engine_core.test_loader import CHAT_PROMPT
@@ -40,7 +40,7 @@ def fp32_engine():
 def test_greedy_chat_answer_names_paris_in_float32(tokenizer, fp32_engine):
     output = fp32_engine.generate([chat_prompt_ids(tokenizer, QUESTION)],
                                   SamplingParams(temperature=0.0, max_tokens=32))[0]
-    completion = output.outputs[0]
+    completion = output.completions[0]
     answer = tokenizer.decode(completion.token_ids)
     assert "Paris" in answer, answer
     assert str(completion.finish_reason) == "stop"  # ended by <|im_end|>, one of the model's eos ids
@@ -53,7 +53,7 @@ def test_auto_dtype_scores_the_float32_answer_as_float32_does(tokenizer, fp32_en
     machine (W8A8 on both o_proj and gate/up in the prefill turns it to "L'Étoile ..."; either alone does
     not). What auto must keep is the model: fp32's answer stays nearly as likely, token by token."""
     prompt = chat_prompt_ids(tokenizer, QUESTION)
-    answer = fp32_engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=32))[0].outputs[0].token_ids
+    answer = fp32_engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=32))[0].completions[0].token_ids
     auto_engine = LLMEngine(EngineConfig(model=ModelConfig(dtype="auto", max_model_len=512)))
     fp32, auto = (answer_logprobs(engine, prompt, answer) for engine in (fp32_engine, auto_engine))
     changes = [abs(a - b) for (a, _), (b, _) in zip(auto, fp32)]

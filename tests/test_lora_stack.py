@@ -14,7 +14,7 @@ from tandem.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, gen
 from engine_core.config import CacheConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
 from engine_core.llm_engine import LLMEngine
 from engine_core.loader import default_model_path
-from engine_core.sampling_params import SamplingParams
+from engine_core.protocol import SamplingParams
 from tests.engine_core.tiny_lora import write_tiny_adapter
 from tests.engine_core.tiny_models import write_tiny_model
 from tests.test_stack import ENGINE_FLAGS, MAX_MODEL_LEN, VOCAB, Services, greedy, stream_tokens
@@ -51,7 +51,7 @@ def offline_tokens(tiny_model_dir, adapters, lora_name, max_tokens):
         lora=LoraConfig(adapters={"x": str(adapters["x"]), "y": str(adapters["y"])}, max_loras=2, max_lora_rank=8),
     ))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return engine.generate([PROMPT], params, lora_names=lora_name)[0].outputs[0].token_ids
+    return engine.generate([PROMPT], params, lora_names=lora_name)[0].completions[0].token_ids
 
 
 def test_adapters_over_grpc(lora_services, tiny_model_dir, adapters):

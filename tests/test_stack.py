@@ -22,7 +22,7 @@ from clients.local_stack import free_port, wait_until_serving
 from engine_core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine_core.llm_engine import LLMEngine
 from engine_core.loader import default_model_path
-from engine_core.sampling_params import SamplingParams
+from engine_core.protocol import SamplingParams
 from services.frontend.chat_template import render_chat
 from services.frontend.tokenizer import load_tokenizer
 from tests.engine_core.tiny_models import write_tiny_model
@@ -142,7 +142,7 @@ def test_64_concurrent_streams_match_the_offline_engine(services, offline):
             return await asyncio.gather(*(stream_tokens(stub, r) for r in requests))
 
     got = asyncio.run(run())
-    assert got == [o.outputs[0].token_ids for o in expected]
+    assert got == [o.completions[0].token_ids for o in expected]
     wait_for_all_blocks_free(services.engine_address)
 
 
@@ -159,7 +159,7 @@ def test_chat_streams_the_offline_engine_tokens(services, offline, tokenizer):
         async with grpc.aio.insecure_channel(services.frontend_address) as channel:
             return await stream_tokens(generation_pb2_grpc.GenerationServiceStub(channel), request, "Chat")
 
-    assert asyncio.run(run()) == expected.outputs[0].token_ids
+    assert asyncio.run(run()) == expected.completions[0].token_ids
 
 
 # ---- 3. cancel and deadline free every KV block ---------------------------------------------------

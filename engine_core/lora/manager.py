@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 from engine_core.lora.adapter import LoraAdapter, load_peft_adapter
 from engine_core.lora.errors import LoraAdapterError, UnknownLoraError
-from engine_core.lora.info import LoraInfo
 from engine_core.lora.layers import LoraSlots
 from engine_core.lora.targets import LoraTarget
+from engine_core.protocol import LoraInfo
 
 logger = logging.getLogger(__name__)
 

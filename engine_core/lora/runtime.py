@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from engine_core.config import LoraConfig
-from engine_core.lora.info import LoraInfo
 from engine_core.lora.layers import LoraContext, LoraEmbedding, LoraLinear, LoraSlots
 from engine_core.lora.manager import LoraManager
 from engine_core.lora.targets import lora_targets
+from engine_core.protocol import LoraInfo
 from kernels import LoraStepIndex, select_lora_ops
 
 

@@ -28,9 +28,19 @@ import logging
 import torch
 
 from engine_core.models.llama import LlamaDecoderLayer, LlamaModel
-from kernels import AttentionMetadata
-from kernels.cpu_linear import BUCKETS, allowed_kernels, int4_allowed, kernel_fits, prepare_int4_gemv, prepare_int8_gemv
-from kernels.linear_timing import Timer, fastest_uncontended, one_thread, wall_timer
+from kernels import (
+    BUCKETS,
+    AttentionMetadata,
+    Timer,
+    allowed_kernels,
+    fastest_uncontended,
+    int4_allowed,
+    kernel_fits,
+    one_thread,
+    prepare_int4_gemv,
+    prepare_int8_gemv,
+    wall_timer,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,7 @@ from torch import nn
 from engine_core.config import ModelArchConfig
 from engine_core.models.layers import GeluAndMul, RMSNorm
 from engine_core.models.llama import KVCache, LlamaAttention, LlamaForCausalLM, LlamaMLP, Rope
-from kernels import AttentionBackend, AttentionMetadata
-from kernels.fused_ops import FusedOps
+from kernels import AttentionBackend, AttentionMetadata, FusedOps
 
 
 class GemmaDecoderLayer(nn.Module):

@@ -17,7 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.fused_ops import FusedOps
+from kernels import FusedOps, LinearRole
+
+# What the kernels must know of these layers' linears, by attribute name (the CPU linears' choice,
+# kernels/cpu_linear.py): the LM head sees decode-sized batches and loses most to int4; the MLP's down
+# projection reads the SiLU·mul product, whose outlier channels per-token W8A8 crushes.
+LINEAR_ROLES = {"lm_head": LinearRole.OUTPUT_HEAD, "down_proj": LinearRole.OUTLIER_INPUT}
 
 
 class RMSNorm(nn.Module):

@@ -24,8 +24,7 @@ from torch import nn
 
 from engine_core.config import ModelArchConfig
 from engine_core.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
-from kernels import AttentionBackend, AttentionMetadata
-from kernels.fused_ops import FusedOps
+from kernels import AttentionBackend, AttentionMetadata, FusedOps
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # key, value: [num_blocks, Hkv, block_size, D]
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, D/2], looked up once per step

@@ -23,8 +23,8 @@ import numpy as np
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
-from engine_core.sampling_params import StructuredOutput
-from engine_core.structured.grammar import grammar_text
+from engine_core.protocol import StructuredOutput
+from engine_core.protocol.structured_output import grammar_text
 from engine_core.structured.matcher import GrammarMatcher
 from engine_core.structured.vocabulary import build_vocabulary
 

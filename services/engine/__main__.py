@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "graphs capture decode batches on CUDA, and layers use fused C++ / Triton ops)")
     d.add_argument("--cuda-graph-max-batch-size", type=int, default=device.cuda_graph_max_batch_size,
                    help="largest decode batch captured as a CUDA graph (also capped by --max-num-seqs)")
+    d.add_argument("--overlap", default=device.overlap, choices=["auto", "on", "off"],
+                   help="schedule and prepare the next step while this one runs (docs/gpu.md); "
+                        "auto: on for cuda, off on cpu")
 
     lora = defaults.lora
     la = p.add_argument_group("LoRA adapters (docs/lora.md)")
@@ -181,6 +184,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         device=DeviceConfig(
             device=args.device, attention_backend=args.attention_backend, num_threads=args.num_threads,
             enforce_eager=args.enforce_eager, cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
+            overlap=args.overlap,
         ),
         lora=LoraConfig(enable=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                         max_cpu_loras=args.max_cpu_loras, kernel=args.lora_kernel, adapters=dict(args.lora or ())),

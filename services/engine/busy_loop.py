@@ -28,23 +28,19 @@ import time
 from typing import TYPE_CHECKING
 
 from engine_core.lora.errors import LoraAdapterError, LoraDisabledError, LoraInUseError, UnknownLoraError
-from engine_core.lora.info import LoraInfo
-from engine_core.types import EngineCoreOutputs, EngineCoreRequest
-from services.engine.messages import (
-    Abort,
-    Add,
-    Call,
-    Close,
-    EngineDied,
+from engine_core.protocol import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
     EngineState,
-    Open,
+    LoraInfo,
     PauseMode,
     RequestErrorKind,
-    Utility,
+    UtilityCall,
     UtilityErrorKind,
     UtilityMethod,
     UtilityResult,
 )
+from services.engine.messages import Abort, Add, Call, Close, EngineDied, Open
 from services.engine.pause import PauseState, Waiter
 from services.engine.routing import ConnectionRouter
 from services.engine.telemetry import EngineTelemetry
@@ -175,7 +171,7 @@ class EngineBusyLoop:
             return self.engine.step()
         started = time.perf_counter()
         step = self.engine.step()
-        self.telemetry.record_step(step, time.perf_counter() - started)
+        self.telemetry.record_step(step, time.perf_counter() - started, self.engine.last_mask_timing)
         return step
 
     def _has_work(self) -> bool:
@@ -223,7 +219,7 @@ class EngineBusyLoop:
             self._add(connection, item.request)
         elif isinstance(item, Abort):
             self._abort(connection, item.request_ids)
-        elif isinstance(item, Utility):
+        elif isinstance(item, UtilityCall):
             result = self._utility(connection, item)
             if result is not None:
                 self._router.reply(connection, result)
@@ -313,7 +309,7 @@ class EngineBusyLoop:
             self._router.send_aborted(connection, request_ids, self.engine.make_stats())
 
     # ---- utility calls ----------------------------------------------------------------
-    def _utility(self, connection: int, call: Utility) -> UtilityResult | None:
+    def _utility(self, connection: int, call: UtilityCall) -> UtilityResult | None:
         """Run one utility call; None when its result comes later (a WAIT pause)."""
         method = call.method
         try:
@@ -342,7 +338,7 @@ class EngineBusyLoop:
             self._publish_state()  # before the caller's answer, so its frontend already routes by it
         return UtilityResult(call.call_id, True, stats=self.engine.make_stats())
 
-    def _lora_call(self, call: Utility) -> tuple[LoraInfo, ...]:
+    def _lora_call(self, call: UtilityCall) -> tuple[LoraInfo, ...]:
         """Run a LoRA utility call on the loop thread, between steps: a load reads the adapter's folder
         here, so the running streams wait that long (one step) and no more."""
         if call.method is UtilityMethod.LOAD_LORA:
@@ -364,7 +360,7 @@ class EngineBusyLoop:
             self._published_state = state
             self._router.broadcast_state(state)
 
-    def _pause_engine(self, connection: int, call: Utility) -> UtilityResult | None:
+    def _pause_engine(self, connection: int, call: UtilityCall) -> UtilityResult | None:
         if call.pause_mode is PauseMode.ABORT:
             self._abort_everything()
         if not self._pause.pause(call.pause_mode, (connection, call.call_id)):

@@ -1,82 +1,41 @@
-"""Protos <-> plain engine types: the only module of the engine service that touches generated classes.
+"""Protos <-> the protocol's types (engine_core/protocol/): the only module of the engine service that touches
+generated classes.
 
-Inputs: `EngineCoreInput` -> `messages.Add | Abort | Utility` (ValueError on bad input).
-Outputs: `messages.ConnectionOutputs` -> `EngineCoreOutputs`; `EngineInfo` -> proto.
+Inputs: `EngineCoreInput` -> `messages.Add | Abort` or a `UtilityCall`; ValueError only when it cannot convert
+(the request's own checks are `EngineCore.add_request`'s, once). Outputs: `EngineCoreOutputs` -> proto;
+`EngineInfo` -> proto. The protocol's enums are numbered like tandem.v1's, so they cross as ints.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from tandem.v1 import common_pb2, engine_core_pb2
 
 from engine_core.config import EngineConfig
-from engine_core.lora.info import LoraInfo
-from engine_core.pooling_params import PoolingParams, PoolingType
-from engine_core.sampling_params import SamplingParams, validate_sampling_params
-from engine_core.types import EngineCoreEventType, EngineCoreOutput, EngineCoreRequest, SchedulerStats
-from services import sampling_convert
-from services.engine.messages import (
-    Abort,
-    Add,
-    ConnectionOutputs,
+from engine_core.protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineInfo,
     EngineState,
+    LoraInfo,
     PauseMode,
+    PoolingParams,
+    PoolingType,
     RequestError,
-    RequestErrorKind,
-    Utility,
-    UtilityErrorKind,
+    SchedulerStats,
+    UtilityCall,
     UtilityMethod,
     UtilityResult,
 )
-
-if TYPE_CHECKING:  # torch-free to import: the gRPC server process (services/engine/io_process.py) converts too
-    from engine_core.engine_core import EngineInfo
-
-# ---- enum maps ------------------------------------------------------------------------
-_EVENT_TYPES = {
-    EngineCoreEventType.QUEUED: engine_core_pb2.ENGINE_CORE_EVENT_TYPE_QUEUED,
-    EngineCoreEventType.SCHEDULED: engine_core_pb2.ENGINE_CORE_EVENT_TYPE_SCHEDULED,
-    EngineCoreEventType.PREEMPTED: engine_core_pb2.ENGINE_CORE_EVENT_TYPE_PREEMPTED,
-}
-_PAUSE_MODES = {
-    common_pb2.PAUSE_MODE_UNSPECIFIED: PauseMode.ABORT,
-    common_pb2.PAUSE_MODE_ABORT: PauseMode.ABORT,
-    common_pb2.PAUSE_MODE_WAIT: PauseMode.WAIT,
-    common_pb2.PAUSE_MODE_KEEP: PauseMode.KEEP,
-}
-_PAUSE_MODES_TO_PROTO = {mode: proto for proto, mode in _PAUSE_MODES.items() if proto}
-_ERROR_KINDS = {
-    RequestErrorKind.INVALID: engine_core_pb2.REQUEST_ERROR_KIND_UNSPECIFIED,
-    RequestErrorKind.ASLEEP: engine_core_pb2.REQUEST_ERROR_KIND_ASLEEP,
-    RequestErrorKind.NOT_FOUND: engine_core_pb2.REQUEST_ERROR_KIND_NOT_FOUND,
-}
-_UTILITY_ERROR_KINDS = {
-    None: engine_core_pb2.UTILITY_ERROR_KIND_UNSPECIFIED,
-    UtilityErrorKind.INVALID_ARGUMENT: engine_core_pb2.UTILITY_ERROR_KIND_INVALID_ARGUMENT,
-    UtilityErrorKind.NOT_FOUND: engine_core_pb2.UTILITY_ERROR_KIND_NOT_FOUND,
-    UtilityErrorKind.FAILED_PRECONDITION: engine_core_pb2.UTILITY_ERROR_KIND_FAILED_PRECONDITION,
-}
-_METHODS = {
-    engine_core_pb2.UTILITY_METHOD_PAUSE: UtilityMethod.PAUSE,
-    engine_core_pb2.UTILITY_METHOD_RESUME: UtilityMethod.RESUME,
-    engine_core_pb2.UTILITY_METHOD_RESET_PREFIX_CACHE: UtilityMethod.RESET_PREFIX_CACHE,
-    engine_core_pb2.UTILITY_METHOD_SLEEP: UtilityMethod.SLEEP,
-    engine_core_pb2.UTILITY_METHOD_WAKE_UP: UtilityMethod.WAKE_UP,
-    engine_core_pb2.UTILITY_METHOD_START_PROFILE: UtilityMethod.START_PROFILE,
-    engine_core_pb2.UTILITY_METHOD_STOP_PROFILE: UtilityMethod.STOP_PROFILE,
-    engine_core_pb2.UTILITY_METHOD_GET_STATS: UtilityMethod.GET_STATS,
-    engine_core_pb2.UTILITY_METHOD_LOAD_LORA: UtilityMethod.LOAD_LORA,
-    engine_core_pb2.UTILITY_METHOD_UNLOAD_LORA: UtilityMethod.UNLOAD_LORA,
-    engine_core_pb2.UTILITY_METHOD_LIST_LORAS: UtilityMethod.LIST_LORAS,
-    engine_core_pb2.UTILITY_METHOD_PIN_LORA: UtilityMethod.PIN_LORA,
-}
+from services import sampling_convert
+from services.engine.messages import Abort, Add
 
 
 # ---- inputs ---------------------------------------------------------------------------
-def input_from_proto(message: engine_core_pb2.EngineCoreInput) -> Add | Abort | Utility:
-    """One stream input as a plain item; ValueError (with a message for the client) if it is bad."""
+def input_from_proto(message: engine_core_pb2.EngineCoreInput) -> Add | Abort | UtilityCall:
+    """One stream input as a plain item; ValueError (with a message for the client) if it does not convert."""
     kind = message.WhichOneof("kind")
     if kind == "add":
         return Add(request_from_proto(message.add))
@@ -87,11 +46,11 @@ def input_from_proto(message: engine_core_pb2.EngineCoreInput) -> Add | Abort | 
     raise ValueError("EngineCoreInput has none of add, abort or utility set")
 
 
-def refusal(message: engine_core_pb2.EngineCoreInput, error: str) -> ConnectionOutputs:
+def refusal(message: engine_core_pb2.EngineCoreInput, error: str) -> EngineCoreOutputs:
     """The answer to an input that did not convert: a failed UtilityResult or a RequestError."""
     if message.WhichOneof("kind") == "utility":
-        return ConnectionOutputs(utility_result=UtilityResult(message.utility.call_id, False, error))
-    return ConnectionOutputs(errors=[RequestError(message.add.request_id, error)])
+        return EngineCoreOutputs(utility_result=UtilityResult(message.utility.call_id, False, error))
+    return EngineCoreOutputs(errors=[RequestError(message.add.request_id, error)])
 
 
 def request_from_proto(request: engine_core_pb2.EngineCoreRequest) -> EngineCoreRequest:
@@ -100,7 +59,7 @@ def request_from_proto(request: engine_core_pb2.EngineCoreRequest) -> EngineCore
     return EngineCoreRequest(
         request_id=request.request_id,
         prompt_token_ids=list(request.prompt_token_ids),
-        sampling_params=sampling_params_from_proto(request.sampling_params),
+        sampling_params=sampling_convert.sampling_params_from_proto(request.sampling_params),
         arrival_time=request.arrival_time,
         priority=request.priority,
         trace_headers=dict(request.trace_headers) or None,
@@ -115,34 +74,30 @@ def pooling_from_proto(params: engine_core_pb2.PoolingParams) -> PoolingParams:
     return PoolingParams(PoolingType(params.type or PoolingType.LAST), normalize=params.normalize)
 
 
-def sampling_params_from_proto(params: common_pb2.SamplingParams) -> SamplingParams:
-    """Unset fields take the dataclass defaults; ValueError if a range is wrong (any peer may connect)."""
-    if params.HasField("n") and params.n != 1:
-        raise ValueError(f"n must be 1 at the engine core (the frontend fans out n > 1), got {params.n}")
-    return validate_sampling_params(sampling_convert.sampling_params_from_proto(params))
-
-
-def utility_from_proto(call: engine_core_pb2.UtilityCall) -> Utility:
-    method = _METHODS.get(call.method)
-    if method is None:
+def utility_from_proto(call: engine_core_pb2.UtilityCall) -> UtilityCall:
+    if call.method not in {int(method) for method in UtilityMethod}:
         raise ValueError(f"unknown utility method {call.method}")
-    if call.pause_mode not in _PAUSE_MODES:
+    if call.pause_mode not in (0, *PauseMode):
         raise ValueError(f"unknown pause mode {call.pause_mode}")
-    if method in (UtilityMethod.LOAD_LORA, UtilityMethod.UNLOAD_LORA, UtilityMethod.PIN_LORA) and not call.lora_name:
-        raise ValueError(f"utility {method.value}: lora_name must not be empty")
+    method = UtilityMethod(call.method)
+    if method in _LORA_NAMED and not call.lora_name:
+        raise ValueError(f"utility {method}: lora_name must not be empty")
     if method is UtilityMethod.LOAD_LORA and not call.lora_path:
         raise ValueError("utility load_lora: lora_path must not be empty")
-    return Utility(call.call_id, method, _PAUSE_MODES[call.pause_mode], call.profile_dir, call.lora_name,
-                   call.lora_path)
+    return UtilityCall(call.call_id, method, PauseMode(call.pause_mode or PauseMode.ABORT), call.profile_dir,
+                       call.lora_name, call.lora_path)
+
+
+_LORA_NAMED = (UtilityMethod.LOAD_LORA, UtilityMethod.UNLOAD_LORA, UtilityMethod.PIN_LORA)
 
 
 # ---- outputs --------------------------------------------------------------------------
-def outputs_to_proto(message: ConnectionOutputs) -> engine_core_pb2.EngineCoreOutputs:
+def outputs_to_proto(message: EngineCoreOutputs) -> engine_core_pb2.EngineCoreOutputs:
     proto = engine_core_pb2.EngineCoreOutputs(
         outputs=[output_to_proto(output) for output in message.outputs],
-        finished_request_ids=message.finished_request_ids,
+        finished_request_ids=list(message.finished_request_ids),
         timestamp=message.timestamp,
-        errors=[engine_core_pb2.RequestError(request_id=e.request_id, message=e.message, kind=_ERROR_KINDS[e.kind])
+        errors=[engine_core_pb2.RequestError(request_id=e.request_id, message=e.message, kind=int(e.kind))
                 for e in message.errors],
     )
     if message.scheduler_stats is not None:
@@ -159,8 +114,7 @@ def outputs_to_proto(message: ConnectionOutputs) -> engine_core_pb2.EngineCoreOu
 
 
 def engine_state_to_proto(state: EngineState) -> engine_core_pb2.EngineState:
-    return engine_core_pb2.EngineState(paused=state.paused, asleep=state.asleep,
-                                       pause_mode=_PAUSE_MODES_TO_PROTO.get(state.pause_mode, 0),
+    return engine_core_pb2.EngineState(paused=state.paused, asleep=state.asleep, pause_mode=int(state.pause_mode or 0),
                                        lora_names=state.lora_names)
 
 
@@ -174,12 +128,12 @@ def output_to_proto(output: EngineCoreOutput) -> engine_core_pb2.EngineCoreOutpu
     )
     if output.finish_reason is not None:
         proto.finish_reason = sampling_convert.finish_reason_to_proto(output.finish_reason)
-    if isinstance(output.stop_reason, int):
-        proto.stop_token_id = output.stop_reason
+    if output.stop_token_id is not None:
+        proto.stop_token_id = output.stop_token_id
     if output.embedding is not None:
         proto.embedding.extend(output.embedding)
     if output.events:
-        proto.events.extend(engine_core_pb2.EngineCoreEvent(type=_EVENT_TYPES[e.type], timestamp=e.timestamp)
+        proto.events.extend(engine_core_pb2.EngineCoreEvent(type=int(e.type), timestamp=e.timestamp)
                             for e in output.events)
     return proto
 
@@ -190,7 +144,7 @@ def stats_to_proto(stats: SchedulerStats) -> engine_core_pb2.SchedulerStats:
 
 def utility_result_to_proto(result: UtilityResult) -> engine_core_pb2.UtilityResult:
     proto = engine_core_pb2.UtilityResult(call_id=result.call_id, ok=result.ok, error=result.error,
-                                          error_kind=_UTILITY_ERROR_KINDS[result.error_kind],
+                                          error_kind=int(result.error_kind or 0),
                                           loras=[lora_to_proto(info) for info in result.loras])
     if result.stats is not None:
         proto.stats.CopyFrom(stats_to_proto(result.stats))

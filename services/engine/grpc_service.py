@@ -21,9 +21,11 @@ from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 from tandem.v1 import engine_core_pb2, engine_core_pb2_grpc
 
+from engine_core.protocol import EngineCoreOutputs, PauseMode, UtilityCall, UtilityMethod
 from services.engine import convert
+from services.engine.busy_loop_port import BusyLoopPort
 from services.engine.health import ENGINE_CORE_SERVICE, EngineHealth
-from services.engine.messages import ConnectionOutputs, EngineDied, PauseMode, Utility, UtilityMethod
+from services.engine.messages import EngineDied
 from services.engine.outbox import DEFAULT_MAX_PENDING_OUTPUTS, ConnectionOutbox, Overflowed
 from services.security.transport import ENGINE_LINK_MAX_MESSAGE_BYTES, ServerTransport
 
@@ -33,7 +35,7 @@ _INPUT_ENDED = object()  # the reader's last item on a connection's queue
 
 
 class EngineCoreServicer(engine_core_pb2_grpc.EngineCoreServiceServicer):
-    def __init__(self, busy_loop, info: engine_core_pb2.GetEngineInfoResponse,
+    def __init__(self, busy_loop: BusyLoopPort, info: engine_core_pb2.GetEngineInfoResponse,
                  max_pending_outputs: int = DEFAULT_MAX_PENDING_OUTPUTS) -> None:
         self.busy_loop = busy_loop
         self.info = info
@@ -83,7 +85,7 @@ class EngineCoreServicer(engine_core_pb2_grpc.EngineCoreServiceServicer):
             outbox.put_final(_INPUT_ENDED)
 
 
-def drain(busy_loop) -> asyncio.Future:
+def drain(busy_loop: BusyLoopPort) -> asyncio.Future:
     """Stop admitting (adds are held) and resolve once nothing is in flight: a PAUSE WAIT on a connection
     of our own, answered by the busy loop when its last running request finishes (or at once if it died)."""
     loop = asyncio.get_running_loop()
@@ -94,11 +96,11 @@ def drain(busy_loop) -> asyncio.Future:
             drained.set_result(None)
 
     def sink(item) -> None:  # from the busy loop's thread, or this loop's (RemoteBusyLoop)
-        if isinstance(item, EngineDied) or (isinstance(item, ConnectionOutputs) and item.utility_result):
+        if isinstance(item, EngineDied) or (isinstance(item, EngineCoreOutputs) and item.utility_result):
             loop.call_soon_threadsafe(resolve)
 
     connection = busy_loop.open(sink)
-    busy_loop.submit(connection, Utility(call_id=0, method=UtilityMethod.PAUSE, pause_mode=PauseMode.WAIT))
+    busy_loop.submit(connection, UtilityCall(call_id=0, method=UtilityMethod.PAUSE, pause_mode=PauseMode.WAIT))
     drained.add_done_callback(lambda _: busy_loop.close(connection))
     return drained
 
@@ -111,7 +113,7 @@ class EngineGrpcServer:
     message size limit.
     """
 
-    def __init__(self, busy_loop, info: engine_core_pb2.GetEngineInfoResponse, address: str, *,
+    def __init__(self, busy_loop: BusyLoopPort, info: engine_core_pb2.GetEngineInfoResponse, address: str, *,
                  stall_timeout: float = 30.0, max_pending_outputs: int = DEFAULT_MAX_PENDING_OUTPUTS,
                  transport: ServerTransport = ServerTransport(max_message_bytes=ENGINE_LINK_MAX_MESSAGE_BYTES)) -> None:
         if max_pending_outputs < 1:

@@ -13,8 +13,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine_core.types import EngineCoreRequest
-from services.engine.messages import PauseMode
+from engine_core.protocol import EngineCoreRequest, PauseMode
 
 Waiter = tuple[int, int]  # (connection, utility call id) of a WAIT pause, answered when the drain ends
 HeldAdd = tuple[int, EngineCoreRequest]  # (connection, request)

@@ -14,8 +14,17 @@ import itertools
 import time
 from typing import Callable
 
-from engine_core.types import EngineCoreOutput, EngineCoreOutputs, FinishReason, KVCacheEvents, SchedulerStats
-from services.engine.messages import ConnectionOutputs, EngineState, RequestError, RequestErrorKind, UtilityResult
+from engine_core.protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineState,
+    FinishReason,
+    KVCacheEvents,
+    RequestError,
+    RequestErrorKind,
+    SchedulerStats,
+    UtilityResult,
+)
 
 Sink = Callable[[object], None]  # called from the busy-loop thread; must not block
 
@@ -50,11 +59,11 @@ class ConnectionRouter:
 
     def refuse(self, connection: int, request_id: str, message: str,
                kind: RequestErrorKind = RequestErrorKind.INVALID) -> None:
-        self.send(connection, ConnectionOutputs(errors=[RequestError(request_id, message, kind)],
+        self.send(connection, EngineCoreOutputs(errors=[RequestError(request_id, message, kind)],
                                                 timestamp=time.time()))
 
     def reply(self, connection: int, result: UtilityResult) -> None:
-        self.send(connection, ConnectionOutputs(utility_result=result, timestamp=time.time()))
+        self.send(connection, EngineCoreOutputs(utility_result=result, timestamp=time.time()))
 
     def send_snapshot(self, connection: int, events: KVCacheEvents, stats: SchedulerStats,
                       state: EngineState | None = None) -> None:
@@ -62,16 +71,16 @@ class ConnectionRouter:
         gauges = SchedulerStats(num_running_reqs=stats.num_running_reqs, num_waiting_reqs=stats.num_waiting_reqs,
                                 kv_cache_usage=stats.kv_cache_usage, num_free_blocks=stats.num_free_blocks,
                                 num_total_blocks=stats.num_total_blocks)
-        self.send(connection, ConnectionOutputs(scheduler_stats=gauges, timestamp=time.time(), kv_events=events,
+        self.send(connection, EngineCoreOutputs(scheduler_stats=gauges, timestamp=time.time(), kv_events=events,
                                                 engine_state=state))
 
     def broadcast_kv_events(self, events: KVCacheEvents, stats: SchedulerStats | None = None) -> None:
         """Prefix-cache changes made between steps (a reset) to every connection."""
         for connection in list(self.sinks):
-            self.send(connection, ConnectionOutputs(scheduler_stats=stats, timestamp=time.time(), kv_events=events))
+            self.send(connection, EngineCoreOutputs(scheduler_stats=stats, timestamp=time.time(), kv_events=events))
 
     def send_state(self, connection: int, state: EngineState) -> None:
-        self.send(connection, ConnectionOutputs(timestamp=time.time(), engine_state=state))
+        self.send(connection, EngineCoreOutputs(timestamp=time.time(), engine_state=state))
 
     def broadcast_state(self, state: EngineState) -> None:
         """The engine's new state to every connection: each frontend routes and reports health by it."""
@@ -81,7 +90,7 @@ class ConnectionRouter:
     def send_aborted(self, connection: int, request_ids: list[str], stats: SchedulerStats) -> None:
         """An ABORT finish for requests the server aborted (PAUSE ABORT): their clients do not know yet."""
         outputs = [EngineCoreOutput(request_id, [], finish_reason=FinishReason.ABORT) for request_id in request_ids]
-        self.send(connection, ConnectionOutputs(outputs, list(request_ids), stats, time.time()))
+        self.send(connection, EngineCoreOutputs(outputs, set(request_ids), stats, time.time()))
 
     # ---- requests ---------------------------------------------------------------------
     def assign(self, connection: int, request_id: str) -> str:
@@ -118,18 +127,18 @@ class ConnectionRouter:
     def route(self, step: EngineCoreOutputs) -> None:
         """Send one message to each connection with outputs or finished requests in this step, in its own ids;
         when the prefix cache changed, every connection gets a message with the changes (and the stats)."""
-        messages: dict[int, ConnectionOutputs] = {}
+        messages: dict[int, EngineCoreOutputs] = {}
         if step.kv_events is not None:
-            messages = {connection: ConnectionOutputs(scheduler_stats=step.scheduler_stats, timestamp=step.timestamp,
+            messages = {connection: EngineCoreOutputs(scheduler_stats=step.scheduler_stats, timestamp=step.timestamp,
                                                       kv_events=step.kv_events) for connection in self.sinks}
 
-        def message_for(engine_id: str) -> tuple[ConnectionOutputs | None, str]:
+        def message_for(engine_id: str) -> tuple[EngineCoreOutputs | None, str]:
             owner = self._owners.get(engine_id)
             if owner is None:  # its connection closed, or PAUSE ABORT already reported it
                 return None, ""
             connection, request_id = owner
             if connection not in messages:
-                messages[connection] = ConnectionOutputs(scheduler_stats=step.scheduler_stats, timestamp=step.timestamp)
+                messages[connection] = EngineCoreOutputs(scheduler_stats=step.scheduler_stats, timestamp=step.timestamp)
             return messages[connection], request_id
 
         for output in step.outputs:
@@ -139,7 +148,7 @@ class ConnectionRouter:
         for engine_id in step.finished_request_ids:
             message, request_id = message_for(engine_id)
             if message is not None:
-                message.finished_request_ids.append(request_id)
+                message.finished_request_ids.add(request_id)
                 self._finish(engine_id)
         for connection, message in messages.items():
             self.send(connection, message)

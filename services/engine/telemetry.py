@@ -9,12 +9,16 @@ here creates span objects; without metrics no metric is touched.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 
-from engine_core.types import EngineCoreEventType, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from engine_core.protocol import EngineCoreEventType, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from services.telemetry.metrics import EngineMetrics
 from services.telemetry.tracing import SpanAttributes, extract_context
+
+if TYPE_CHECKING:
+    from engine_core.structured.masks import MaskTiming
 
 _EVENT_NAMES = {
     EngineCoreEventType.QUEUED: "queued",
@@ -79,12 +83,13 @@ class EngineTelemetry:
         self.end_requests(list(self._spans))
 
     # ---- steps ------------------------------------------------------------------------
-    def record_step(self, step: EngineCoreOutputs, step_seconds: float) -> None:
-        """Metrics for the step; events, first token and finish onto the spans of its requests."""
+    def record_step(self, step: EngineCoreOutputs, step_seconds: float, mask_timing: MaskTiming | None = None) -> None:
+        """Metrics for the step (mask_timing: its structured-output masks, if any); events, first token and finish
+        onto the spans of its requests."""
         if self.metrics is not None and step.scheduler_stats is not None:
             self.metrics.record_step(step.scheduler_stats, step_seconds)
-        if self.metrics is not None and step.mask_timing is not None:
-            self.metrics.record_masks(step.mask_timing)
+        if self.metrics is not None and mask_timing is not None:
+            self.metrics.record_masks(mask_timing)
         if not self._spans:
             return
         timestamp = _ns(step.timestamp)

@@ -10,9 +10,11 @@ import argparse
 import asyncio
 import logging
 import signal
+from pathlib import Path
 
 from services.cpu_priority import CPU_PRIORITIES, lower_cpu_priority
 from services.frontend.async_llm import DEFAULT_MAX_WAITING_REQUESTS, AsyncLLM
+from services.frontend.chat_setup import choose_chat_setup
 from services.frontend.engine_client import GrpcEngineClient
 from services.frontend.engine_discovery import DEFAULT_RESOLVE_INTERVAL_S, parse_engine_targets
 from services.frontend.limits import RequestLimits
@@ -21,6 +23,7 @@ from services.frontend.router import DEFAULT_BALANCE_ABS, DEFAULT_BALANCE_REL, R
 from services.frontend.server import FrontendServer
 from services.frontend.telemetry import FrontendTelemetry
 from services.frontend.tokenizer import load_tokenizer
+from services.frontend.tool_parsers import PARSERS
 from services.security import flags as security_flags
 from services.security.transport import DEFAULT_MAX_MESSAGE_BYTES
 from services.telemetry import flags as telemetry_flags
@@ -54,6 +57,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokenizer", metavar="PATH",
                         help="a .gguf file or a Hugging Face folder with tokenizer.json "
                              "(default: the model path the engine reports)")
+    parser.add_argument("--chat-template", metavar="FILE",
+                        help="a Jinja chat template to render chats with instead of the model's own (e.g. one with "
+                             "a tools branch); default: the model's, or a tool-aware one Tandem ships for the model "
+                             "(services/frontend/templates/) when the model's has no tools branch")
+    parser.add_argument("--tool-parser", choices=sorted(PARSERS), metavar="NAME",
+                        help="how tool calls are read from the model's text: " + ", ".join(sorted(PARSERS))
+                             + " (default: the one the chat template's call syntax shows)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default: %(default)s, this machine only: plaintext without a "
                              "token is for loopback; 0.0.0.0 for all interfaces, with --tls-cert and "
@@ -82,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.max_unsent_tokens < 1:
         parser.error(f"--max-unsent-tokens must be >= 1, got {args.max_unsent_tokens}")
+    if args.chat_template is not None and not Path(args.chat_template).is_file():
+        parser.error(f"--chat-template {args.chat_template}: no such file")
     args.engine = args.engine or ["127.0.0.1:50061"]
     try:
         parse_engine_targets(args.engine)
@@ -113,12 +125,15 @@ async def serve(args: argparse.Namespace) -> None:
         if tokenizer_path is None:
             return
         tokenizer = load_tokenizer(tokenizer_path)
+        chat_setup = choose_chat_setup(tokenizer.chat_template, template_file=args.chat_template,
+                                       tool_parser=args.tool_parser)
         llm = AsyncLLM(client, tokenizer, max_waiting_requests=args.max_waiting_requests,
                        limits=RequestLimits.from_args(args), max_unsent_tokens=args.max_unsent_tokens,
-                       telemetry=telemetry)
+                       telemetry=telemetry, chat_setup=chat_setup)
         server = FrontendServer(llm, f"{args.host}:{args.port}", transport=args.transport)
         await server.start()
-        log.info("frontend listening on %s:%d (tokenizer %s)", args.host, server.port, tokenizer_path)
+        log.info("frontend listening on %s:%d (tokenizer %s, chat template %s, tool parser %s)", args.host,
+                 server.port, tokenizer_path, chat_setup.source, chat_setup.tool_parser)
         await stop.wait()
         log.info("shutting down: health NOT_SERVING, then %gs grace for in-flight streams", args.grace)
         await server.stop(args.grace)

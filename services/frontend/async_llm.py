@@ -14,16 +14,24 @@ import math
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from engine_core.sampling_params import OutputKind, SamplingParams
+from engine_core.protocol import (
+    EngineInfo,
+    OutputKind,
+    PauseMode,
+    PoolingParams,
+    RequestOutput,
+    SamplingParams,
+    Usage,
+    UtilityMethod,
+)
 from services.frontend.change_listeners import ChangeListeners
+from services.frontend.chat_setup import ChatSetup
 from services.frontend.engine_client import EngineClient
-from services.frontend.errors import DuplicateRequest, EngineUnavailable, InvalidRequest, TooManyRequests
+from services.frontend.errors import DuplicateRequest, EngineUnavailable, InvalidRequest, NotFound, TooManyRequests
 from services.frontend.input_processor import InputProcessor, Prompt, new_request_id
 from services.frontend.limits import RequestLimits
 from services.frontend.lora_results import lora_results
-from services.frontend.messages import (
-    EmbedResult, EngineInfo, EngineOutputs, EngineRequest, PoolingParams, RequestOutput, Usage, UtilityResult,
-)
+from services.frontend.messages import EmbedResult, EngineCallResult, EngineOutputs
 from services.frontend.output_processor import DEFAULT_MAX_UNSENT_TOKENS, OutputProcessor, RequestOutputCollector
 from services.frontend.telemetry import FrontendTelemetry
 from services.frontend.tokenizer import TokenizerBundle
@@ -40,11 +48,11 @@ class AsyncLLM(ChangeListeners):
                  max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
                  limits: RequestLimits = RequestLimits(),
                  max_unsent_tokens: int = DEFAULT_MAX_UNSENT_TOKENS,
-                 telemetry: FrontendTelemetry | None = None) -> None:
+                 telemetry: FrontendTelemetry | None = None, chat_setup: ChatSetup | None = None) -> None:
         self.engine_client = engine_client
         self.tokenizer = tokenizer
         self.telemetry = telemetry or FrontendTelemetry()  # default: request log lines only
-        self.input_processor = InputProcessor(tokenizer, limits=limits)
+        self.input_processor = InputProcessor(tokenizer, limits=limits, chat_setup=chat_setup)
         self.output_processor = OutputProcessor(tokenizer.tokenizer, max_unsent_tokens, self.telemetry)
         if self.telemetry.metrics is not None:
             self.telemetry.metrics.track_streams(lambda: len(self.output_processor.parents))
@@ -151,8 +159,9 @@ class AsyncLLM(ChangeListeners):
             raise DuplicateRequest(f"request_id {request_id!r} is already in flight; use a new id")
         if not self.engine_client.is_connected:
             raise EngineUnavailable("no engine is connected; it may be starting or down, retry shortly")
+        tool_plan = self.input_processor.plan_tools(prompt, sampling_params)
         request = self.input_processor.process(request_id, prompt, sampling_params, priority=priority,
-                                               trace_headers=trace_headers, pooling=pooling)
+                                               trace_headers=trace_headers, pooling=pooling, tool_plan=tool_plan)
         if lora_name:
             request = replace(request, lora_name=lora_name)
         n = request.sampling_params.n
@@ -161,13 +170,13 @@ class AsyncLLM(ChangeListeners):
             raise TooManyRequests(f"the server is full: {in_flight} requests in flight, the limit is "
                                   f"{self.max_waiting_requests} (--max-waiting-requests); retry later")
         request, stats = self.telemetry.start_request(request)  # its span's context goes into the trace headers
-        children = [request] if n == 1 else [_child(request, i) for i in range(n)]
+        children = request.fan_out()
         collector = RequestOutputCollector(request.sampling_params.output_kind)
-        self.output_processor.add_request(request.request_id, children, collector, stats)
+        self.output_processor.add_request(request.request_id, children, collector, stats, tool_plan)
         try:
             for child in children:
                 self.engine_client.add_request(child)
-        except EngineUnavailable:
+        except (EngineUnavailable, NotFound):  # NotFound: no engine has its LoRA adapter
             self.abort(request.request_id)
             raise
         self._start_output_handler()
@@ -194,7 +203,7 @@ class AsyncLLM(ChangeListeners):
         if outputs.failed:
             aborts += self.output_processor.fail_requests(outputs.failed, outputs.error)
         if outputs.outputs:
-            aborts += self.output_processor.process_outputs(outputs.outputs)
+            aborts += self.output_processor.process_outputs(outputs.outputs, outputs.timestamp)
         return aborts
 
     async def shutdown(self) -> None:
@@ -225,51 +234,54 @@ class AsyncLLM(ChangeListeners):
             raise EngineUnavailable("no engine is connected")
 
     # ---- operator calls (forwarded to every engine) -----------------------------------
-    async def pause_generation(self, mode: str = "abort") -> list[UtilityResult]:
-        """mode: abort (abort in-flight requests first), wait (let them finish) or keep (freeze them)."""
-        if mode == "abort":
+    async def pause_generation(self, mode: PauseMode = PauseMode.ABORT) -> list[EngineCallResult]:
+        """ABORT (abort in-flight requests first), WAIT (let them finish) or KEEP (freeze them)."""
+        if mode is PauseMode.ABORT:
             self.abort(list(self.output_processor.parents))
-        return await self.engine_client.call_utility("pause", pause_mode=mode)
+        return await self.engine_client.call_utility(UtilityMethod.PAUSE, pause_mode=mode)
 
-    async def resume_generation(self) -> list[UtilityResult]:
+    async def resume_generation(self) -> list[EngineCallResult]:
         """Resume the engines; also ends a drain, so new requests are admitted again."""
         self._set_draining(False)
-        return await self.engine_client.call_utility("resume")
+        return await self.engine_client.call_utility(UtilityMethod.RESUME)
 
-    async def sleep(self) -> list[UtilityResult]:
-        return await self.engine_client.call_utility("sleep")
+    async def sleep(self) -> list[EngineCallResult]:
+        return await self.engine_client.call_utility(UtilityMethod.SLEEP)
 
-    async def wake_up(self) -> list[UtilityResult]:
-        return await self.engine_client.call_utility("wake_up")
+    async def wake_up(self) -> list[EngineCallResult]:
+        return await self.engine_client.call_utility(UtilityMethod.WAKE_UP)
 
-    async def reset_prefix_cache(self) -> list[UtilityResult]:
-        return await self.engine_client.call_utility("reset_prefix_cache")
+    async def reset_prefix_cache(self) -> list[EngineCallResult]:
+        return await self.engine_client.call_utility(UtilityMethod.RESET_PREFIX_CACHE)
 
-    async def start_profile(self, output_dir: str = "") -> list[UtilityResult]:
-        return await self.engine_client.call_utility("start_profile", profile_dir=output_dir)
+    async def start_profile(self, output_dir: str = "") -> list[EngineCallResult]:
+        return await self.engine_client.call_utility(UtilityMethod.START_PROFILE, profile_dir=output_dir)
 
-    async def stop_profile(self) -> list[UtilityResult]:
-        return await self.engine_client.call_utility("stop_profile")
+    async def stop_profile(self) -> list[EngineCallResult]:
+        return await self.engine_client.call_utility(UtilityMethod.STOP_PROFILE)
 
     # ---- LoRA adapters (every engine; docs/lora.md) --------------------------------------
-    async def add_lora(self, name: str, path: str) -> list[UtilityResult]:
+    async def add_lora(self, name: str, path: str) -> list[EngineCallResult]:
         """Load the PEFT adapter folder `path` (on the engines' machines) as `name` into every engine."""
         if not name or not path:
             raise InvalidRequest(f"lora_name and lora_path must both be set (got {name!r}, {path!r})")
-        return lora_results(await self.engine_client.call_utility("load_lora", lora_name=name, lora_path=path))
+        return lora_results(await self.engine_client.call_utility(UtilityMethod.LOAD_LORA, lora_name=name,
+                                                                  lora_path=path))
 
-    async def remove_lora(self, name: str) -> list[UtilityResult]:
+    async def remove_lora(self, name: str) -> list[EngineCallResult]:
         if not name:
             raise InvalidRequest("lora_name is empty: name the adapter to unload")
-        return lora_results(await self.engine_client.call_utility("unload_lora", lora_name=name), missing_ok=True)
+        return lora_results(await self.engine_client.call_utility(UtilityMethod.UNLOAD_LORA, lora_name=name),
+                            missing_ok=True)
 
-    async def pin_lora(self, name: str) -> list[UtilityResult]:
+    async def pin_lora(self, name: str) -> list[EngineCallResult]:
         if not name:
             raise InvalidRequest("lora_name is empty: name the adapter to pin")
-        return lora_results(await self.engine_client.call_utility("pin_lora", lora_name=name), missing_ok=True)
+        return lora_results(await self.engine_client.call_utility(UtilityMethod.PIN_LORA, lora_name=name),
+                            missing_ok=True)
 
-    async def list_loras(self) -> list[UtilityResult]:
-        return lora_results(await self.engine_client.call_utility("list_loras"))
+    async def list_loras(self) -> list[EngineCallResult]:
+        return lora_results(await self.engine_client.call_utility(UtilityMethod.LIST_LORAS))
 
     async def drain(self, timeout_s: float) -> int:
         """Stop admitting requests and wait up to timeout_s (finite, >= 0) for those in flight; how many are left."""
@@ -288,8 +300,3 @@ class AsyncLLM(ChangeListeners):
             log.info("draining: new requests get UNAVAILABLE" if draining else "drain ended: admitting requests")
             self._notify()
 
-
-def _child(request: EngineRequest, index: int) -> EngineRequest:
-    """Completion `index` of an n > 1 request: id f"{index}_{parent}", seed + index (as vLLM)."""
-    return replace(request, request_id=f"{index}_{request.request_id}",
-                   sampling_params=request.sampling_params.for_child(index))

@@ -4,36 +4,33 @@ from __future__ import annotations
 
 from tandem.v1 import admin_pb2, common_pb2, engine_core_pb2, generation_pb2
 
-from engine_core.sampling_params import SamplingParams
-from services import sampling_convert
-from services.frontend.errors import InvalidRequest
-from services.frontend.input_processor import ChatPrompt, Prompt, TextPrompt, TokensPrompt
-from services.frontend.messages import (
-    EmbedResult,
-    EngineEvent,
-    EngineEventType,
+from engine_core.protocol import (
+    EngineCoreEvent,
+    EngineCoreEventType,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
     EngineInfo,
-    EngineMessage,
-    EngineOutput,
-    EngineRequest,
     EngineState,
-    EngineStatus,
-    FinishReason,
     KVCacheEvents,
     LoraInfo,
+    PauseMode,
     PoolingParams,
     PoolingType,
     RequestError,
+    RequestErrorKind,
     RequestOutput,
+    SamplingParams,
     SchedulerStats,
+    UtilityCall,
+    UtilityErrorKind,
     UtilityResult,
 )
-
-_UTILITY_ERROR_KINDS = {
-    engine_core_pb2.UTILITY_ERROR_KIND_INVALID_ARGUMENT: "invalid_argument",
-    engine_core_pb2.UTILITY_ERROR_KIND_NOT_FOUND: "not_found",
-    engine_core_pb2.UTILITY_ERROR_KIND_FAILED_PRECONDITION: "failed_precondition",
-}
+from services import sampling_convert
+from services.frontend import tool_convert
+from services.frontend.errors import InvalidRequest
+from services.frontend.input_processor import ChatPrompt, Prompt, TextPrompt, TokensPrompt
+from services.frontend.messages import EmbedResult, EngineCallResult, EngineStatus
 
 
 # ---- public API -> frontend ------------------------------------------------------
@@ -54,9 +51,10 @@ def sampling_params_from_proto(proto: common_pb2.SamplingParams | None) -> Sampl
 
 def prompt_from_chat(request: generation_pb2.ChatRequest) -> ChatPrompt:
     return ChatPrompt(
-        messages=[{"role": m.role, "content": m.content} for m in request.messages],
+        messages=[tool_convert.message_from_proto(m) for m in request.messages],
         add_generation_prompt=request.add_generation_prompt if request.HasField("add_generation_prompt") else True,
         continue_final_message=request.continue_final_message,
+        tools=tool_convert.tool_request_from_proto(request),
     )
 
 
@@ -85,6 +83,7 @@ def response_from_output(output: RequestOutput, response_type: type[StreamRespon
     for c in output.completions:
         chunk = response.completions.add(index=c.index, text=c.text, token_ids=c.token_ids,
                                          finish_reason=sampling_convert.finish_reason_to_proto(c.finish_reason))
+        tool_convert.add_tool_calls(chunk, c)
         chunk.logprobs.extend(sampling_convert.logprobs_to_proto(entry) for entry in c.logprobs)
         if c.stop_string is not None:
             chunk.stop_string = c.stop_string
@@ -131,32 +130,25 @@ def server_info_to_proto(version: str, num_in_flight: int, max_waiting_requests:
         version=version, num_in_flight=num_in_flight, max_waiting_requests=max_waiting_requests,
         engines=[generation_pb2.EngineStatus(
             address=e.address, connected=e.connected, num_in_flight=e.num_in_flight, paused=e.state.paused,
-            pause_mode=_PAUSE_MODE_PROTOS.get(e.state.pause_mode, 0), asleep=e.state.asleep) for e in engines],
+            pause_mode=int(e.state.pause_mode or 0), asleep=e.state.asleep) for e in engines],
         draining=draining, serving=serving,
     )
 
 
 # ---- admin API <-> frontend ------------------------------------------------------
-_PAUSE_MODES = {
-    common_pb2.PAUSE_MODE_UNSPECIFIED: "abort",
-    common_pb2.PAUSE_MODE_ABORT: "abort",
-    common_pb2.PAUSE_MODE_WAIT: "wait",
-    common_pb2.PAUSE_MODE_KEEP: "keep",
-}
-_PAUSE_MODE_PROTOS = {mode: proto for proto, mode in _PAUSE_MODES.items() if proto}
 AdminResponse = (admin_pb2.PauseResponse | admin_pb2.ResumeResponse | admin_pb2.SleepResponse
                  | admin_pb2.WakeUpResponse | admin_pb2.ResetPrefixCacheResponse | admin_pb2.StartProfileResponse
                  | admin_pb2.StopProfileResponse)
 
 
-def pause_mode_from_proto(mode: int) -> str:
-    """A tandem.v1.PauseMode as AsyncLLM.pause_generation's mode; InvalidRequest if unknown."""
-    if mode not in _PAUSE_MODES:
+def pause_mode_from_proto(mode: int) -> PauseMode:
+    """A tandem.v1.PauseMode (unspecified: ABORT); InvalidRequest if unknown."""
+    if mode not in (0, *PauseMode):
         raise InvalidRequest(f"mode {mode} is not a PauseMode (PAUSE_MODE_ABORT, PAUSE_MODE_WAIT or PAUSE_MODE_KEEP)")
-    return _PAUSE_MODES[mode]
+    return PauseMode(mode or PauseMode.ABORT)
 
 
-def admin_response(results: list[UtilityResult], response_type: type[AdminResponse]) -> AdminResponse:
+def admin_response(results: list[EngineCallResult], response_type: type[AdminResponse]) -> AdminResponse:
     """The engines' utility results as one (ok, detail) answer."""
     failed = [f"engine at {r.address}: {r.error}" for r in results if not r.ok]
     detail = "; ".join(failed) if failed else f"done on {len(results)} engine(s)"
@@ -174,7 +166,7 @@ def lora_to_proto(info: LoraInfo, engine: str) -> common_pb2.LoraAdapter:
                                   engine=engine)
 
 
-def lora_adapters(results: list[UtilityResult]) -> list[common_pb2.LoraAdapter]:
+def lora_adapters(results: list[EngineCallResult]) -> list[common_pb2.LoraAdapter]:
     """Every engine's adapters, each named with its engine."""
     return [lora_to_proto(info, result.address) for result in results for info in result.loras]
 
@@ -185,34 +177,40 @@ def drain_response(left: int, timeout_s: float) -> admin_pb2.DrainResponse:
 
 
 # ---- frontend -> engine ----------------------------------------------------------
-def request_to_proto(request: EngineRequest) -> engine_core_pb2.EngineCoreInput:
+def request_to_proto(request: EngineCoreRequest) -> engine_core_pb2.EngineCoreInput:
     return engine_core_pb2.EngineCoreInput(add=engine_core_pb2.EngineCoreRequest(
         request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
         sampling_params=sampling_convert.sampling_params_to_proto(request.sampling_params),
-        arrival_time=request.arrival_time, priority=request.priority, trace_headers=request.trace_headers,
+        arrival_time=request.arrival_time, priority=request.priority, trace_headers=request.trace_headers or {},
+        lora_name=request.lora_name or "",
         pooling=None if request.pooling is None else engine_core_pb2.PoolingParams(
             type=int(request.pooling.pooling_type), normalize=request.pooling.normalize),
-        lora_name=request.lora_name or "",
     ))
 
 
 # ---- engine -> frontend ----------------------------------------------------------
 def engine_info_from_proto(info: engine_core_pb2.GetEngineInfoResponse) -> EngineInfo:
     return EngineInfo(model_name=info.model_name, model_path=info.model_path, max_model_len=info.max_model_len,
-                      vocab_size=info.vocab_size, eos_token_ids=tuple(info.eos_token_ids), block_size=info.block_size)
+                      vocab_size=info.vocab_size, eos_token_ids=tuple(info.eos_token_ids), block_size=info.block_size,
+                      num_blocks=info.num_blocks,
+                      bos_token_id=info.bos_token_id if info.HasField("bos_token_id") else None,
+                      dtype=info.dtype, device=info.device, attention_backend=info.attention_backend)
 
 
-def message_from_proto(batch: engine_core_pb2.EngineCoreOutputs) -> EngineMessage:
-    """One message of the Connect stream: outputs, refused requests, a utility call's answer."""
-    message = EngineMessage(outputs=outputs_from_proto(batch), errors=[
-        RequestError(e.request_id, e.message, engine_asleep=e.kind == engine_core_pb2.REQUEST_ERROR_KIND_ASLEEP,
-                     not_found=e.kind == engine_core_pb2.REQUEST_ERROR_KIND_NOT_FOUND)
-        for e in batch.errors])
+def message_from_proto(batch: engine_core_pb2.EngineCoreOutputs) -> EngineCoreOutputs:
+    """One message of the Connect stream: a step's outputs, refused requests, a utility call's answer, load,
+    prefix-cache changes, the engine's state."""
+    message = EngineCoreOutputs(
+        outputs=[output_from_proto(o) for o in batch.outputs],
+        finished_request_ids=set(batch.finished_request_ids),
+        timestamp=batch.timestamp,
+        errors=[RequestError(e.request_id, e.message, RequestErrorKind(e.kind)) for e in batch.errors],
+    )
     if batch.HasField("utility_result"):
         result = batch.utility_result
-        message.utility_call_id, message.utility_ok, message.utility_error = result.call_id, result.ok, result.error
-        message.utility_loras = tuple(lora_from_proto(lora) for lora in result.loras)
-        message.utility_error_kind = _UTILITY_ERROR_KINDS.get(result.error_kind, "")
+        message.utility_result = UtilityResult(
+            result.call_id, result.ok, result.error, loras=tuple(lora_from_proto(lora) for lora in result.loras),
+            error_kind=UtilityErrorKind(result.error_kind) if result.error_kind in (*UtilityErrorKind,) else None)
     if batch.HasField("scheduler_stats"):
         stats = batch.scheduler_stats
         message.scheduler_stats = SchedulerStats(num_running_reqs=stats.num_running_reqs,
@@ -224,32 +222,23 @@ def message_from_proto(batch: engine_core_pb2.EngineCoreOutputs) -> EngineMessag
                                           removed=list(events.removed_block_hashes), cleared=events.cleared)
     if batch.HasField("engine_state"):
         state = batch.engine_state
-        message.engine_state = EngineState(paused=state.paused, asleep=state.asleep,
-                                           pause_mode=_PAUSE_MODES.get(state.pause_mode, "") if state.paused else "",
+        mode = PauseMode(state.pause_mode) if state.paused and state.pause_mode in (*PauseMode,) else None
+        message.engine_state = EngineState(paused=state.paused, asleep=state.asleep, pause_mode=mode,
                                            lora_names=tuple(state.lora_names))
     return message
 
 
-def outputs_from_proto(batch: engine_core_pb2.EngineCoreOutputs) -> list[EngineOutput]:
-    """One engine step's outputs; ids only listed as finished end as ABORT (unknown ids are ignored later)."""
-    outputs = [
-        EngineOutput(
-            request_id=o.request_id, new_token_ids=list(o.new_token_ids),
-            new_logprobs=[sampling_convert.logprobs_from_proto(e) for e in o.new_logprobs],
-            new_prompt_logprobs=[sampling_convert.logprobs_from_proto(e) for e in o.new_prompt_logprobs],
-            finish_reason=sampling_convert.finish_reason_from_proto(o.finish_reason),
-            stop_token_id=o.stop_token_id if o.HasField("stop_token_id") else None,
-            num_cached_tokens=o.num_cached_tokens,
-            events=[EngineEvent(EngineEventType(e.type), e.timestamp) for e in o.events],
-            timestamp=batch.timestamp,
-            embedding=list(o.embedding) or None,
-        )
-        for o in batch.outputs
-    ]
-    seen = {o.request_id for o in outputs if o.finish_reason is not None}
-    outputs.extend(EngineOutput(request_id, [], finish_reason=FinishReason.ABORT)
-                   for request_id in batch.finished_request_ids if request_id not in seen)
-    return outputs
+def output_from_proto(o: engine_core_pb2.EngineCoreOutput) -> EngineCoreOutput:
+    return EngineCoreOutput(
+        request_id=o.request_id, new_token_ids=list(o.new_token_ids),
+        new_logprobs=[sampling_convert.logprobs_from_proto(e) for e in o.new_logprobs] or None,
+        new_prompt_logprobs=[sampling_convert.logprobs_from_proto(e) for e in o.new_prompt_logprobs] or None,
+        finish_reason=sampling_convert.finish_reason_from_proto(o.finish_reason),
+        stop_token_id=o.stop_token_id if o.HasField("stop_token_id") else None,
+        num_cached_tokens=o.num_cached_tokens,
+        events=[EngineCoreEvent(EngineCoreEventType(e.type), e.timestamp) for e in o.events] or None,
+        embedding=list(o.embedding) or None,
+    )
 
 
 def abort_to_proto(request_ids: list[str]) -> engine_core_pb2.EngineCoreInput:
@@ -260,13 +249,7 @@ def engine_info_request() -> engine_core_pb2.GetEngineInfoRequest:
     return engine_core_pb2.GetEngineInfoRequest()
 
 
-def utility_to_proto(call_id: int, method: str, pause_mode: str = "", profile_dir: str = "", lora_name: str = "",
-                     lora_path: str = "") -> engine_core_pb2.EngineCoreInput:
-    """method: pause, resume, sleep, wake_up, reset_prefix_cache, start_profile, stop_profile, get_stats,
-    load_lora, unload_lora, list_loras, pin_lora."""
-    call = engine_core_pb2.UtilityCall(
-        call_id=call_id, method=engine_core_pb2.UtilityMethod.Value(f"UTILITY_METHOD_{method.upper()}"),
-        pause_mode=common_pb2.PauseMode.Value(f"PAUSE_MODE_{pause_mode.upper()}") if pause_mode else 0,
-        profile_dir=profile_dir, lora_name=lora_name, lora_path=lora_path,
-    )
-    return engine_core_pb2.EngineCoreInput(utility=call)
+def utility_to_proto(call: UtilityCall) -> engine_core_pb2.EngineCoreInput:
+    return engine_core_pb2.EngineCoreInput(utility=engine_core_pb2.UtilityCall(
+        call_id=call.call_id, method=int(call.method), pause_mode=int(call.pause_mode), profile_dir=call.profile_dir,
+        lora_name=call.lora_name, lora_path=call.lora_path))

@@ -11,8 +11,7 @@ from __future__ import annotations
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from engine_core.sampling_params import SamplingParams
-from services.frontend.messages import TokenLogprobs
+from engine_core.protocol import SamplingParams, TokenLogprobs
 
 
 class Detokenizer:
@@ -76,8 +75,10 @@ def find_stop(text: str, check_from: int, stops: tuple[str, ...]) -> tuple[str, 
     return None if best is None else (best[1], best[2])
 
 
-def decode_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs]) -> list[TokenLogprobs]:
-    """Fill in each entry's token texts (decoded one token at a time, specials kept)."""
+def decode_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs] | None) -> list[TokenLogprobs]:
+    """Fill in each entry's token texts (decoded one token at a time, specials kept); [] for None."""
+    if not entries:
+        return []
     for entry in entries:
         entry.decoded = [tokenizer.decode([token_id], skip_special_tokens=False) for token_id in entry.token_ids]
     return entries

@@ -18,8 +18,23 @@ import logging
 
 import grpc
 
+from engine_core.protocol import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineInfo,
+    EngineState,
+    KVCacheEvents,
+    PauseMode,
+    SchedulerStats,
+    UtilityCall,
+    UtilityMethod,
+)
 from services.frontend import convert
-from services.frontend.engine_client_base import EngineClient, refusal_error, with_adapter  # EngineClient re-exported
+from services.frontend.engine_client_base import (  # EngineClient re-exported
+    EngineClient,
+    refusal_error,
+    with_adapter,
+)
 from services.frontend.engine_connection import EngineConnection
 from services.frontend.engine_discovery import (
     DEFAULT_RESOLVE_INTERVAL_S,
@@ -28,15 +43,7 @@ from services.frontend.engine_discovery import (
     parse_engine_targets,
 )
 from services.frontend.errors import EngineAsleep, EngineUnavailable
-from services.frontend.messages import (
-    EngineInfo,
-    EngineMessage,
-    EngineOutputs,
-    EngineRequest,
-    EngineState,
-    EngineStatus,
-    UtilityResult,
-)
+from services.frontend.messages import EngineCallResult, EngineOutputs, EngineStatus
 from services.frontend.router import Router
 from services.security.transport import ENGINE_LINK_MAX_MESSAGE_BYTES, ChannelTransport
 from services.telemetry.metrics import FrontendMetrics
@@ -157,7 +164,7 @@ class GrpcEngineClient(EngineClient):
         return [EngineStatus(e.address, e.connected, len(e.in_flight), e.state) for e in self._engines.values()]
 
     # ---- requests -------------------------------------------------------------------
-    def add_request(self, request: EngineRequest) -> None:
+    def add_request(self, request: EngineCoreRequest) -> None:
         candidates = with_adapter(self._candidates(), request.lora_name)
         decision = self.router.choose([e.load for e in candidates], request.prompt_token_ids, request.lora_name)
         engine = candidates[decision.index]
@@ -188,8 +195,8 @@ class GrpcEngineClient(EngineClient):
                 engine.send(convert.abort_to_proto(ids))
             self._retire_if_idle(engine)
 
-    async def call_utility(self, method: str, *, pause_mode: str = "", profile_dir: str = "", lora_name: str = "",
-                           lora_path: str = "") -> list[UtilityResult]:
+    async def call_utility(self, method: UtilityMethod, *, pause_mode: PauseMode = PauseMode.ABORT,
+                           profile_dir: str = "", lora_name: str = "", lora_path: str = "") -> list[EngineCallResult]:
         engines = [e for e in self._engines.values() if e.connected]
         if not engines:
             raise EngineUnavailable("no engine is connected; the call reached no engine")
@@ -197,7 +204,8 @@ class GrpcEngineClient(EngineClient):
         for engine in engines:
             call_id = next(self._call_ids)
             engine.pending[call_id] = future = asyncio.get_running_loop().create_future()
-            engine.send(convert.utility_to_proto(call_id, method, pause_mode, profile_dir, lora_name, lora_path))
+            engine.send(convert.utility_to_proto(UtilityCall(call_id, method, pause_mode, profile_dir, lora_name,
+                                                             lora_path)))
             calls.append(future)
         return list(await asyncio.gather(*calls))
 
@@ -244,36 +252,43 @@ class GrpcEngineClient(EngineClient):
             self._on_lost(engine, reason)
         return reason
 
-    def _route(self, engine: EngineConnection, message: EngineMessage) -> None:
+    def _route(self, engine: EngineConnection, message: EngineCoreOutputs) -> None:
         """Utility answers to their callers; refusals and outputs to the output handler; load to the router;
         a new engine state to the listeners (health)."""
         engine.observe(message.scheduler_stats, message.kv_events)
+        if message.scheduler_stats is not None or message.kv_events is not None:
+            for listener in self.report_listeners:
+                listener(engine.address, engine.load.block_size, message.scheduler_stats, message.kv_events)
         if message.engine_state is not None and message.engine_state != engine.state:
             engine.state = message.engine_state
             log.info("engine at %s: %s", engine.address, _describe(engine.state))
             self._on_change()
-        if message.utility_call_id is not None:
-            future = engine.pending.pop(message.utility_call_id, None)
+        if message.utility_result is not None:
+            result = message.utility_result
+            future = engine.pending.pop(result.call_id, None)
             if future is not None and not future.done():
-                future.set_result(UtilityResult(engine.address, message.utility_ok, message.utility_error,
-                                                message.utility_loras, message.utility_error_kind))
+                future.set_result(EngineCallResult(engine.address, result.ok, result.error, result.loras,
+                                                   result.error_kind))
         for error in message.errors:
             engine.untrack([error.request_id])
             self._put_output(EngineOutputs(failed=[error.request_id], error=refusal_error(error)))
-        if message.outputs:
-            engine.untrack([o.request_id for o in message.outputs if o.finish_reason is not None])
-            self._put_output(EngineOutputs(outputs=message.outputs))
+        step = EngineOutputs.of_step(message)
+        if step.outputs:
+            engine.untrack([o.request_id for o in step.outputs if o.finish_reason is not None])
+            self._put_output(step)
         self._retire_if_idle(engine)
 
     def _on_lost(self, engine: EngineConnection, reason: str) -> None:
         """Every request in flight on this engine ends with UNAVAILABLE; pending utility calls fail."""
         lost = engine.closed()
+        for listener in self.report_listeners:  # its cache and load are unknown until its next snapshot
+            listener(engine.address, engine.load.block_size, SchedulerStats(), KVCacheEvents(cleared=True))
         if lost:
             error = EngineUnavailable(f"engine at {engine.address} disconnected ({reason}); retry the request")
             self._put_output(EngineOutputs(failed=lost, error=error))
         for future in engine.pending.values():
             if not future.done():
-                future.set_result(UtilityResult(engine.address, False, f"engine at {engine.address} disconnected"))
+                future.set_result(EngineCallResult(engine.address, False, f"engine at {engine.address} disconnected"))
         engine.pending.clear()
         self._retire_if_idle(engine)
         self._on_change()

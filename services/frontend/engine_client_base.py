@@ -8,17 +8,12 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
+from engine_core.protocol import EngineCoreRequest, EngineInfo, PauseMode, RequestError, RequestErrorKind, UtilityMethod
 from services.frontend.change_listeners import ChangeListeners
 from services.frontend.errors import EngineAsleep, InvalidRequest, NotFound
-from services.frontend.messages import (
-    EngineInfo,
-    EngineOutputs,
-    EngineRequest,
-    EngineStatus,
-    RequestError,
-    UtilityResult,
-)
+from services.frontend.messages import EngineCallResult, EngineOutputs, EngineStatus
 
 
 class EngineClient(ChangeListeners, ABC):
@@ -27,6 +22,8 @@ class EngineClient(ChangeListeners, ABC):
     def __init__(self) -> None:
         self._outputs: asyncio.Queue[EngineOutputs] = asyncio.Queue()
         ChangeListeners.__init__(self)  # notified when an engine connects, disconnects, pauses, resumes, sleeps, wakes
+        # called with (engine address, block size, SchedulerStats | None, KVCacheEvents | None) as engines report
+        self.report_listeners: list[Callable] = []
 
     @abstractmethod
     async def start(self) -> None: ...
@@ -35,7 +32,7 @@ class EngineClient(ChangeListeners, ABC):
     async def close(self) -> None: ...
 
     @abstractmethod
-    def add_request(self, request: EngineRequest) -> None:
+    def add_request(self, request: EngineCoreRequest) -> None:
         """Send a request to an engine (never blocks); raises EngineUnavailable when none is connected."""
 
     @abstractmethod
@@ -43,10 +40,9 @@ class EngineClient(ChangeListeners, ABC):
         """Abort engine requests (never blocks; unknown ids are ignored)."""
 
     @abstractmethod
-    async def call_utility(self, method: str, *, pause_mode: str = "", profile_dir: str = "", lora_name: str = "",
-                           lora_path: str = "") -> list[UtilityResult]:
-        """Call `method` (pause, resume, sleep, wake_up, reset_prefix_cache, start_profile, load_lora, ...) on
-        every engine."""
+    async def call_utility(self, method: UtilityMethod, *, pause_mode: PauseMode = PauseMode.ABORT,
+                           profile_dir: str = "", lora_name: str = "", lora_path: str = "") -> list[EngineCallResult]:
+        """Call `method` on every engine connected; one result each."""
 
     @abstractmethod
     async def wait_for_engine(self) -> EngineInfo:
@@ -95,8 +91,8 @@ def with_adapter(engines: list, lora_name: str | None) -> list:
 
 def refusal_error(error: RequestError) -> Exception:
     """What the client hears of a request an engine refused: its own fault, or the engine's state."""
-    if error.engine_asleep:
+    if error.kind is RequestErrorKind.ASLEEP:
         return EngineAsleep()
-    if error.not_found:
+    if error.kind is RequestErrorKind.NOT_FOUND:
         return NotFound(f"the engine refused the request: {error.message}")
     return InvalidRequest(f"the engine refused the request: {error.message}")

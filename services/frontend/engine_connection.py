@@ -12,9 +12,8 @@ import asyncio
 
 from tandem.v1 import engine_core_pb2_grpc
 
-from engine_core.block_hash import BlockHash
-from engine_core.types import KVCacheEvents, SchedulerStats
-from services.frontend.messages import EngineInfo, EngineState
+from engine_core.protocol import EngineInfo, EngineState, KVCacheEvents, SchedulerStats
+from engine_core.protocol.block_hash import BlockHash
 from services.frontend.router import EngineLoad
 from services.security.transport import ChannelTransport
 

@@ -16,22 +16,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from typing import TYPE_CHECKING
 
+from engine_core.protocol import EngineCoreRequest, EngineInfo, EngineState, PauseMode, UtilityCall, UtilityMethod
 from services.frontend.engine_client_base import EngineClient, refusal_error, with_adapter
 from services.frontend.errors import EngineAsleep, EngineUnavailable
-from services.frontend.messages import (
-    EngineEvent,
-    EngineEventType,
-    EngineInfo,
-    EngineOutput,
-    EngineOutputs,
-    EngineRequest,
-    EngineState,
-    EngineStatus,
-    FinishReason,
-    RequestError,
-    UtilityResult,
-)
+from services.frontend.messages import EngineCallResult, EngineOutputs, EngineStatus
+
+if TYPE_CHECKING:
+    from services.engine.busy_loop_port import BusyLoopPort
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +32,7 @@ log = logging.getLogger(__name__)
 class InProcessEngineClient(EngineClient):
     """One connection to an engine busy loop of this process; `info` describes its model."""
 
-    def __init__(self, busy_loop, info: EngineInfo, *, address: str = "in-process") -> None:
+    def __init__(self, busy_loop: BusyLoopPort, info: EngineInfo, *, address: str = "in-process") -> None:
         super().__init__()
         from services.engine import messages  # the engine's plain messages (torch-free), only when used
 
@@ -93,14 +86,14 @@ class InProcessEngineClient(EngineClient):
         return [EngineStatus(self.address, self.is_connected, len(self._in_flight), self._state)]
 
     # ---- requests -------------------------------------------------------------------
-    def add_request(self, request: EngineRequest) -> None:
+    def add_request(self, request: EngineCoreRequest) -> None:
         if not self.is_connected:
             raise EngineUnavailable(f"the in-process engine is not running ({self._error or 'not started'})")
         if self._state.asleep:
             raise EngineAsleep()
-        with_adapter(self.engines(), request.lora_name)  # NotFound when the engine lacks the adapter
         self._in_flight.add(request.request_id)
-        self._busy_loop.submit(self._connection, self._messages.Add(_core_request(request)))
+        with_adapter(self.engines(), request.lora_name)  # NotFound when the engine lacks the adapter
+        self._busy_loop.submit(self._connection, self._messages.Add(request))
 
     def abort(self, request_ids: list[str]) -> None:
         ids = [request_id for request_id in request_ids if request_id in self._in_flight]
@@ -108,16 +101,14 @@ class InProcessEngineClient(EngineClient):
         if ids and self.is_connected:
             self._busy_loop.submit(self._connection, self._messages.Abort(ids))
 
-    async def call_utility(self, method: str, *, pause_mode: str = "", profile_dir: str = "", lora_name: str = "",
-                           lora_path: str = "") -> list[UtilityResult]:
+    async def call_utility(self, method: UtilityMethod, *, pause_mode: PauseMode = PauseMode.ABORT,
+                           profile_dir: str = "", lora_name: str = "", lora_path: str = "") -> list[EngineCallResult]:
         if not self.is_connected:
             raise EngineUnavailable("the in-process engine is not running; the call reached no engine")
-        m = self._messages
         call_id = next(self._call_ids)
         self._pending[call_id] = future = asyncio.get_running_loop().create_future()
-        mode = m.PauseMode(pause_mode) if pause_mode else m.PauseMode.ABORT
-        self._busy_loop.submit(self._connection, m.Utility(call_id, m.UtilityMethod(method), mode, profile_dir,
-                                                           lora_name, lora_path))
+        self._busy_loop.submit(self._connection, UtilityCall(call_id, method, pause_mode, profile_dir, lora_name,
+                                                             lora_path))
         return [await future]
 
     # ---- from the busy loop's thread ------------------------------------------------
@@ -136,27 +127,21 @@ class InProcessEngineClient(EngineClient):
             self._lose(f"the in-process engine died: {item.error}")
             return
         if item.engine_state is not None:
-            core = item.engine_state
-            self._state = EngineState(paused=core.paused, asleep=core.asleep,
-                                      pause_mode=core.pause_mode.value if core.pause_mode else "",
-                                      lora_names=core.lora_names)
+            self._state = item.engine_state
             self._notify()
         if item.utility_result is not None:
             result = item.utility_result
             future = self._pending.pop(result.call_id, None)
             if future is not None and not future.done():
-                kind = result.error_kind.value if result.error_kind else ""
-                future.set_result(UtilityResult(self.address, result.ok, result.error, result.loras, kind))
+                future.set_result(EngineCallResult(self.address, result.ok, result.error, result.loras,
+                                                   result.error_kind))
         for error in item.errors:
             self._in_flight.discard(error.request_id)
-            asleep = error.kind is self._messages.RequestErrorKind.ASLEEP
-            not_found = error.kind is self._messages.RequestErrorKind.NOT_FOUND
-            refused = RequestError(error.request_id, error.message, engine_asleep=asleep, not_found=not_found)
-            self._put_output(EngineOutputs(failed=[error.request_id], error=refusal_error(refused)))
-        outputs = _outputs_from_core(item)
-        if outputs:
-            self._in_flight.difference_update(o.request_id for o in outputs if o.finish_reason is not None)
-            self._put_output(EngineOutputs(outputs=outputs))
+            self._put_output(EngineOutputs(failed=[error.request_id], error=refusal_error(error)))
+        step = EngineOutputs.of_step(item)
+        if step.outputs:
+            self._in_flight.difference_update(o.request_id for o in step.outputs if o.finish_reason is not None)
+            self._put_output(step)
 
     def _lose(self, reason: str) -> None:
         """Every request in flight ends with UNAVAILABLE; pending utility calls fail."""
@@ -166,7 +151,7 @@ class InProcessEngineClient(EngineClient):
             self._put_output(EngineOutputs(failed=lost, error=EngineUnavailable(f"{reason}; retry the request")))
         for future in self._pending.values():
             if not future.done():
-                future.set_result(UtilityResult(self.address, False, reason))
+                future.set_result(EngineCallResult(self.address, False, reason))
         self._pending.clear()
         self._notify()
 
@@ -185,41 +170,5 @@ def start_engine(model: str, *, dtype: str = "auto", max_model_len: int | None =
                                    scheduler=SchedulerConfig(max_num_seqs=max(max_num_seqs, 1))), log_stats=True)
     busy_loop = EngineBusyLoop(core)
     busy_loop.start()
-    return busy_loop, engine_info_from_core(core.info)
+    return busy_loop, core.info
 
-
-# ---- the frontend's dataclasses <-> the engine's ------------------------------------
-def engine_info_from_core(info) -> EngineInfo:
-    """An engine_core.engine_core.EngineInfo as the frontend's EngineInfo."""
-    return EngineInfo(model_name=info.model_name, model_path=info.model_path, max_model_len=info.max_model_len,
-                      vocab_size=info.vocab_size, eos_token_ids=tuple(info.eos_token_ids))
-
-
-def _core_request(request: EngineRequest):
-    from engine_core.types import EngineCoreRequest  # torch-free; kept out of the frontend's import graph
-
-    return EngineCoreRequest(request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
-                             sampling_params=request.sampling_params, arrival_time=request.arrival_time,
-                             priority=request.priority, trace_headers=dict(request.trace_headers) or None,
-                             pooling=request.pooling, lora_name=request.lora_name)
-
-
-def _outputs_from_core(message) -> list[EngineOutput]:
-    """One step's outputs (services.engine.messages.ConnectionOutputs); ids only listed as finished end as ABORT."""
-    outputs = [
-        EngineOutput(
-            request_id=o.request_id, new_token_ids=list(o.new_token_ids),
-            new_logprobs=list(o.new_logprobs or ()), new_prompt_logprobs=list(o.new_prompt_logprobs or ()),
-            finish_reason=o.finish_reason,
-            stop_token_id=o.stop_reason if isinstance(o.stop_reason, int) else None,
-            num_cached_tokens=o.num_cached_tokens,
-            events=[EngineEvent(EngineEventType(int(e.type)), e.timestamp) for e in o.events or ()],
-            timestamp=message.timestamp,
-            embedding=o.embedding,
-        )
-        for o in message.outputs
-    ]
-    seen = {o.request_id for o in outputs if o.finish_reason is not None}
-    outputs.extend(EngineOutput(request_id, [], finish_reason=FinishReason.ABORT)
-                   for request_id in message.finished_request_ids if request_id not in seen)
-    return outputs

@@ -1,4 +1,4 @@
-"""Input processing: a prompt (text, token ids or chat messages) -> a validated EngineRequest."""
+"""Input processing: a prompt (text, token ids or chat messages) -> a validated EngineCoreRequest."""
 
 from __future__ import annotations
 
@@ -6,23 +6,26 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 
-from engine_core.sampling_params import SamplingParams, validate_sampling_params
+from engine_core.protocol import EngineCoreRequest, PoolingParams, SamplingParams, validate_sampling_params
+from services.frontend.chat_history import template_messages
+from services.frontend.chat_setup import ChatSetup, choose_chat_setup
 from services.frontend.chat_template import ChatTemplateError, render_chat
 from services.frontend.errors import InvalidRequest
 from services.frontend.limits import RequestLimits
-from services.frontend.messages import EngineRequest, PoolingParams
 from services.frontend.tokenizer import TokenizerBundle
+from services.frontend.tool_request import ToolPlan, ToolRequest, plan_tools
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass
 class ChatPrompt:
-    """Chat messages to render with the model's own template."""
+    """Chat messages to render with the model's own template (tool_calls / tool_call_id keys optional)."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict]
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: ToolRequest | None = None
 
 
 @dataclass
@@ -42,9 +45,11 @@ Prompt = TextPrompt | TokensPrompt | ChatPrompt
 class InputProcessor:
     """Validates and tokenizes prompts against the model's limits (learned from the engine)."""
 
-    def __init__(self, tokenizer: TokenizerBundle, *, limits: RequestLimits = RequestLimits()) -> None:
+    def __init__(self, tokenizer: TokenizerBundle, *, limits: RequestLimits = RequestLimits(),
+                 chat_setup: ChatSetup | None = None) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.chat_setup = chat_setup or choose_chat_setup(tokenizer.chat_template)  # template and tool parser
         self.max_model_len = 0  # 0: unknown until an engine reports it
         self.vocab_size = tokenizer.vocab_size
 
@@ -55,11 +60,16 @@ class InputProcessor:
 
     # ---- the whole request ---------------------------------------------------------
     def process(self, request_id: str, prompt: Prompt, params: SamplingParams | None, *, priority: int = 0,
-                trace_headers: dict[str, str] | None = None, pooling: PoolingParams | None = None) -> EngineRequest:
+                trace_headers: dict[str, str] | None = None, pooling: PoolingParams | None = None,
+                tool_plan: ToolPlan | None = None) -> EngineCoreRequest:
         """Validate and tokenize; fill in max_tokens when unset (the room left in the context, at most
-        the server's --max-tokens). `pooling`: an embedding request, under the same prompt caps."""
+        the server's --max-tokens). `pooling`: an embedding request, under the same prompt caps.
+        `tool_plan` (from plan_tools): its constraint forces the tool_choice."""
         params = self.validate_sampling(params or SamplingParams())
-        token_ids = self.tokenize(prompt)
+        if tool_plan is not None:
+            params = replace(params, structured=tool_plan.structured or params.structured,
+                             skip_special_tokens=params.skip_special_tokens and not tool_plan.keep_special_tokens)
+        token_ids = self.tokenize(prompt, tool_plan)
         room = self._check_length(len(token_ids), embedding=pooling is not None)
         if pooling is None:
             self._check_max_tokens(params, len(token_ids), room)
@@ -67,7 +77,7 @@ class InputProcessor:
             room = min(room, self.limits.max_tokens)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         params = replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
-        return EngineRequest(
+        return EngineCoreRequest(
             request_id=request_id or new_request_id(), prompt_token_ids=token_ids, sampling_params=params,
             arrival_time=time.time(), priority=priority, trace_headers=dict(trace_headers or {}), pooling=pooling,
         )
@@ -80,21 +90,28 @@ class InputProcessor:
         except ValueError as e:
             raise InvalidRequest(f"sampling_params.{e}") from None
 
+    def plan_tools(self, prompt: Prompt, params: SamplingParams | None) -> ToolPlan | None:
+        """The plan for a chat prompt's tools (None: no tools); InvalidRequest naming the field."""
+        if not isinstance(prompt, ChatPrompt):
+            return None
+        return plan_tools(prompt.tools, self.chat_setup, structured=params.structured if params else None)
+
     # ---- prompts -> token ids ------------------------------------------------------
-    def tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: Prompt, tool_plan: ToolPlan | None = None) -> list[int]:
         if isinstance(prompt, TokensPrompt):
             return self._check_token_ids(list(prompt.token_ids))
         if isinstance(prompt, ChatPrompt):
-            return self.tokenizer.encode(self.render(prompt), add_special_tokens=False)
+            return self.tokenizer.encode(self.render(prompt, tool_plan), add_special_tokens=False)
         if isinstance(prompt, TextPrompt):
             if not prompt.text:
                 raise InvalidRequest("prompt text is empty; send some text, token_ids or chat messages")
             return self.tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
         raise InvalidRequest("prompt is missing: set text or token_ids")
 
-    def render(self, chat: ChatPrompt) -> str:
-        """The chat messages as prompt text, through the model's chat template."""
-        template = self.tokenizer.chat_template
+    def render(self, chat: ChatPrompt, tool_plan: ToolPlan | None = None) -> str:
+        """The chat messages as prompt text, through the chat template (chat_setup: the model's own or the
+        one that replaces it), with the tools of `tool_plan`."""
+        template = self.chat_setup.template
         if not template:
             raise InvalidRequest("this model has no chat template; send a text prompt with Generate instead")
         if not chat.messages:
@@ -105,9 +122,11 @@ class InputProcessor:
                                      f"got {message['role']!r}")
         if chat.continue_final_message and chat.add_generation_prompt:
             raise InvalidRequest("continue_final_message needs add_generation_prompt=false")
+        tools = {"tools": tool_plan.template_tools} if tool_plan is not None else {}
         try:
-            text = render_chat(template, chat.messages, add_generation_prompt=chat.add_generation_prompt,
-                               bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token)
+            text = render_chat(template, template_messages(chat.messages),
+                               add_generation_prompt=chat.add_generation_prompt,
+                               bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token, **tools)
         except ChatTemplateError as e:
             raise InvalidRequest(f"messages: {e}") from e
         if chat.continue_final_message:  # cut what the template appends after the last message

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from engine_core.sampling_params import SamplingParams
+from engine_core.protocol import SamplingParams
 
 DEFAULT_MAX_N = 16
 DEFAULT_MAX_STOP_STRINGS = 16

@@ -8,21 +8,23 @@ modules the model lacks), NOT_FOUND, FAILED_PRECONDITION (in use, LoRA off).
 
 from __future__ import annotations
 
+from engine_core.protocol import UtilityErrorKind
 from services.frontend.errors import FailedPrecondition, FrontendError, InvalidRequest, NotFound
-from services.frontend.messages import UtilityResult
+from services.frontend.messages import EngineCallResult
 
-_ERRORS: dict[str, type[FrontendError]] = {"invalid_argument": InvalidRequest, "not_found": NotFound,
-                                           "failed_precondition": FailedPrecondition}
+_ERRORS: dict[UtilityErrorKind, type[FrontendError]] = {
+    UtilityErrorKind.INVALID_ARGUMENT: InvalidRequest, UtilityErrorKind.NOT_FOUND: NotFound,
+    UtilityErrorKind.FAILED_PRECONDITION: FailedPrecondition,
+}
 
 
-def lora_results(results: list[UtilityResult], *, missing_ok: bool = False) -> list[UtilityResult]:
+def lora_results(results: list[EngineCallResult], *, missing_ok: bool = False) -> list[EngineCallResult]:
     """`results` when the call succeeded; else raises the first refusal's error naming its engine.
     `missing_ok`: engines that do not have the adapter are skipped when another had it."""
     failed = [r for r in results if not r.ok]
     if missing_ok and len(failed) < len(results):
-        failed = [r for r in failed if r.error_kind != "not_found"]
+        failed = [r for r in failed if r.error_kind is not UtilityErrorKind.NOT_FOUND]
     if not failed:
         return [r for r in results if r.ok]
-    first = failed[0]
     detail = "; ".join(f"engine at {r.address}: {r.error}" for r in failed)
-    raise _ERRORS.get(first.error_kind, FailedPrecondition)(detail)
+    raise _ERRORS.get(failed[0].error_kind, FailedPrecondition)(detail)

@@ -16,19 +16,21 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
-from engine_core.sampling_params import OutputKind
-from services.frontend.detokenizer import Detokenizer, decode_logprobs
-from services.frontend.errors import SlowReader
-from services.frontend.messages import (
+from engine_core.protocol import (
     CompletionOutput,
-    EngineOutput,
-    EngineRequest,
+    EngineCoreOutput,
+    EngineCoreRequest,
     FinishReason,
+    OutputKind,
     RequestOutput,
     TokenLogprobs,
     Usage,
 )
+from services.frontend.detokenizer import Detokenizer, decode_logprobs
+from services.frontend.errors import SlowReader
 from services.frontend.telemetry import FrontendTelemetry, RequestStats
+from services.frontend.tool_output import ToolOutput
+from services.frontend.tool_request import ToolPlan
 
 DEFAULT_MAX_UNSENT_TOKENS = 8192
 
@@ -90,7 +92,8 @@ class ParentRequest:
 class RequestState:
     """One engine request (one completion) in flight."""
 
-    def __init__(self, request: EngineRequest, parent: ParentRequest, index: int, tokenizer: Tokenizer) -> None:
+    def __init__(self, request: EngineCoreRequest, parent: ParentRequest, index: int, tokenizer: Tokenizer,
+                 tool_plan: ToolPlan | None = None) -> None:
         self.request_id = request.request_id
         self.parent, self.index = parent, index
         self.output_kind = request.sampling_params.output_kind
@@ -99,16 +102,18 @@ class RequestState:
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] = []
         self.prompt_logprobs: list[TokenLogprobs] = []
+        self.tools = None if tool_plan is None else ToolOutput(tool_plan, self.output_kind)
 
-    def completion(self, new: EngineOutput, finish: FinishReason | None, stop_string: str | None,
+    def completion(self, new: EngineCoreOutput, finish: FinishReason | None, stop_string: str | None,
                    new_logprobs: list[TokenLogprobs]) -> CompletionOutput | None:
         """This step's message for this completion, per output kind (None: nothing to send)."""
         finished = finish is not None
         if self.output_kind == OutputKind.FINAL_ONLY and not finished:
             return None
         delta = self.output_kind == OutputKind.DELTA
-        text = self.detokenizer.next_text(finished, delta)
-        if delta and not (text or new.new_token_ids or finished):
+        tools = None if self.tools is None else self.tools.step(self.detokenizer.next_text(finished, True), finished)
+        text = self.detokenizer.next_text(finished, delta) if tools is None else tools.text
+        if delta and not (text or new.new_token_ids or finished or (tools and tools.deltas)):
             return None
         return CompletionOutput(
             index=self.index, text=text,
@@ -117,6 +122,7 @@ class RequestState:
             finish_reason=finish, stop_string=stop_string,
             stop_token_id=new.stop_token_id if finish == FinishReason.STOP and not stop_string else None,
             embedding=new.embedding,
+            tool_call_deltas=tools.deltas if tools else [], tool_calls=tools.calls if tools else [],
         )
 
 
@@ -140,26 +146,27 @@ class OutputProcessor:
     def has_request(self, request_id: str) -> bool:
         return request_id in self.parents
 
-    def add_request(self, request_id: str, children: list[EngineRequest],
-                    collector: RequestOutputCollector, stats: RequestStats | None = None) -> None:
-        """Track a client request and its engine requests (one per completion)."""
+    def add_request(self, request_id: str, children: list[EngineCoreRequest], collector: RequestOutputCollector,
+                    stats: RequestStats | None = None, tool_plan: ToolPlan | None = None) -> None:
+        """Track a client request and its engine requests (one per completion; tool_plan: parse tool calls)."""
         parent = ParentRequest(request_id, collector, len(children[0].prompt_token_ids),
                                stats=stats or RequestStats(request_id, children[0].arrival_time))
         self.parents[request_id] = parent
         for index, child in enumerate(children):
             parent.children[index] = child.request_id
-            self.requests[child.request_id] = RequestState(child, parent, index, self.tokenizer)
+            self.requests[child.request_id] = RequestState(child, parent, index, self.tokenizer, tool_plan)
 
     # ---- the loop ------------------------------------------------------------------
-    def process_outputs(self, outputs: list[EngineOutput]) -> list[str]:
-        """Process one engine step; return the engine request ids to abort (stop strings, slow readers)."""
+    def process_outputs(self, outputs: list[EngineCoreOutput], engine_ts: float = 0.0) -> list[str]:
+        """Process one engine step (engine_ts: its time, engine clock); return the engine request ids to abort
+        (stop strings, slow readers)."""
         stopped = []
         now = time.time()
         for out in outputs:
             state = self.requests.get(out.request_id)
             if state is None:  # aborted or finished already
                 continue
-            self.telemetry.observe(state.parent.stats, out, now)
+            self.telemetry.observe(state.parent.stats, out, now, engine_ts)
             finish = out.finish_reason
             skip_last = finish == FinishReason.STOP and out.stop_token_id is not None and not state.include_stop
             stop_string = state.detokenizer.update(out.new_token_ids, skip_last=skip_last)
@@ -186,7 +193,7 @@ class OutputProcessor:
         running = list(parent.children.values())
         for engine_id in running:
             state = self.requests[engine_id]
-            finish = EngineOutput(engine_id, [], finish_reason=FinishReason.ABORT)
+            finish = EngineCoreOutput(engine_id, [], finish_reason=FinishReason.ABORT)
             self._emit(state, state.completion(finish, FinishReason.ABORT, None, []), finished=True)
         return running
 

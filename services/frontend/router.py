@@ -22,8 +22,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from engine_core.block_hash import BlockHash, hash_prompt_blocks
-from engine_core.types import KVCacheEvents
+from engine_core.protocol import KVCacheEvents
+from engine_core.protocol.block_hash import BlockHash, hash_prompt_blocks
 
 DEFAULT_BALANCE_ABS = 8
 DEFAULT_BALANCE_REL = 1.0

@@ -12,6 +12,7 @@ from contextlib import aclosing
 import grpc
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 from tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 from services.frontend import convert
@@ -27,7 +28,9 @@ from services.frontend.errors import (
 )
 from services.frontend.health import ADMIN_SERVICE, GENERATION_SERVICE, FrontendHealth
 from services.frontend.input_processor import TextPrompt
-from services.frontend.messages import UtilityResult
+from services.frontend.messages import EngineCallResult
+from services.frontend.vllm_engine_servicer import SERVICE_NAME as VLLM_ENGINE_SERVICE
+from services.frontend.vllm_engine_servicer import VllmEngineServicer
 from services.security.transport import ServerTransport
 
 log = logging.getLogger(__name__)
@@ -102,7 +105,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         processor = self.llm.input_processor
         try:
             if request.WhichOneof("input") == "chat":
-                ids = processor.tokenize(convert.prompt_from_chat(request.chat))
+                chat = convert.prompt_from_chat(request.chat)
+                ids = processor.tokenize(chat, processor.plan_tools(chat, None))
             else:
                 add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
                 ids = processor.tokenize(TextPrompt(request.text, add_special_tokens=add_special))
@@ -192,7 +196,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         results = await self._lora_call(context, self.llm.pin_lora(request.lora_name))
         return admin_pb2.PinLoraAdapterResponse(adapters=convert.lora_adapters(results))
 
-    async def _lora_call(self, context, call) -> list[UtilityResult]:
+    async def _lora_call(self, context, call) -> list[EngineCallResult]:
         """A LoRA call's results; a refusal ends the call with its status (services/frontend/lora_results.py)."""
         try:
             return await call
@@ -202,7 +206,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     async def _forward(self, context, call, response_type):
         """Await the engines' utility results and answer with one `response_type` (ok, detail)."""
         try:
-            results: list[UtilityResult] = await call
+            results: list[EngineCallResult] = await call
         except Exception as e:  # noqa: BLE001
             await _abort(context, e)
         return convert.admin_response(results, response_type)
@@ -210,7 +214,8 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
 
 # ---- the server -------------------------------------------------------------------
 class FrontendServer:
-    """The grpc.aio server: GenerationService, AdminService, health (services/frontend/health.py), reflection.
+    """The grpc.aio server: GenerationService, AdminService, vLLM's worker protocol for gateways
+    (vllm_engine_servicer.py), health (services/frontend/health.py), reflection.
 
     `transport` sets TLS, the bearer-token interceptor and the message size limit (default: plaintext).
     """
@@ -221,9 +226,11 @@ class FrontendServer:
         self.health = FrontendHealth(llm)
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(llm), self.server)
         admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(llm), self.server)
+        self.vllm_engine = VllmEngineServicer(llm, version=VERSION, status_for=status_for)
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.vllm_engine, self.server)
         self.health.add_to_server(self.server)
-        services = (GENERATION_SERVICE, ADMIN_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                    reflection.SERVICE_NAME)
+        services = (GENERATION_SERVICE, ADMIN_SERVICE, VLLM_ENGINE_SERVICE,
+                    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(services, self.server)
         self.port = transport.add_port(self.server, address)
         if not self.port:

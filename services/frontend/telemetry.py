@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from services.frontend.messages import EngineEventType, EngineOutput, EngineRequest, FinishReason, Usage
+from engine_core.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreRequest, FinishReason, Usage
 from services.telemetry.metrics import FrontendMetrics
 from services.telemetry.request_log import log_request
 from services.telemetry.tracing import (
@@ -85,7 +85,7 @@ class FrontendTelemetry:
             self.metrics.errors.labels(code.name).inc()
 
     # ---- one request ---------------------------------------------------------------------
-    def start_request(self, request: EngineRequest) -> tuple[EngineRequest, RequestStats]:
+    def start_request(self, request: EngineCoreRequest) -> tuple[EngineCoreRequest, RequestStats]:
         """The request to send (its trace headers now name this request's span) and its stats."""
         stats = RequestStats(request.request_id, request.arrival_time)
         if self.tracer is None:
@@ -104,22 +104,23 @@ class FrontendTelemetry:
         headers = {k: v for k, v in inject_headers(span).items() if k in TRACE_HEADERS}
         return replace(request, trace_headers=headers), stats
 
-    def observe(self, stats: RequestStats, output: EngineOutput, now: float) -> None:
-        """One engine output of the request: engine events, first token, inter-token latency."""
-        for event in output.events:
-            if event.type == EngineEventType.QUEUED and not stats.queued_ts:
+    def observe(self, stats: RequestStats, output: EngineCoreOutput, now: float, engine_ts: float) -> None:
+        """One engine output of the request (engine_ts: its step's time, engine clock): engine events, first
+        token, inter-token latency."""
+        for event in output.events or ():
+            if event.type == EngineCoreEventType.QUEUED and not stats.queued_ts:
                 stats.queued_ts = event.timestamp
-            elif event.type == EngineEventType.SCHEDULED and not stats.scheduled_ts:
+            elif event.type == EngineCoreEventType.SCHEDULED and not stats.scheduled_ts:
                 stats.scheduled_ts = event.timestamp
         if not output.new_token_ids:
             return
         if not stats.first_token_ts:
-            stats.first_token_ts, stats.first_token_engine_ts = now, output.timestamp
+            stats.first_token_ts, stats.first_token_engine_ts = now, engine_ts
             if self.metrics is not None:
                 self.metrics.ttft.observe(now - stats.arrival_time)
         elif self.metrics is not None:
             self.metrics.itl.observe(now - stats.last_token_ts)
-        stats.last_token_ts, stats.last_token_engine_ts = now, output.timestamp
+        stats.last_token_ts, stats.last_token_engine_ts = now, engine_ts
 
     def finish(self, stats: RequestStats, usage: Usage, finish_reason: FinishReason | None) -> None:
         """The request finished (stop, length or abort): metrics, span attributes, the log line."""

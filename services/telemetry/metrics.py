@@ -92,7 +92,7 @@ class EngineMetrics:
             labels, buckets=MASK_BUCKETS, registry=r))
 
     def record_step(self, stats, step_seconds: float) -> None:
-        """`stats` is the step's engine_core.types.SchedulerStats (gauges now, counters for this step)."""
+        """`stats` is the step's engine_core.protocol.SchedulerStats (gauges now, counters for this step)."""
         self.num_requests_running.set(stats.num_running_reqs)
         self.num_requests_waiting.set(stats.num_waiting_reqs)
         self.kv_cache_usage.set(stats.kv_cache_usage)

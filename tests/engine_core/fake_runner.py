@@ -10,9 +10,10 @@ preemption produces the same output.
 
 from __future__ import annotations
 
+from engine_core.protocol import EngineCoreOutputs, TokenLogprobs
 from engine_core.request import Request
 from engine_core.scheduler import Scheduler
-from engine_core.types import EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from engine_core.types import ModelRunnerOutput, SchedulerOutput
 
 
 def next_token(token_ids: list[int], vocab_size: int) -> int:

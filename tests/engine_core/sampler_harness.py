@@ -6,9 +6,9 @@ import itertools
 
 import torch
 
+from engine_core.protocol import SamplingParams
 from engine_core.request import Request
 from engine_core.sampler import Sampler, build_sampling_metadata
-from engine_core.sampling_params import SamplingParams
 
 _ids = itertools.count()
 

@@ -14,7 +14,7 @@ from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelCon
 from engine_core.llm_engine import LLMEngine
 from engine_core.loader import registry
 from engine_core.models.cpu_decode_layers import GEMV_MAX_ROWS, MAX_ROWS, OP_KERNELS
-from engine_core.sampling_params import SamplingParams
+from engine_core.protocol import SamplingParams
 from kernels import cpu_extension
 from kernels.int8_linear import int8_vnni_supported
 from tests.engine_core.tiny_models import write_tiny_model
@@ -70,7 +70,8 @@ def generate(engine, prompts):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
     engine.engine_core.reset_prefix_cache()
     outputs = engine.generate(prompts, params)
-    return [(o.outputs[0].token_ids, [(lp.token_ids, lp.logprobs) for lp in o.outputs[0].logprobs]) for o in outputs]
+    completions = [o.completions[0] for o in outputs]
+    return [(c.token_ids, [(lp.token_ids, lp.logprobs) for lp in c.logprobs]) for c in completions]
 
 
 def answers_with_and_without_op(engine, max_rows):

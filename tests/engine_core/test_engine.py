@@ -13,8 +13,7 @@ import torch
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine_core.engine_core import EngineCore
 from engine_core.llm_engine import LLMEngine
-from engine_core.sampling_params import SamplingParams
-from engine_core.types import EngineCoreRequest, FinishReason
+from engine_core.protocol import EngineCoreRequest, FinishReason, OutputKind, SamplingParams
 from kernels import cpu_extension
 from tests.engine_core.tiny_models import write_tiny_model
 
@@ -123,10 +122,10 @@ def test_greedy_parity_with_transformers(tiny_model_dir, hf_model, device, backe
     assert (engine.engine_core.model.model.norm.fused is not None) == fused
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
     outputs = engine.generate(prompts, params)
-    cached = [o.num_cached_tokens for o in outputs]
+    cached = [o.usage.cached_tokens for o in outputs]
     assert max(cached) >= 3 * BLOCK_SIZE, f"the shared prefix was never a cache hit: {cached}"
     for prompt, output in zip(prompts, outputs):
-        completion = output.outputs[0]
+        completion = output.completions[0]
         ref_tokens, ref_logprobs = hf_greedy(hf_model, prompt, max_tokens)
         assert completion.token_ids == ref_tokens, f"prompt of {len(prompt)} tokens diverged"
         assert completion.finish_reason == FinishReason.LENGTH
@@ -217,22 +216,22 @@ def test_llm_engine_fan_out_abort_and_stop_tokens(tiny_model_dir):
         for output in engine.step():
             if output.finished:
                 finished[output.request_id] = output
-    assert set(finished) == {"fan"}
-    fan = finished["fan"]
-    assert [c.index for c in fan.outputs] == [0, 1, 2]
-    assert all(len(c.token_ids) == 6 for c in fan.outputs)
-    assert len({tuple(c.token_ids) for c in fan.outputs}) > 1  # children draw differently
+    assert set(finished) == {"fan"}  # DELTA: the last message holds the completions that ended in its step
+    fan = engine.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True))[0]
+    assert [c.index for c in fan.completions] == [0, 1, 2]
+    assert all(len(c.token_ids) == 6 for c in fan.completions)
+    assert len({tuple(c.token_ids) for c in fan.completions}) > 1  # children draw differently
     core = engine.engine_core
     assert core.scheduler.kv_cache_manager.num_free_blocks == core.info.num_blocks - 1
 
     # a stop token ends the request with its id as the stop reason
     greedy = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
-    stop_at = greedy.outputs[0].token_ids[3]
-    first = greedy.outputs[0].token_ids.index(stop_at)
+    stop_at = greedy.completions[0].token_ids[3]
+    first = greedy.completions[0].token_ids.index(stop_at)
     stopped = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[stop_at]))[0]
-    assert stopped.outputs[0].token_ids == greedy.outputs[0].token_ids[: first + 1]
-    assert stopped.outputs[0].finish_reason == FinishReason.STOP
-    assert stopped.outputs[0].stop_reason == stop_at
+    assert stopped.completions[0].token_ids == greedy.completions[0].token_ids[: first + 1]
+    assert stopped.completions[0].finish_reason == FinishReason.STOP
+    assert stopped.completions[0].stop_token_id == stop_at
 
 
 def test_bad_requests_are_rejected_with_clear_errors(tiny_model_dir):
@@ -249,17 +248,25 @@ def test_bad_requests_are_rejected_with_clear_errors(tiny_model_dir):
     assert not core.scheduler.get_request("a")
 
 
-def test_llm_engine_new_token_ids_are_per_step(tiny_model_dir):
-    """A streaming consumer that concatenates new_token_ids gets exactly token_ids, for every child."""
+@pytest.mark.parametrize("kind", [OutputKind.DELTA, OutputKind.CUMULATIVE, OutputKind.FINAL_ONLY])
+def test_llm_engine_streams_by_output_kind(tiny_model_dir, kind):
+    """DELTA messages concatenate, CUMULATIVE ones each hold all so far, FINAL_ONLY sends one: all three give the
+    same tokens per child as the same seeded request does in generate()."""
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=7, ignore_eos=True, output_kind=kind)
     engine = LLMEngine(engine_config(tiny_model_dir))
-    engine.add_request("s", list(range(30, 40)), SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=7,
-                                                               ignore_eos=True))
-    streamed = {0: [], 1: []}
-    final = None
+    engine.add_request("s", list(range(30, 40)), params)
+    streamed: dict[int, list[int]] = {0: [], 1: []}
+    messages = []
     while engine.has_unfinished_requests():
         for output in engine.step():
-            for completion in output.outputs:
-                streamed[completion.index].extend(completion.new_token_ids)
-            final = output
-    assert all(streamed[c.index] == c.token_ids for c in final.outputs)
-    assert all(len(c.token_ids) == 7 for c in final.outputs)
+            messages.append(output)
+            for completion in output.completions:
+                if kind == OutputKind.DELTA:
+                    streamed[completion.index].extend(completion.token_ids)
+                else:
+                    streamed[completion.index] = list(completion.token_ids)
+    assert messages[-1].finished and messages[-1].usage.completion_tokens == 14
+    assert len(messages) == 1 if kind == OutputKind.FINAL_ONLY else len(messages) >= 7
+    whole = LLMEngine(engine_config(tiny_model_dir)).generate([list(range(30, 40))], params)[0]
+    assert streamed == {c.index: c.token_ids for c in whole.completions}
+    assert all(len(tokens) == 7 for tokens in streamed.values())

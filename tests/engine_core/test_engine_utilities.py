@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine_core.engine_core import EngineCore
-from engine_core.sampling_params import SamplingParams
-from engine_core.types import EngineCoreRequest
+from engine_core.protocol import EngineCoreRequest, SamplingParams
 from tests.engine_core.test_engine import VOCAB, engine_config
 from tests.engine_core.tiny_models import write_tiny_model
 

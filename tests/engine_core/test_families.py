@@ -18,7 +18,7 @@ import torch
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine_core.llm_engine import LLMEngine
 from engine_core.loader import load_model
-from engine_core.sampling_params import SamplingParams
+from engine_core.protocol import SamplingParams
 from kernels import cpu_extension, select_backend
 from tests.engine_core.tiny_models import PagedBatch, run_step, write_tiny_model
 
@@ -103,14 +103,14 @@ def test_greedy_generation_matches_transformers(family, backend, eager):
     batch = prompts([3, 9]) + prompts([2, 14], shared=12, seed=1)  # the last two share 3 blocks
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
     outputs = engine.generate(batch, params)
-    assert max(o.num_cached_tokens for o in outputs) >= 12, "the shared prefix was never a cache hit"
+    assert max(o.usage.cached_tokens for o in outputs) >= 12, "the shared prefix was never a cache hit"
     for prompt, output in zip(batch, outputs):
         with torch.no_grad():
             out = ref.generate(
                 torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                 max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
             )
-        completion = output.outputs[0]
+        completion = output.completions[0]
         assert completion.token_ids == out.sequences[0, len(prompt):].tolist(), f"{len(prompt)}-token prompt"
         for ours, step in zip(completion.logprobs, out.logits):
             expected = torch.log_softmax(step[0].float(), -1)[ours.token_ids[0]].item()
@@ -133,7 +133,7 @@ def test_sliding_window_models_free_the_blocks_behind_the_window(tmp_path):
         held, tokens = [], []
         while engine.has_unfinished_requests():
             for output in engine.step():
-                tokens = output.outputs[0].token_ids
+                tokens += output.completions[0].token_ids  # DELTA: this step's new tokens
             held.append(core.info.num_blocks - 1 - core.scheduler.kv_cache_manager.num_free_blocks)
         assert (max(held) <= (WINDOW + 16) // 4 + 2) == bounded, held
         ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")

@@ -14,7 +14,7 @@ import torch
 
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
 from engine_core.llm_engine import LLMEngine
-from engine_core.sampling_params import SamplingParams
+from engine_core.protocol import SamplingParams
 from tests.engine_core.test_engine import CPP, INTERPRETER, hf_greedy
 from tests.engine_core.tiny_lora import ALL_LINEAR, merged_model, write_tiny_adapter
 from tests.engine_core.tiny_models import write_tiny_model
@@ -74,14 +74,12 @@ def assert_matches_merged(engine: LLMEngine, references, max_tokens: int = MAX_T
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=3)
     outputs = engine.generate([prompt for _, prompt in requests], params, lora_names=[name for name, _ in requests])
     for (name, prompt), output in zip(requests, outputs):
-        completion = output.outputs[0]
+        completion = output.completions[0]
         ref_tokens, ref_logprobs = hf_greedy(references[name], prompt, max_tokens)
         assert completion.token_ids == ref_tokens, f"{name or 'base'}, prompt of {len(prompt)}: greedy tokens differ"
         for step, (ours, ref) in enumerate(zip(completion.logprobs, ref_logprobs)):
             diff = (torch.tensor(ours.logprobs) - ref[torch.tensor(ours.token_ids)]).abs().max().item()
             assert diff < LOGPROB_ATOL, f"{name or 'base'}, prompt of {len(prompt)}, step {step}: {diff:.2e}"
-    shared = [o.num_cached_tokens for (_, prompt), o in zip(requests, outputs) if len(prompt) == 3 * BLOCK_SIZE + 1]
-    return shared
 
 
 def test_the_flag_parser_names_the_kernels_there_are():

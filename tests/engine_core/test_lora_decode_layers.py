@@ -9,7 +9,7 @@ import torch
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
 from engine_core.llm_engine import LLMEngine
 from engine_core.loader import registry
-from engine_core.sampling_params import SamplingParams
+from engine_core.protocol import SamplingParams
 from kernels import cpu_extension
 from tests.engine_core.test_cpu_decode_layers import timer_preferring
 from tests.engine_core.tiny_lora import write_tiny_adapter
@@ -52,7 +52,7 @@ def test_one_op_layers_step_aside_for_adapter_rows(model_and_adapter, monkeypatc
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
     def answers(lora_names):
-        return [o.outputs[0].token_ids for o in engine.generate(prompts, params, lora_names=lora_names)]
+        return [o.completions[0].token_ids for o in engine.generate(prompts, params, lora_names=lora_names)]
 
     model.decode_layers = counting
     base_only, mixed = answers(None), answers([None, "x", None])

@@ -14,13 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from engine_core.block_hash import hash_prompt_blocks
 from engine_core.engine_core import EngineCore
 from engine_core.lora.admission import LoraAdmission
 from engine_core.lora.errors import LoraAdapterError, LoraDisabledError, LoraInUseError, UnknownLoraError
+from engine_core.protocol import EngineCoreRequest, SamplingParams, hash_prompt_blocks
 from engine_core.request import Request
-from engine_core.sampling_params import SamplingParams
-from engine_core.types import EngineCoreRequest
 from tests.engine_core.fake_runner import FakeRunner
 from tests.engine_core.scheduler_harness import BLOCK, check_accounting, make_scheduler
 from tests.engine_core.test_lora import lora_config

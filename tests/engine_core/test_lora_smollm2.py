@@ -14,7 +14,7 @@ import torch
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
 from engine_core.llm_engine import LLMEngine
 from engine_core.loader.registry import default_model_path
-from engine_core.sampling_params import SamplingParams
+from engine_core.protocol import SamplingParams
 from tests.engine_core.test_engine import hf_greedy
 from tests.engine_core.test_loader import _transformers_from_gguf
 
@@ -68,7 +68,7 @@ def test_smollm2_mixed_batch_matches_merged_adapters(tmp_path):
     outputs = engine.generate(prompts, params, lora_names=names)
     answers = set()
     for name, prompt, output in zip(names, prompts, outputs):
-        completion = output.outputs[0]
+        completion = output.completions[0]
         ref_tokens, ref_logprobs = hf_greedy(references[name], prompt, MAX_TOKENS)
         assert completion.token_ids == ref_tokens, name
         for step, (ours, ref) in enumerate(zip(completion.logprobs, ref_logprobs)):

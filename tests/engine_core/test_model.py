@@ -83,7 +83,7 @@ def test_decode_loop_matches_full_sequence(models):
 
 def test_tied_embeddings_give_the_lm_head_the_embedding(models):
     ours, _, config = models
-    # on CPU a tied LM head is a measured linear over the embedding (see use_measured_cpu_linears)
+    # on CPU a tied LM head is a measured linear over the embedding (see prepare_for_cpu)
     hidden = torch.randn(3, config.hidden_size)
     via_embedding = torch.nn.functional.linear(hidden, ours.model.embed_tokens.weight).float()
     tied = torch.allclose(ours.compute_logits(hidden), via_embedding, atol=1e-4, rtol=1e-4)

@@ -11,9 +11,7 @@ import torch
 
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine_core.engine_core import EngineCore
-from engine_core.pooling_params import PoolingParams, PoolingType
-from engine_core.sampling_params import SamplingParams
-from engine_core.types import EngineCoreRequest, FinishReason
+from engine_core.protocol import EngineCoreRequest, FinishReason, PoolingParams, PoolingType, SamplingParams
 from tests.engine_core.tiny_models import write_tiny_model
 
 VOCAB = 256

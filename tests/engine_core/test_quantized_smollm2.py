@@ -9,7 +9,7 @@ import torch
 from engine_core.config import EngineConfig, ModelConfig
 from engine_core.llm_engine import LLMEngine
 from engine_core.loader import default_model_path, registry
-from engine_core.sampling_params import SamplingParams
+from engine_core.protocol import SamplingParams
 from kernels import cpu_linear
 from services.frontend.tokenizer import load_tokenizer
 from tests.engine_core.test_loader import CHAT_PROMPT
@@ -43,7 +43,7 @@ def test_the_one_op_layers_keep_the_answer(monkeypatch):
 def assert_keeps_the_answer(engine: LLMEngine) -> None:
     tokenizer = load_tokenizer(default_model_path())
     output = engine.generate([CHAT_PROMPT], SamplingParams(temperature=0.0, max_tokens=32))[0]
-    answer = tokenizer.decode(output.outputs[0].token_ids)
+    answer = tokenizer.decode(output.completions[0].token_ids)
     if answer == ANSWER:
         return
     answer_ids = tokenizer.encode(ANSWER, add_special_tokens=False)

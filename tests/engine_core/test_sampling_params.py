@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from engine_core.sampling_params import OutputKind, SamplingParams, validate_sampling_params
+from engine_core.protocol import OutputKind, SamplingParams, validate_sampling_params
 
 INVALID = [
     ({"n": 0}, "n must be >= 1"),

@@ -3,8 +3,8 @@ under random operations: test_scheduler_properties.py)."""
 
 import pytest
 
+from engine_core.protocol import FinishReason
 from engine_core.request import RequestStatus
-from engine_core.types import FinishReason
 from tests.engine_core.fake_runner import FakeRunner, run_step, run_to_completion
 from tests.engine_core.scheduler_harness import BLOCK, all_blocks_free, check_accounting, make_request, make_scheduler
 
@@ -298,11 +298,11 @@ def test_finish_reasons():
     stop_at = next(i for i, t in enumerate(free_run) if i > 0 and t not in free_run[:i])
     tokens, last = generate(make_request("b", prompt, max_tokens=6, stop_token_ids=[free_run[stop_at]]))
     assert tokens == free_run[:stop_at + 1]
-    assert (last.finish_reason, last.stop_reason) == (FinishReason.STOP, free_run[stop_at])
+    assert (last.finish_reason, last.stop_token_id) == (FinishReason.STOP, free_run[stop_at])
 
     tokens, last = generate(make_request("c", prompt, max_tokens=6, eos=[free_run[stop_at]]))
     assert tokens == free_run[:stop_at + 1]
-    assert (last.finish_reason, last.stop_reason) == (FinishReason.STOP, None)
+    assert (last.finish_reason, last.stop_token_id) == (FinishReason.STOP, None)
 
     tokens, last = generate(make_request("d", prompt, max_tokens=None), make_scheduler(max_model_len=8))
     assert len(tokens) == 5 and last.finish_reason == FinishReason.LENGTH

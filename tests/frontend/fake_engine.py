@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 from tandem.v1 import common_pb2, engine_core_pb2, engine_core_pb2_grpc
@@ -169,13 +171,19 @@ def main() -> None:
     parser.add_argument("--tokens-per-step", type=int, default=1, help="tokens per request per step")
     parser.add_argument("--step-ms", type=float, default=0.0,
                         help="pause after each step, like a real engine's step time (default: none, as fast as it can)")
+    parser.add_argument("--script-ids", metavar="FILE",
+                        help="a JSON list of token ids every request emits, cycled to max_tokens (default: the prompt)")
     args = parser.parse_args()
+    script = echo_prompt
+    if args.script_ids:
+        ids = json.loads(Path(args.script_ids).read_text())
+        script = lambda request: list(itertools.islice(itertools.cycle(ids), request.sampling_params.max_tokens))  # noqa: E731
 
     async def run() -> None:
         server, port, _ = await start_fake_engine(
             f"{args.host}:{args.port}", vocab_size=args.vocab_size, max_model_len=args.max_model_len,
             model_path=args.model_path, tokens_per_step=args.tokens_per_step,
-            step_delay_s=args.step_ms / 1000)
+            step_delay_s=args.step_ms / 1000, script=script)
         print(f"fake engine listening on {args.host}:{port}", flush=True)
         await server.wait_for_termination()
 

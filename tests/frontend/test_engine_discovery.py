@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from engine_core.sampling_params import SamplingParams
+from engine_core.protocol import EngineCoreRequest, SamplingParams
 from services.frontend.engine_client import GrpcEngineClient
 from services.frontend.engine_discovery import (
     EngineDiscovery,
@@ -16,7 +16,6 @@ from services.frontend.engine_discovery import (
     parse_engine_target,
     parse_engine_targets,
 )
-from services.frontend.messages import EngineRequest
 from tests.frontend.conftest import wait_until
 from tests.frontend.fake_engine import start_fake_engine
 
@@ -98,9 +97,9 @@ def test_discovery_resolves_on_its_interval():
 
 
 # ---- the client: engines added and retired ------------------------------------------------
-def request(request_id: str, max_tokens: int, first_token: int = 1) -> EngineRequest:
+def request(request_id: str, max_tokens: int, first_token: int = 1) -> EngineCoreRequest:
     prompt = list(range(first_token, first_token + 39))
-    return EngineRequest(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0.0)
+    return EngineCoreRequest(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0.0)
 
 
 def test_client_connects_new_engines_and_retires_departed_ones_after_their_requests():

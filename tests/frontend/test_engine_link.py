@@ -84,7 +84,7 @@ def test_engine_loss_fails_streams_flips_health_and_reconnects(make_stack):
 def test_requests_spread_over_engines_least_loaded_first(tokenizer):
     """Two engines: requests alternate by load; losing one leaves the other serving."""
 
-    from engine_core.sampling_params import SamplingParams
+    from engine_core.protocol import SamplingParams
     from services.frontend.input_processor import TextPrompt
 
     async def run():
@@ -104,7 +104,7 @@ def test_new_requests_go_around_paused_engines_and_never_to_a_sleeping_one(token
     """Two engines: a paused one gets nothing while the other admits, and requests wait there only when every
     awake engine is paused; when every engine sleeps a request is UNAVAILABLE (the engines' state, not its fault)."""
 
-    from engine_core.sampling_params import SamplingParams
+    from engine_core.protocol import SamplingParams
     from services.frontend.errors import EngineAsleep
     from services.frontend.input_processor import TextPrompt
 

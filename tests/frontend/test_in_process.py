@@ -17,12 +17,12 @@ import torch
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine_core.engine_core import EngineCore
 from engine_core.llm_engine import LLMEngine
-from engine_core.sampling_params import FinishReason, OutputKind, SamplingParams
+from engine_core.protocol import FinishReason, OutputKind, SamplingParams
 from services.engine.busy_loop import EngineBusyLoop
 from services.engine.process import run_beside_engine
 from services.frontend.async_llm import AsyncLLM
 from services.frontend.errors import EngineUnavailable
-from services.frontend.in_process import InProcessEngineClient, engine_info_from_core
+from services.frontend.in_process import InProcessEngineClient
 from services.frontend.input_processor import TextPrompt, TokensPrompt
 from tests.engine_core.tiny_models import write_tiny_model
 
@@ -56,7 +56,7 @@ def run_with_llm(engine, tokenizer, body):
     core, busy_loop = engine
 
     async def main():
-        client = InProcessEngineClient(busy_loop, engine_info_from_core(core.info))
+        client = InProcessEngineClient(busy_loop, core.info)
         await client.start()
         llm = AsyncLLM(client, tokenizer)
         try:
@@ -91,7 +91,8 @@ async def token_ids(llm: AsyncLLM, prompt, params: SamplingParams) -> dict[int, 
 
 def test_greedy_tokens_match_the_offline_engine(engine, engine_config, tokenizer):
     offline = LLMEngine(engine_config)
-    expected = [out.outputs[0].token_ids for out in offline.generate(PROMPTS, SamplingParams(max_tokens=8, **GREEDY))]
+    outputs = offline.generate(PROMPTS, SamplingParams(max_tokens=8, **GREEDY))
+    expected = [out.completions[0].token_ids for out in outputs]
 
     async def body(llm):
         results = await asyncio.gather(*(token_ids(llm, TokensPrompt(p), SamplingParams(max_tokens=8, **GREEDY))
@@ -166,7 +167,7 @@ def test_run_beside_engine_steps_on_the_main_thread(engine_config, tokenizer):
     allowed = os.sched_getaffinity(0)
 
     async def main():
-        client = InProcessEngineClient(busy_loop, engine_info_from_core(core.info))
+        client = InProcessEngineClient(busy_loop, core.info)
         await client.start()
         llm = AsyncLLM(client, tokenizer)
         try:
@@ -190,8 +191,8 @@ def test_run_beside_engine_steps_on_the_main_thread(engine_config, tokenizer):
 
 
 def test_embed_over_the_in_process_client_and_its_validation(engine, tokenizer):
+    from engine_core.protocol import PoolingParams, PoolingType
     from services.frontend.errors import InvalidRequest
-    from services.frontend.messages import PoolingParams, PoolingType
 
     core, _ = engine
 

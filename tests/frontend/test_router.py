@@ -7,10 +7,9 @@ import struct
 
 import pytest
 
-from engine_core.block_hash import hash_block_tokens, hash_prompt_blocks
+from engine_core.protocol import KVCacheEvents, SamplingParams
+from engine_core.protocol.block_hash import hash_block_tokens, hash_prompt_blocks
 from engine_core.request import Request
-from engine_core.sampling_params import SamplingParams
-from engine_core.types import KVCacheEvents
 from services.frontend.router import EngineLoad, PrefixIndex, Router, RoutingPolicy
 
 BLOCK = 4

@@ -7,7 +7,7 @@ import grpc
 import pytest
 from tandem.v1 import common_pb2, generation_pb2
 
-from engine_core.sampling_params import SamplingParams, StructuredOutput
+from engine_core.protocol import SamplingParams, StructuredOutput
 from services.frontend.errors import InvalidRequest
 from services.frontend.input_processor import TextPrompt
 from services.frontend.limits import RequestLimits

@@ -7,14 +7,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_core.loader.registry import use_measured_cpu_linears
+from engine_core.loader.registry import prepare_for_cpu
 from engine_core.loader.safetensors import load_hf
 from engine_core.models.llama import LlamaForCausalLM
-from kernels import select_backend
+from kernels import LinearRole, select_backend
 from kernels.cpu_linear import (
-    FLOAT_KERNELS, GROUPED_KERNELS, INT4_KERNELS, INT8_KERNELS, KERNELS, W8A8_KERNELS, CpuLinear, allowed_kernels,
+    FLOAT_KERNELS,
+    GROUPED_KERNELS,
+    INT4_KERNELS,
+    INT8_KERNELS,
+    KERNELS,
+    W8A8_KERNELS,
+    CpuLinear,
+    allowed_kernels,
     choose_plan,
-    dequantize_int8, int_mm_is_exact, kernel_fits, quantize_int8, use_measured_linears,
+    dequantize_int8,
+    int_mm_is_exact,
+    kernel_fits,
+    quantize_int8,
+    use_measured_linears,
 )
 from kernels.float_dtype import fastest_float_dtype
 from kernels.int4_linear import dequantize_int4, quantize_int4
@@ -183,7 +194,7 @@ def test_the_prefill_bucket_is_timed_for_every_linear_but_the_lm_head():
         out = fn()
         rows_timed.setdefault(out.shape[1], set()).add(rows)
         return 1.0
-    plans = use_measured_linears(Head(), "none", timer=timer)
+    plans = use_measured_linears(Head(), "none", timer=timer, roles={"lm_head": LinearRole.OUTPUT_HEAD})
     assert max(BUCKETS) > HEAD_MAX_ROWS
     assert rows_timed[32] == set(BUCKETS) and [rows for rows, _ in plans[(32, 16)]] == list(BUCKETS)
     assert rows_timed[48] == {b for b in BUCKETS if b <= HEAD_MAX_ROWS} == {rows for rows, _ in plans[(48, 32)]}
@@ -216,7 +227,7 @@ def test_int8_model_logits_match_the_dequantized_model(tmp_path, variant, kernel
     ours = build_model(folder)
     if not kernel_fits(kernel, reference.model.layers[0].mlp.down_proj.weight):
         pytest.skip(f"{kernel} is not a candidate on this machine")
-    use_measured_cpu_linears(ours, "int8", timer=fixed_timer({k: 1.0 if k == kernel else 2.0 for k in INT8_KERNELS}))
+    prepare_for_cpu(ours, "int8", timer=fixed_timer({k: 1.0 if k == kernel else 2.0 for k in INT8_KERNELS}))
     for name, layer in ours.named_modules():  # per-token W8A8 never takes down_proj (outliers); grouped only it
         if isinstance(layer, CpuLinear):
             down = name.endswith("down_proj")
@@ -265,7 +276,7 @@ def test_w8a8_is_never_planned_where_the_int8_gemm_saturates(tmp_path, monkeypat
 
     monkeypatch.setattr(cpu_linear, "int_mm_is_exact", lambda: False)
     model = build_model(write_tiny_model(tmp_path))
-    use_measured_cpu_linears(model, "int8", timer=fixed_timer({"int8_dynamic": 1.0, "int8_weight_only": 2.0,
+    prepare_for_cpu(model, "int8", timer=fixed_timer({"int8_dynamic": 1.0, "int8_weight_only": 2.0,
                                                                 "int8_gemv": 3.0, "int8_vnni": 4.0,
                                                                 "int8_grouped": 4.0}))
     layers = [m for m in model.modules() if isinstance(m, CpuLinear)]

@@ -8,10 +8,10 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from engine_core.loader.registry import use_measured_cpu_linears
+from engine_core.loader.registry import prepare_for_cpu
 from engine_core.loader.safetensors import load_hf
 from engine_core.models.llama import LlamaForCausalLM
-from kernels import select_backend
+from kernels import LinearRole, select_backend
 from kernels.cpu_linear import INT8_KERNELS, CpuLinear, int4_allowed, int4_is_exact, use_measured_linears
 from tests.engine_core.tiny_models import PagedBatch, run_step, write_tiny_model
 
@@ -75,7 +75,7 @@ def test_model_on_gguf_4bit_weights_matches_its_dequantized_twin(tmp_path):
         with torch.device("meta"):
             model = LlamaForCausalLM(config, select_backend("cpu", "torch"))
         model.load_weights(weights.items(), torch.device("cpu"), torch.float32)
-        use_measured_cpu_linears(model, quantization, timer=prefer("int4"))
+        prepare_for_cpu(model, quantization, timer=prefer("int4"))
         return model.eval()
 
     ours, reference = build("auto"), build("none")
@@ -102,6 +102,6 @@ def test_model_on_gguf_4bit_weights_matches_its_dequantized_twin(tmp_path):
 def test_int4_leaves_the_lm_head_at_int8():
     model = torch.nn.Module()
     model.body, model.lm_head = torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 32, bias=False)
-    use_measured_linears(model, "int4", buckets=(1, 8), timer=prefer("int4"))
+    use_measured_linears(model, "int4", buckets=(1, 8), timer=prefer("int4"), roles={"lm_head": LinearRole.OUTPUT_HEAD})
     assert {name for _, name in model.body.plan} == {"int4"}
     assert {name for _, name in model.lm_head.plan} <= set(INT8_KERNELS)  # a head of the same shape too

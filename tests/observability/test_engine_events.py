@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from engine_core.config import CacheConfig, SchedulerConfig
+from engine_core.protocol import EngineCoreEventType, SamplingParams
 from engine_core.request import Request
-from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler import Scheduler
-from engine_core.types import EngineCoreEventType
 from tests.engine_core.fake_runner import FakeRunner, run_step
 
 BLOCK = 4

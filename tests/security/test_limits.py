@@ -9,12 +9,12 @@ import grpc_testing
 import pytest
 from tandem.v1 import common_pb2, engine_core_pb2, engine_core_pb2_grpc, generation_pb2
 
+from engine_core.protocol import EngineInfo
 from services.frontend.__main__ import parse_args
 from services.frontend.async_llm import AsyncLLM
 from services.frontend.engine_client import EngineClient
 from services.frontend.errors import EngineUnavailable
 from services.frontend.limits import RequestLimits
-from services.frontend.messages import EngineInfo
 from services.frontend.server import GenerationServicer
 from services.security.transport import ChannelTransport, ServerTransport
 

@@ -16,7 +16,7 @@ from tandem.v1 import engine_core_pb2, engine_core_pb2_grpc
 
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine_core.llm_engine import LLMEngine
-from engine_core.sampling_params import SamplingParams
+from engine_core.protocol import SamplingParams
 from services.engine.server import EngineServer
 from tests.engine_core.tiny_models import write_tiny_model
 from tests.event_loops import close_loop
@@ -218,6 +218,6 @@ def offline(engine_config):
 
     def run(batch, max_tokens=None, ignore_eos=False):
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
-        return [output.outputs[0].token_ids for output in engine.generate(batch, params)]
+        return [output.completions[0].token_ids for output in engine.generate(batch, params)]
 
     return run

@@ -8,8 +8,7 @@ import time
 
 import pytest
 
-from engine_core.sampling_params import SamplingParams
-from engine_core.types import EngineCoreOutputs, EngineCoreRequest
+from engine_core.protocol import EngineCoreOutputs, EngineCoreRequest, SamplingParams
 from services.engine.busy_loop import EngineBusyLoop
 from services.engine.messages import Add
 

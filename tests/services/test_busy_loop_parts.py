@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from engine_core.sampling_params import SamplingParams
-from engine_core.types import (
+from engine_core.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
     KVCacheEvents,
+    PauseMode,
+    SamplingParams,
     SchedulerStats,
 )
-from services.engine.messages import ConnectionOutputs, PauseMode
 from services.engine.pause import PauseState
 from services.engine.routing import ConnectionRouter
 
@@ -38,7 +38,7 @@ def test_two_connections_may_use_the_same_request_id():
     [to_1], [to_2] = received[1], received[2]
     assert [(o.request_id, o.new_token_ids) for o in to_1.outputs] == [("x", [7])] and not to_1.finished_request_ids
     assert [(o.request_id, o.new_token_ids) for o in to_2.outputs] == [("x", [8])]
-    assert to_2.finished_request_ids == ["x"]
+    assert to_2.finished_request_ids == {"x"}
     assert router.assign(2, "x") != b  # finished: the id may be used again
     with pytest.raises(ValueError, match="request id 'x' is already in flight"):
         router.assign(1, "x")
@@ -68,7 +68,7 @@ def test_a_client_abort_is_reported_finished_once_and_frees_the_id_at_once():
     assert router.release(1, ["r", "r", "unknown"]) == [first]
     second = router.assign(1, "r")  # re-used before the engine reported the abort
     router.route(step(finished=[first]))
-    assert received[1][-1].finished_request_ids == ["r"]
+    assert received[1][-1].finished_request_ids == {"r"}
     assert router.release(1, ["r"]) == [second]  # the new request is still tracked
 
 
@@ -81,7 +81,7 @@ def test_close_and_release_all_forget_requests():
     assert received == {1: [], 2: []}  # nobody left to tell: closed, or PAUSE ABORT already did
     router.send_aborted(2, ["c"], stats=None)
     [message] = received[2]
-    assert isinstance(message, ConnectionOutputs) and message.finished_request_ids == ["c"]
+    assert isinstance(message, EngineCoreOutputs) and message.finished_request_ids == {"c"}
     assert message.outputs[0].finish_reason == FinishReason.ABORT
 
 
@@ -122,3 +122,24 @@ def test_pause_abort_takes_every_held_add():
     state.hold(2, held("b"))
     state.drop_held(2)
     assert state.take_held() == [(1, held("a"))] and not state.held
+
+
+def test_both_busy_loops_implement_the_port():
+    """The gRPC service and the in-process client drive either through BusyLoopPort's methods alone."""
+    import inspect
+    import socket
+
+    from services.engine.bridge import RemoteBusyLoop
+    from services.engine.busy_loop import EngineBusyLoop
+    from services.engine.busy_loop_port import BusyLoopPort
+
+    port_methods = {name for name, _ in inspect.getmembers(BusyLoopPort) if not name.startswith("_")}
+    for cls in (EngineBusyLoop, RemoteBusyLoop):
+        assert port_methods <= set(dir(cls)), (cls, port_methods - set(dir(cls)))
+    left, right = socket.socketpair()
+    try:
+        assert isinstance(RemoteBusyLoop(left), BusyLoopPort)
+        assert isinstance(EngineBusyLoop(engine=None), BusyLoopPort)
+    finally:
+        left.close()
+        right.close()

@@ -6,7 +6,7 @@ The reference is the offline LLMEngine on the same checkpoint and config.
 from __future__ import annotations
 
 import pytest
-from tandem.v1 import common_pb2
+from tandem.v1 import common_pb2, engine_core_pb2
 
 from services.engine import convert
 from services.engine.__main__ import main as engine_main
@@ -110,12 +110,14 @@ def test_bad_requests_get_request_errors_and_the_stream_stays_usable(engine_serv
     stream.add("", [5])
     stream.add("dup", [5, 6], **LONG)
     stream.add("dup", [5, 6])
-    stream.wait(lambda: len(stream.errors) == 5)
+    stream.add("fan", [5], n=2)  # the engine core samples one sequence per request: the frontend fans out
+    stream.wait(lambda: len(stream.errors) == 6)
     assert "999 is out of range" in stream.errors["vocab"]
     assert "max_model_len" in stream.errors["long"]
     assert "top_p" in stream.errors["top_p"]
     assert "request_id" in stream.errors[""]
     assert stream.errors["dup"] == "request id 'dup' is already in flight"
+    assert "n must be 1" in stream.errors["fan"]
     stream.abort("dup")
     assert not stream.call(M.UTILITY_METHOD_UNSPECIFIED).ok
     stream.add("good", [5, 6, 7], temperature=0.0, max_tokens=5)
@@ -123,12 +125,14 @@ def test_bad_requests_get_request_errors_and_the_stream_stays_usable(engine_serv
 
 
 def test_sampling_params_take_dataclass_defaults_for_unset_fields():
-    params = convert.sampling_params_from_proto(common_pb2.SamplingParams(top_k=5, seed=7))
+    def params_of(proto: common_pb2.SamplingParams):
+        return convert.request_from_proto(engine_core_pb2.EngineCoreRequest(
+            request_id="r", prompt_token_ids=[1], sampling_params=proto)).sampling_params
+
+    params = params_of(common_pb2.SamplingParams(top_k=5, seed=7))
     assert (params.top_k, params.seed, params.max_tokens) == (5, 7, None)
     assert (params.temperature, params.top_p, params.repetition_penalty) == (1.0, 1.0, 1.0)
-    assert convert.sampling_params_from_proto(common_pb2.SamplingParams(temperature=0.0)).is_greedy
-    with pytest.raises(ValueError, match="n must be 1"):
-        convert.sampling_params_from_proto(common_pb2.SamplingParams(n=2))
+    assert params_of(common_pb2.SamplingParams(temperature=0.0)).is_greedy
 
 
 def test_cli_reports_bad_config_in_one_line(capsys, tiny_model_dir):

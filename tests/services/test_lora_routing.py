@@ -10,10 +10,9 @@ import dataclasses
 import pytest
 
 from engine_core.config import LoraConfig
-from engine_core.sampling_params import SamplingParams
+from engine_core.protocol import EngineCoreRequest, SamplingParams
 from services.frontend.engine_client import GrpcEngineClient
 from services.frontend.errors import NotFound
-from services.frontend.messages import EngineRequest
 from services.frontend.router import Router, RoutingPolicy
 from tests.engine_core.tiny_lora import write_tiny_adapter
 from tests.services.conftest import ServerThread, tiny_engine_config
@@ -48,8 +47,8 @@ def test_adapter_requests_go_to_engines_that_have_it_and_hit_its_prefix(engines)
                              == {with_adapters: ("x", "y"), without: ()})
 
             async def run_one(request_id, lora_name):
-                request = EngineRequest(request_id, PROMPT, SamplingParams(max_tokens=2, temperature=0.0), 0.0,
-                                        lora_name=lora_name)
+                request = EngineCoreRequest(request_id, PROMPT, SamplingParams(max_tokens=2, temperature=0.0), 0.0,
+                                            lora_name=lora_name)
                 client.add_request(request)
                 engine = next(e.address for e in client._engines.values() if request_id in e.in_flight)
                 while True:
@@ -65,7 +64,7 @@ def test_adapter_requests_go_to_engines_that_have_it_and_hit_its_prefix(engines)
             assert first == (with_adapters, 0) and again == (with_adapters, 16)  # routed by the adapter's hashes
             assert other == (with_adapters, 0)  # the same prompt under another adapter shares no block
             with pytest.raises(NotFound, match="'z'"):
-                client.add_request(EngineRequest("z-1", PROMPT, SamplingParams(max_tokens=2), 0.0, lora_name="z"))
+                client.add_request(EngineCoreRequest("z-1", PROMPT, SamplingParams(max_tokens=2), 0.0, lora_name="z"))
         finally:
             await client.close()
 

@@ -11,10 +11,9 @@ import asyncio
 
 import pytest
 
-from engine_core.block_hash import hash_prompt_blocks
-from engine_core.sampling_params import SamplingParams
+from engine_core.protocol import EngineCoreRequest, SamplingParams, UtilityMethod
+from engine_core.protocol.block_hash import hash_prompt_blocks
 from services.frontend.engine_client import GrpcEngineClient
-from services.frontend.messages import EngineRequest
 from services.frontend.router import Router, RoutingPolicy
 from tests.services.conftest import BLOCK_SIZE, ServerThread, tiny_engine_config
 
@@ -41,7 +40,7 @@ async def run_requests(client: GrpcEngineClient, prompts: dict[str, list[int]]) 
     """Send every prompt at once; request id -> num_cached_tokens its engine reported."""
     cached: dict[str, int] = {}
     for request_id, prompt in prompts.items():
-        client.add_request(EngineRequest(request_id, prompt, SamplingParams(max_tokens=2, temperature=0.0), 0.0))
+        client.add_request(EngineCoreRequest(request_id, prompt, SamplingParams(max_tokens=2, temperature=0.0), 0.0))
     while len(cached) < len(prompts):
         outputs = await client.get_output()
         assert not outputs.failed, outputs.error
@@ -59,7 +58,7 @@ def test_requests_follow_the_engine_holding_their_prefix(two_engines):
         await client.start()
         try:
             await wait_until(lambda: all(e.connected for e in client.engines()))
-            await client.call_utility("reset_prefix_cache")
+            await client.call_utility(UtilityMethod.RESET_PREFIX_CACHE)
             await run_requests(client, {"warm": SYSTEM + [60, 61]})
             hashes = hash_prompt_blocks(SYSTEM, BLOCK_SIZE)
             views = [e.load.prefix.cached for e in client._engines.values()]
@@ -76,7 +75,8 @@ def test_requests_follow_the_engine_holding_their_prefix(two_engines):
             finally:
                 await late.close()
 
-            await client.call_utility("reset_prefix_cache")  # the view is cleared with the answer, not a step later
+            # the view is cleared with the answer, not a step later
+            await client.call_utility(UtilityMethod.RESET_PREFIX_CACHE)
             cleared = [len(e.load.prefix.cached) for e in client._engines.values()]
             return holder, hits, per_engine, cleared
         finally:
@@ -96,11 +96,11 @@ def test_round_robin_spreads_the_same_prompt_and_misses(two_engines):
         await client.start()
         try:
             await wait_until(lambda: all(e.connected for e in client.engines()))
-            await client.call_utility("reset_prefix_cache")
+            await client.call_utility(UtilityMethod.RESET_PREFIX_CACHE)
             first = await run_requests(client, {"rr-0": SYSTEM + [60], "rr-1": SYSTEM + [61]})
             return first
         finally:
-            await client.call_utility("reset_prefix_cache")
+            await client.call_utility(UtilityMethod.RESET_PREFIX_CACHE)
             await client.close()
 
     first = asyncio.run(run())

@@ -10,8 +10,7 @@ import pytest
 
 from engine_core.engine_core import EngineCore
 from engine_core.llm_engine import LLMEngine
-from engine_core.sampling_params import FinishReason, SamplingParams, StructuredOutput
-from engine_core.types import EngineCoreRequest
+from engine_core.protocol import EngineCoreRequest, FinishReason, SamplingParams, StructuredOutput
 from tests.structured.conftest import tiny_config
 from tests.structured.schemas import (
     ARITHMETIC,
@@ -48,8 +47,8 @@ def assert_all_free(core: EngineCore) -> None:
 def test_json_schema_outputs_validate(engine, prompt, tokenizer, name):
     schema = SCHEMAS[name]
     output = generate(engine, prompt, StructuredOutput(json_schema=json.dumps(schema)), n=6, seed=11)
-    finished = [c for c in output.outputs if c.finish_reason == FinishReason.STOP]
-    assert len(finished) >= 3, [c.finish_reason for c in output.outputs]
+    finished = [c for c in output.completions if c.finish_reason == FinishReason.STOP]
+    assert len(finished) >= 3, [c.finish_reason for c in output.completions]
     for completion in finished:
         check_json(tokenizer.decode(completion.token_ids), schema)
     assert_all_free(engine.engine_core)
@@ -60,8 +59,8 @@ def test_prefix_cache_hits_keep_outputs_valid(engine, prompt, tokenizer):
     structured = StructuredOutput(json_schema=json.dumps(schema))
     first = generate(engine, prompt + [7], structured, temperature=0.0)
     again = generate(engine, prompt + [7], structured, temperature=0.0)  # the prompt's full blocks are cached
-    assert again.num_cached_tokens >= 16
-    for completion in (*first.outputs, *again.outputs):
+    assert again.usage.cached_tokens >= 16
+    for completion in (*first.completions, *again.completions):
         if completion.finish_reason == FinishReason.STOP:
             check_json(tokenizer.decode(completion.token_ids), schema)
 
@@ -72,7 +71,7 @@ def test_regex_choice_and_lark_grammar(engine, prompt, tokenizer):
              (StructuredOutput(grammar=ARITHMETIC), check_lark)]
     for structured, check in cases:
         output = generate(engine, prompt, structured, n=4, seed=5, max_tokens=120)
-        finished = [c for c in output.outputs if c.finish_reason == FinishReason.STOP]
+        finished = [c for c in output.completions if c.finish_reason == FinishReason.STOP]
         assert finished, f"no {structured.kind} output finished"
         for completion in finished:
             check(tokenizer.decode(completion.token_ids))
@@ -81,7 +80,7 @@ def test_regex_choice_and_lark_grammar(engine, prompt, tokenizer):
 def test_greedy_json_object_and_whitespace_flexible(engine, prompt, tokenizer):
     for structured in (StructuredOutput(json_object=True),
                        StructuredOutput(json_schema=json.dumps(SCHEMAS["order"]), whitespace_flexible=True)):
-        completion = generate(engine, prompt, structured, temperature=0.0, max_tokens=60).outputs[0]
+        completion = generate(engine, prompt, structured, temperature=0.0, max_tokens=60).completions[0]
         text = tokenizer.decode(completion.token_ids)
         if completion.finish_reason == FinishReason.STOP:
             assert isinstance(json.loads(text), dict)
@@ -91,25 +90,25 @@ def test_greedy_json_object_and_whitespace_flexible(engine, prompt, tokenizer):
 
 def test_seeded_constrained_sampling_is_reproducible(engine, prompt):
     structured = StructuredOutput(json_schema=json.dumps(SCHEMAS["person"]))
-    runs = [[c.token_ids for c in generate(engine, prompt, structured, n=2, seed=42).outputs] for _ in range(2)]
+    runs = [[c.token_ids for c in generate(engine, prompt, structured, n=2, seed=42).completions] for _ in range(2)]
     assert runs[0] == runs[1]
 
 
 def test_min_tokens_and_ignore_eos_cannot_extend_a_finished_structure(engine, prompt, tokenizer):
     output = generate(engine, prompt, StructuredOutput(choice=CHOICES), n=3, seed=1, min_tokens=20, ignore_eos=True)
-    for completion in output.outputs:
+    for completion in output.completions:
         assert completion.finish_reason == FinishReason.STOP
         assert tokenizer.decode(completion.token_ids) in CHOICES
     # min_tokens holds EOS back while the grammar allows more: 1 to 6 digits, at least 4 tokens of them
     output = generate(engine, prompt, StructuredOutput(regex="[0-9]{1,6}"), n=3, seed=2, min_tokens=4)
-    for completion in output.outputs:
+    for completion in output.completions:
         text = tokenizer.decode(completion.token_ids)
         check_regex(text, "[0-9]{1,6}")
         assert len(completion.token_ids) >= 4, text
 
 
 def test_logprobs_are_those_of_the_constrained_distribution(engine, prompt, tokenizer):
-    completion = generate(engine, prompt, StructuredOutput(choice=CHOICES), logprobs=20, seed=3).outputs[0]
+    completion = generate(engine, prompt, StructuredOutput(choice=CHOICES), logprobs=20, seed=3).completions[0]
     first = completion.logprobs[0]  # the top 20 hold every allowed first token (prefixes of the options)
     assert first.logprobs[0] > float("-inf")
     allowed = [t for t, lp in zip(first.token_ids[1:], first.logprobs[1:]) if lp > float("-inf")]
@@ -184,7 +183,7 @@ def test_masks_beside_the_forward_or_after_it_give_the_same_outputs(engine, prom
     try:
         for overlap in (True, False):
             structured.overlap = overlap
-            outputs[overlap] = [c.token_ids for c in engine.generate([prompt], params)[0].outputs]
+            outputs[overlap] = [c.token_ids for c in engine.generate([prompt], params)[0].completions]
     finally:
         structured.overlap = chosen
     assert outputs[True] == outputs[False]

@@ -9,7 +9,7 @@ import pytest
 
 from engine_core.config import EngineConfig, ModelConfig
 from engine_core.llm_engine import LLMEngine
-from engine_core.sampling_params import FinishReason, SamplingParams, StructuredOutput
+from engine_core.protocol import FinishReason, SamplingParams, StructuredOutput
 from services.frontend.chat_template import render_chat
 from tests.structured.schemas import ARITHMETIC, PHONE_REGEX, SCHEMAS, check_json, check_lark, check_regex
 
@@ -26,7 +26,7 @@ def ask(engine, tokenizer, question: str, structured: StructuredOutput, **kwargs
                        bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
     params = SamplingParams(**{"temperature": 0.0, "max_tokens": 200, **kwargs}, structured=structured)
     output = engine.generate([tokenizer.encode(text, add_special_tokens=False)], params)[0]
-    return [(tokenizer.decode(c.token_ids), c.finish_reason) for c in output.outputs]
+    return [(tokenizer.decode(c.token_ids), c.finish_reason) for c in output.completions]
 
 
 @pytest.mark.parametrize("name, question", [

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from clients import messages as wire
+from engine_core.protocol import SamplingParams, StructuredOutput, validate_sampling_params
+from engine_core.protocol.structured_output import grammar_text
 from engine_core.request import Request
-from engine_core.sampling_params import SamplingParams, StructuredOutput, validate_sampling_params
 from engine_core.structured.bitmask import apply_token_mask
-from engine_core.structured.grammar import grammar_text
 from engine_core.structured.masks import _ban_ends, disallowed_tokens
 from services import sampling_convert
 from services.frontend.limits import RequestLimits

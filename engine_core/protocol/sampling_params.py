@@ -1,5 +1,5 @@
-"""The request protocol both sides share, torch-free: sampling parameters, output kinds, finish
-reasons and logprobs, numbered like tandem.v1 (common.proto), so the enums cross the wire as is.
+"""A request's sampling parameters and its output kind, torch-free and shared by both sides; the enum is
+numbered like tandem.v1 (common.proto), so it crosses the wire as is.
 
 `SamplingParams` only normalises on construction; `validate_sampling_params` checks every range
 once, where a request enters (the frontend's input processor, the engine's gRPC edge, the
@@ -14,7 +14,7 @@ import enum
 import math
 from dataclasses import dataclass, field, replace
 
-from engine_core.structured.grammar import check_structured_output
+from engine_core.protocol.structured_output import StructuredOutput, check_structured_output
 
 _GREEDY_EPSILON = 1e-5
 MAX_LOGPROBS = 20
@@ -31,57 +31,6 @@ class OutputKind(enum.IntEnum):
 _OUTPUT_KIND_VALUES = frozenset(int(kind) for kind in OutputKind)
 
 
-class FinishReason(enum.IntEnum):
-    """Why a completion stopped (tandem.v1.FinishReason)."""
-
-    STOP = 1  # EOS, a stop token id or (frontend) a stop string
-    LENGTH = 2  # max_tokens or max_model_len reached
-    ABORT = 3  # aborted by the client, the frontend or a shutdown
-
-    def __str__(self) -> str:
-        return self.name.lower()
-
-
-@dataclass
-class TokenLogprobs:
-    """Logprobs at one position: index 0 is the chosen token, then the top-N."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    rank: int  # rank of the chosen token in the full distribution (1 = most likely)
-    decoded: list[str] = field(default_factory=list)  # token texts, filled in by the frontend
-
-
-@dataclass(frozen=True)
-class StructuredOutput:
-    """A constraint on the whole output (tandem.v1.StructuredOutput): set exactly one of the first five.
-
-    The engine masks every token the constraint cannot continue with (engine_core/structured/).
-    """
-
-    json_schema: str | None = None  # a JSON Schema document as JSON text
-    json_object: bool = False  # any JSON object
-    regex: str | None = None  # the whole output matches it
-    choice: tuple[str, ...] | None = None  # exactly one of these
-    grammar: str | None = None  # a Lark grammar (llguidance's dialect)
-    whitespace_flexible: bool = False  # JSON: free whitespace between tokens (default compact)
-
-    def __post_init__(self) -> None:
-        if self.choice is not None and not isinstance(self.choice, str):
-            object.__setattr__(self, "choice", tuple(self.choice))
-
-    @property
-    def constraints(self) -> list[str]:
-        """The names of the constraints that are set (valid: exactly one)."""
-        return [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
-
-    @property
-    def kind(self) -> str:
-        """The one constraint's name (call on validated params)."""
-        return self.constraints[0]
-
-
-CONSTRAINTS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
 @dataclass(frozen=True)

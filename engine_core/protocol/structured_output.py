@@ -1,4 +1,5 @@
-"""A StructuredOutput as llguidance grammar text, and the check that it compiles; torch-free.
+"""A constraint on the whole output (StructuredOutput), its llguidance grammar text and the check that
+it compiles; torch-free.
 
 Both sides use it: `validate_sampling_params` compiles the constraint where a request enters (so a
 schema, regex or grammar that does not compile is INVALID_ARGUMENT with llguidance's message
@@ -10,13 +11,43 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import llguidance
 from llguidance import LLMatcher
 
-if TYPE_CHECKING:
-    from engine_core.sampling_params import StructuredOutput
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the whole output (tandem.v1.StructuredOutput): set exactly one of the first five.
+
+    The engine masks every token the constraint cannot continue with (engine_core/structured/).
+    """
+
+    json_schema: str | None = None  # a JSON Schema document as JSON text
+    json_object: bool = False  # any JSON object
+    regex: str | None = None  # the whole output matches it
+    choice: tuple[str, ...] | None = None  # exactly one of these
+    grammar: str | None = None  # a Lark grammar (llguidance's dialect)
+    whitespace_flexible: bool = False  # JSON: free whitespace between tokens (default compact)
+
+    def __post_init__(self) -> None:
+        if self.choice is not None and not isinstance(self.choice, str):
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def constraints(self) -> list[str]:
+        """The names of the constraints that are set (valid: exactly one)."""
+        return [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
+
+    @property
+    def kind(self) -> str:
+        """The one constraint's name (call on validated params)."""
+        return self.constraints[0]
+
+
+CONSTRAINTS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
 
 _ANY_OBJECT = '{"type": "object"}'
 

@@ -1,4 +1,4 @@
-"""What an engine says of a loaded LoRA adapter: torch-free, for the gRPC side too."""
+"""What an engine says of a loaded LoRA adapter (list_loras, the admin calls)."""
 
 from __future__ import annotations
 

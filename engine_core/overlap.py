@@ -1,0 +1,149 @@
+"""Overlapped steps (vLLM's async scheduling): the host works on step N+1 while step N runs on the device.
+
+One call of `step()`:
+  1. schedule N+1; each request that step N samples counts as one token ahead (its placeholder);
+  2. prepare N+1's inputs and queue its forward; a placeholder input is read from N's sampled ids on the
+     device, so nothing waits for them;
+  3. wait for N's sampled ids (copied back without blocking when N was queued) and update the scheduler:
+     tokens appended, stops checked, outputs built;
+  4. build N+1's sampling inputs (grammar masks, penalties, min_tokens: they need N's tokens) and queue
+     its sampling;
+  5. return N's outputs.
+So the device runs N+1's forward while the host does 3 and 4, and N+1's sampling while the host returns
+and schedules N+2: the host's work hides behind the device's whenever it is shorter.
+
+What stays exact (tests/engine_core/test_overlap.py): masks, penalties and min_tokens are built after the
+tokens they depend on (step 4), stops are checked on every token, a request that stopped or was aborted
+while its next step was in flight has that step's token dropped (its KV writes land in blocks it no
+longer holds; the device runs steps in order, so they land before any new owner's), a request preempted
+by step 1 still gets N's token, and `_at_limit_in_flight` keeps the scheduler from computing past
+max_tokens. A step with prompt logprobs is finished before the next is scheduled (their positions are
+read from `num_computed_tokens`). Greedy and seeded sampling give the same tokens; unseeded random
+sampling draws from the shared generator for rows a synchronous step would not have.
+
+The device queue: on CUDA kernel launches are asynchronous already (`InlineQueue`); on CPU one worker
+thread runs the forwards and samplings in order (`ThreadQueue`) while the main thread does the rest.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from engine_core.model_runner import ModelRunner
+from engine_core.protocol import EngineCoreOutputs
+from engine_core.scheduler import Scheduler
+from engine_core.step_output import StepOutput
+from engine_core.types import ModelRunnerOutput, SchedulerOutput
+
+
+def resolve_overlap(name: str, device: torch.device) -> bool:
+    """auto: on for CUDA; off on CPU, where the forward already keeps every core busy (docs/gpu.md)."""
+    if name == "auto":
+        return device.type == "cuda"
+    return name == "on"
+
+
+class InlineQueue:
+    """Runs the work at once: right for CUDA, whose kernel launches return before the kernels run."""
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - raised again by result(), where the caller waits
+            future.set_exception(exc)
+        return future
+
+    def close(self) -> None:
+        pass
+
+
+class ThreadQueue:
+    """One worker thread plays the device's stream: the work runs in submission order, off the caller's thread."""
+
+    def __init__(self) -> None:
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-device")
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        return self._worker.submit(fn, *args)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
+
+@dataclass
+class _InFlight:
+    scheduler_output: SchedulerOutput
+    step: StepOutput
+    done: Future  # the step's sampling (and everything before it) has run
+    finish_before_next_schedule: bool  # prompt logprobs
+
+
+class OverlappedSteps:
+    """EngineCore.step() with one step in flight; every call returns the previous step's outputs."""
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, queue: InlineQueue | ThreadQueue) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.queue = queue
+        self._in_flight: _InFlight | None = None
+        self._lock = threading.Lock()  # step() is called from one thread; this only guards against misuse
+        self.mask_timing = None  # the last finished step's structured-output mask timing (metrics only)
+
+    @property
+    def in_flight(self) -> bool:
+        return self._in_flight is not None
+
+    def step(self) -> EngineCoreOutputs:
+        with self._lock:
+            return self._step()
+
+    def _step(self) -> EngineCoreOutputs:
+        outputs = None
+        if self._in_flight is not None and self._in_flight.finish_before_next_schedule:
+            outputs = self._finish(self._in_flight)
+        scheduler_output = self.scheduler.schedule()
+        batch = self.runner.prepare_step(scheduler_output)
+        hidden = None
+        if batch is not None:
+            for request in batch.sampling_requests:
+                request.num_output_placeholders += 1
+            hidden = self.queue.submit(self.runner.forward, batch)
+        if self._in_flight is not None:
+            outputs = self._finish(self._in_flight)
+        if batch is not None:
+            masks = self.runner.start_masks(batch)  # the grammars have seen every token before this step's
+            metadata = self.runner.sampling_metadata(batch)
+            step = self.runner.new_step_output(batch)
+            done = self.queue.submit(self._compute_outputs, step, hidden, metadata, masks)
+            self._in_flight = _InFlight(scheduler_output, step, done, bool(batch.prompt_logprob_spans))
+        if outputs is None:  # nothing finished this call: report aborts and stats as a synchronous step would
+            nothing = SchedulerOutput(scheduled_requests=[], num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+                                      block_ids={})
+            outputs = self.scheduler.update_from_output(nothing, ModelRunnerOutput(sampled_token_ids={}))
+        return outputs
+
+    def _compute_outputs(self, step: StepOutput, hidden: Future, metadata, masks) -> None:  # noqa: ANN001
+        self.runner.compute_outputs(step, hidden.result(), metadata, masks)
+
+    def _finish(self, in_flight: _InFlight) -> EngineCoreOutputs:
+        self._in_flight = None
+        in_flight.done.result()  # raises what the device work raised
+        runner_output = in_flight.step.result()
+        for request in in_flight.step.requests:
+            request.num_output_placeholders -= 1
+        self.mask_timing = runner_output.mask_timing  # the finished step's, for its metrics (never sent)
+        return self.scheduler.update_from_output(in_flight.scheduler_output, runner_output)
+
+    def close(self) -> None:
+        """Wait for the work in flight (its outputs are dropped) and stop the device queue."""
+        with self._lock:
+            if self._in_flight is not None:
+                self._in_flight.done.exception()
+                self._in_flight = None
+            self.queue.close()
