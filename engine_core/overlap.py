@@ -113,7 +113,7 @@ class OverlappedSteps:
         if batch is not None:
             for request in batch.sampling_requests:
                 request.num_output_placeholders += 1
-            hidden = self.queue.submit(self.runner.forward, batch)
+            hidden = self.queue.submit(self._forward, batch)
         if self._in_flight is not None:
             outputs = self._finish(self._in_flight)
         if batch is not None:
@@ -128,6 +128,12 @@ class OverlappedSteps:
             outputs = self.scheduler.update_from_output(nothing, ModelRunnerOutput(sampled_token_ids={}))
         return outputs
 
+    # inference_mode is per thread: entered here, on whichever thread runs the device work
+    @torch.inference_mode()
+    def _forward(self, batch) -> torch.Tensor:  # noqa: ANN001
+        return self.runner.forward(batch)
+
+    @torch.inference_mode()
     def _compute_outputs(self, step: StepOutput, hidden: Future, metadata, masks) -> None:  # noqa: ANN001
         self.runner.compute_outputs(step, hidden.result(), metadata, masks)
 
@@ -140,10 +146,17 @@ class OverlappedSteps:
         self.mask_timing = runner_output.mask_timing  # the finished step's, for its metrics (never sent)
         return self.scheduler.update_from_output(in_flight.scheduler_output, runner_output)
 
-    def close(self) -> None:
-        """Wait for the work in flight (its outputs are dropped) and stop the device queue."""
+    def drain(self) -> None:
+        """Wait for the step in flight and drop it: for when every request it ran has finished (sleep, close),
+        so its outputs would all be dropped anyway."""
         with self._lock:
             if self._in_flight is not None:
-                self._in_flight.done.exception()
+                self._in_flight.done.exception()  # waits; an error there no longer matters to anyone
+                for request in self._in_flight.step.requests:
+                    request.num_output_placeholders -= 1
                 self._in_flight = None
-            self.queue.close()
+
+    def close(self) -> None:
+        """Drain and stop the device queue."""
+        self.drain()
+        self.queue.close()

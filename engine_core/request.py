@@ -141,7 +141,8 @@ class Request:
         if self.grammar is not None:
             for token_id in token_ids:
                 self.grammar.accept(token_id)
-        self._update_block_hashes()
+        if len(self.all_token_ids) >= (len(self.block_hashes) + 1) * self.block_size:  # a block just filled
+            self._update_block_hashes()
 
     def _update_block_hashes(self) -> None:
         size = self.block_size

@@ -257,12 +257,13 @@ class Scheduler:
                     stopped.add(request_id)
                     if waiting:
                         self.waiting.remove(request)
-            embedding = model_runner_output.pooled.get(request_id)
+            embedding = model_runner_output.pooled.get(request_id) if model_runner_output.pooled else None
             if embedding is not None:  # a pooling request is done once its prompt is
                 request.status = RequestStatus.FINISHED_STOPPED
                 stopped.add(request_id)
                 num_prompt_tokens += request.num_prompt_tokens
-            prompt_logprobs = self._new_prompt_logprobs(request, scheduler_output, model_runner_output)
+            prompt_logprobs = (self._new_prompt_logprobs(request, scheduler_output, model_runner_output)
+                               if model_runner_output.prompt_logprobs else None)
             if not new_token_ids and not prompt_logprobs and embedding is None:
                 continue
             logprobs = model_runner_output.logprobs.get(request_id) if new_token_ids else None

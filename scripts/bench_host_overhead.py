@@ -29,6 +29,10 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from engine_core.openmp_env import limit_openmp_spinning  # noqa: E402
+
+limit_openmp_spinning()  # before torch loads, as tandem-engine does: idle OpenMP threads must not spin
+
 import torch  # noqa: E402
 
 from engine_core import model_runner as model_runner_module  # noqa: E402
@@ -131,7 +135,10 @@ def run(batch: int, steps: int, masks: bool, overlap: str = "default") -> dict:
     runner._prepare_batch = timer.wrap("prepare", runner._prepare_batch)
     runner.model.forward = timer.wrap("forward", runner.model.forward)
     runner.model.compute_logits = timer.wrap("logits", runner.model.compute_logits)
-    runner.sampler = timer.wrap("sampler", runner.sampler)
+    if hasattr(runner.sampler, "sample"):  # the sampler's tensor-returning entry point
+        runner.sampler.sample = timer.wrap("sampler", runner.sampler.sample)
+    else:
+        runner.sampler = timer.wrap("sampler", runner.sampler)
     patches = [
         mock.patch.object(model_runner_module, "build_sampling_metadata",
                           timer.wrap("metadata", model_runner_module.build_sampling_metadata)),

@@ -163,7 +163,7 @@ def test_the_frontend_messages_hold_only_frontend_classes():
 
 # The files one engine step reads, schedule -> execute -> update, overlapped or not (docs/architecture.md names
 # them): a newcomer should be able to read them in an afternoon. About 2,000 lines is the aim; the bound leaves
-# the overlapped step's two files (overlap, step_output) their room.
+# the overlapped step's two files (overlap, step_output) and the adapters' scheduling their room.
 STEP_FILES = [
     "engine_core/engine_core.py", "engine_core/scheduler.py", "engine_core/request.py",
     "engine_core/request_queue.py", "engine_core/kv_cache_manager.py", "engine_core/block_pool.py",
@@ -175,7 +175,7 @@ STEP_FILES = [
 
 def test_the_step_reads_a_named_list_of_files_of_about_2000_lines():
     lines = {name: len((ROOT / name).read_text().splitlines()) for name in STEP_FILES}
-    assert sum(lines.values()) < 2300, lines
+    assert sum(lines.values()) < 2500, lines
 
 
 def test_shared_enums_are_numbered_like_the_protos():

@@ -98,6 +98,12 @@ class AsyncLLM(ChangeListeners):
         """Engine requests in flight (an n > 1 request counts n); the OutputProcessor is the one record."""
         return self.output_processor.num_requests
 
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template text this frontend renders chats with (--chat-template, the model's own, or the
+        tool-aware one shipped for it: services/frontend/chat_setup.py); what a gateway must render with."""
+        return self.input_processor.chat_setup.template
+
     # ---- generation -----------------------------------------------------------------
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str = "", *,
                        priority: int = 0, trace_headers: dict[str, str] | None = None,

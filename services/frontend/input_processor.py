@@ -94,7 +94,8 @@ class InputProcessor:
         """The plan for a chat prompt's tools (None: no tools); InvalidRequest naming the field."""
         if not isinstance(prompt, ChatPrompt):
             return None
-        return plan_tools(prompt.tools, self.chat_setup, structured=params.structured if params else None)
+        return plan_tools(prompt.tools, self.chat_setup, structured=params.structured if params else None,
+                          max_calls=self.limits.max_tool_calls)
 
     # ---- prompts -> token ids ------------------------------------------------------
     def tokenize(self, prompt: Prompt, tool_plan: ToolPlan | None = None) -> list[int]:

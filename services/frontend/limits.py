@@ -18,6 +18,7 @@ DEFAULT_MAX_STOP_STRING_CHARS = 256
 DEFAULT_MAX_SCHEMA_BYTES = 64 * 1024  # a JSON schema, a grammar, or all choice options together
 DEFAULT_MAX_REGEX_CHARS = 4096
 DEFAULT_MAX_CHOICES = 256
+DEFAULT_MAX_TOOL_CALLS = 16  # calls one completion may be forced to make (tool_choice required)
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class RequestLimits:
     max_schema_bytes: int = DEFAULT_MAX_SCHEMA_BYTES
     max_regex_chars: int = DEFAULT_MAX_REGEX_CHARS
     max_choices: int = DEFAULT_MAX_CHOICES
+    max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS
 
     def check_sampling(self, params: SamplingParams) -> None:
         """The caps on n, max_tokens and stop strings; ValueError naming the field, its value, the cap and
@@ -91,13 +93,16 @@ class RequestLimits:
                            help="the longest structured-output regex accepted, in characters (default: %(default)s)")
         group.add_argument("--max-choices", type=_positive, default=DEFAULT_MAX_CHOICES,
                            help="the most structured-output choice options accepted (default: %(default)s)")
+        group.add_argument("--max-tool-calls", type=_positive, default=DEFAULT_MAX_TOOL_CALLS,
+                           help="the most calls tool_choice required forces into one completion (the array's "
+                                "maxItems; default: %(default)s)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RequestLimits:
         return cls(max_n=args.max_n, max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
                    max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_length,
                    max_schema_bytes=args.max_schema_bytes, max_regex_chars=args.max_regex_length,
-                   max_choices=args.max_choices)
+                   max_choices=args.max_choices, max_tool_calls=args.max_tool_calls)
 
 
 def _positive(text: str) -> int:

@@ -119,7 +119,7 @@ class RequestState:
             index=self.index, text=text,
             token_ids=list(new.new_token_ids) if delta else list(self.token_ids),
             logprobs=new_logprobs if delta else list(self.logprobs),
-            finish_reason=finish, stop_string=stop_string,
+            finish_reason=finish if tools is None else self.tools.finish_reason(finish), stop_string=stop_string,
             stop_token_id=new.stop_token_id if finish == FinishReason.STOP and not stop_string else None,
             embedding=new.embedding,
             tool_call_deltas=tools.deltas if tools else [], tool_calls=tools.calls if tools else [],

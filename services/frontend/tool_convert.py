@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from tandem.v1 import common_pb2, generation_pb2
+from tandem.v1 import generation_pb2
 
-from engine_core.protocol import CompletionOutput, FinishReason
+from engine_core.protocol import CompletionOutput
 from services.frontend.tool_request import AUTO, FUNCTION, NONE, REQUIRED, ToolRequest, ToolSpec
 
 _MODES = {generation_pb2.TOOL_CHOICE_MODE_UNSPECIFIED: AUTO, generation_pb2.TOOL_CHOICE_MODE_AUTO: AUTO,
@@ -41,10 +41,9 @@ def tool_request_from_proto(request: generation_pb2.ChatRequest) -> ToolRequest 
 
 
 def add_tool_calls(chunk: generation_pb2.CompletionChunk, completion: CompletionOutput) -> None:
-    """A completion's tool-call deltas and calls; a completion that stopped after calls ends TOOL_CALLS."""
+    """A completion's tool-call deltas and calls (its finish reason, TOOL_CALLS after calls, is the
+    output processor's: tool_output.py)."""
     for d in completion.tool_call_deltas:
         chunk.tool_call_deltas.add(index=d.index, id=d.id or "", name=d.name or "", arguments_json=d.arguments)
     for c in completion.tool_calls:
         chunk.tool_calls.add(id=c.id, index=c.index, name=c.name, arguments_json=c.arguments_json)
-    if completion.finish_reason == FinishReason.STOP and completion.tool_calls:
-        chunk.finish_reason = common_pb2.FINISH_REASON_TOOL_CALLS

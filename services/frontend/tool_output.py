@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine_core.protocol import OutputKind
+from engine_core.protocol import FinishReason, OutputKind
 from services.frontend.tool_parsers import ToolCall, ToolCallDelta, ToolCallStreamer
 from services.frontend.tool_request import ToolPlan
 
@@ -30,3 +30,7 @@ class ToolOutput:
         if self.delta:  # the complete calls ride along on the last message
             return ToolStep(parsed.text, parsed.tool_calls, self.streamer.tool_calls if finished else [])
         return ToolStep(self.streamer.text, [], self.streamer.tool_calls)
+
+    def finish_reason(self, finish: FinishReason | None) -> FinishReason | None:
+        """A completion that stopped (EOS, stop string) after calling tools ended with TOOL_CALLS."""
+        return FinishReason.TOOL_CALLS if finish == FinishReason.STOP and self.streamer.tool_calls else finish

@@ -17,6 +17,7 @@ from engine_core.protocol import StructuredOutput
 from engine_core.protocol.structured_output import check_structured_output
 from services.frontend.chat_setup import ChatSetup
 from services.frontend.errors import InvalidRequest
+from services.frontend.limits import DEFAULT_MAX_TOOL_CALLS
 from services.frontend.tool_choice_schema import required_calls_schema
 from services.frontend.tool_parsers import PARSERS, NamedFunctionParser, RequiredCallsParser, ToolParser
 
@@ -65,10 +66,11 @@ class ToolPlan:
         return PARSERS[self.parser_name](self.tool_names)
 
 
-def plan_tools(request: ToolRequest | None, setup: ChatSetup, *,
-               structured: StructuredOutput | None) -> ToolPlan | None:
+def plan_tools(request: ToolRequest | None, setup: ChatSetup, *, structured: StructuredOutput | None,
+               max_calls: int = DEFAULT_MAX_TOOL_CALLS) -> ToolPlan | None:
     """The plan for a request's tools (None: no tools, or tool_choice none). `structured`: the request's own
-    sampling_params.structured, which a forced tool_choice cannot be combined with."""
+    sampling_params.structured, which a forced tool_choice cannot be combined with; `max_calls`: the most
+    calls tool_choice required may force (the server's --max-tool-calls)."""
     if request is None or request.choice == NONE:
         return None
     if request.choice not in (AUTO, REQUIRED, FUNCTION):
@@ -96,7 +98,7 @@ def plan_tools(request: ToolRequest | None, setup: ChatSetup, *,
             schema = schemas[request.function_name]
             parser = "named"
         else:
-            schema = required_calls_schema(schemas, parallel=request.parallel)
+            schema = required_calls_schema(schemas, parallel=request.parallel, max_calls=max_calls)
             parser = "required"
         return ToolPlan(template_tools, parser, names, StructuredOutput(json_schema=json.dumps(schema)),
                         function_name=request.function_name, schemas=schemas)

@@ -95,3 +95,27 @@ def test_node_client_prints_the_same_call(node, tools_frontend):  # noqa: F811 -
         chunks = list(client.chat([{"role": "user", "content": "Weather in Lima?"}], tools=TOOLS,
                                   tool_choice={"name": "get_weather"}, **SAMPLING))
     assert [(c["name"], c["arguments"]) for c in node_calls] == [(c.name, c.arguments) for c in chunks[-1].tool_calls]
+
+
+def test_serve_passes_the_template_and_parser_flags_to_the_frontend(monkeypatch):
+    from clients import cli
+
+    started = {}
+
+    class Recorder:
+        def __init__(self, **kwargs):
+            started.update(kwargs)
+
+        def start(self):
+            raise KeyboardInterrupt  # stop before anything runs
+
+        def stop(self, *args):
+            pass
+
+    monkeypatch.setattr(cli, "LocalStack", Recorder)
+    monkeypatch.setattr(cli.signal, "signal", lambda *args: None)  # serve's SIGTERM handler stays out of pytest
+    try:
+        cli.main(["serve", "--chat-template", "t.jinja", "--tool-parser", "pythonic"])
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    assert started["frontend_args"] == ["--chat-template", "t.jinja", "--tool-parser", "pythonic"]

@@ -22,7 +22,6 @@ from engine_core.llm_engine import LLMEngine
 from engine_core.loader import default_model_path
 from engine_core.overlap import ThreadQueue, resolve_overlap
 from engine_core.protocol import EngineCoreRequest, FinishReason, SamplingParams, StructuredOutput
-from services.engine.__main__ import build_parser, config_from_args
 from tests.engine_core.tiny_models import write_tiny_model
 
 VOCAB = 49152  # SmolLM2's: its tokenizer compiles the grammars
@@ -51,19 +50,19 @@ def tiny_model_dir(tmp_path_factory):
 
 
 def make_config(folder, overlap: str, *, num_blocks: int = 400, budget: int = 512, max_model_len: int = 512,
-                ) -> EngineConfig:
+                device: str = "cpu") -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=str(folder), dtype="float32", max_model_len=max_model_len,
                           tokenizer=str(default_model_path())),
         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=32),
-        device=DeviceConfig(device="cpu", attention_backend="torch", overlap=overlap),
+        device=DeviceConfig(device=device, attention_backend="torch" if device == "cpu" else "auto", overlap=overlap),
     )
 
 
 def lagging(core: EngineCore, seed: int = 0) -> EngineCore:
-    """Swap the overlapped engine's device queue for a lagging one."""
-    if core.overlapped is not None:
+    """On CPU, swap the overlapped engine's device queue for a lagging one (CUDA lags by itself)."""
+    if core.overlapped is not None and core.runner.device.type == "cpu":
         core.overlapped.queue.close()
         core.overlapped.queue = LaggingQueue(seed)
     return core
@@ -119,9 +118,13 @@ def mixed_requests() -> list[EngineCoreRequest]:
     return requests
 
 
-def test_greedy_outputs_identical_with_stops_chunked_prefill_and_preemption(tiny_model_dir):
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_greedy_outputs_identical_with_stops_chunked_prefill_and_preemption(tiny_model_dir, device):
     # 16 usable blocks for 17 requests of up to ~130 tokens and a 32-token budget: chunks and preemptions
-    small = {"num_blocks": 17, "budget": 32, "max_model_len": 256}
+    small = {"num_blocks": 17, "budget": 32, "max_model_len": 256, "device": device}
     off, _ = run(make_engine(tiny_model_dir, "off", **small), mixed_requests())
     # stop on a token each request really produces, so the stop path runs
     stop_at = {rid: tokens[len(tokens) // 2] for rid, (tokens, _, _) in off.items() if tokens}
@@ -178,18 +181,21 @@ def test_seeded_sampling_n_and_logprobs_identical(tiny_model_dir):
     StructuredOutput(regex=r"[0-9]{3}-[a-z]{2,5}"),
     StructuredOutput(choice=("yes", "no", "maybe")),
 ])
-def test_structured_output_identical(tiny_model_dir, constraint):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_structured_output_identical(tiny_model_dir, constraint, device):
     requests = [EngineCoreRequest(f"s{i}", prompt, SamplingParams(temperature=0.0, max_tokens=40, min_tokens=2,
                                                                    structured=constraint))
                 for i, prompt in enumerate(prompts(5, seed=6))]
     requests.append(EngineCoreRequest("free", prompts(1, seed=8)[0], SamplingParams(temperature=0.0, max_tokens=20)))
-    off, _ = run(make_engine(tiny_model_dir, "off"), requests)
-    on, _ = run(make_engine(tiny_model_dir, "on"), requests)
+    off, _ = run(make_engine(tiny_model_dir, "off", device=device), requests)
+    on, _ = run(make_engine(tiny_model_dir, "on", device=device), requests)
     assert on == off
     assert any(reason == FinishReason.STOP for _, reason, _ in list(on.values())[:-1] if reason is not None)
 
 
-def test_auto_is_on_for_cuda_only_and_the_flag_parses():
+def test_auto_turns_overlap_on_for_gpus_only_and_the_flag_parses():
+    from services.engine.__main__ import build_parser, config_from_args
+
     assert resolve_overlap("auto", torch.device("cuda")) and not resolve_overlap("auto", torch.device("cpu"))
     assert resolve_overlap("on", torch.device("cpu")) and not resolve_overlap("off", torch.device("cuda"))
     parser = build_parser()
@@ -197,3 +203,24 @@ def test_auto_is_on_for_cuda_only_and_the_flag_parses():
     assert config_from_args(parser.parse_args(["--overlap", "on"])).device.overlap == "on"
     with pytest.raises(ValueError, match="overlap must be one of"):
         DeviceConfig(overlap="sometimes")
+
+
+def test_sleep_right_after_the_last_output_waits_for_the_step_in_flight(tiny_model_dir):
+    prompt = prompts(1)[0]
+    free, _ = run(make_engine(tiny_model_dir, "off", num_blocks=40, max_model_len=256),
+                  [EngineCoreRequest("free", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))])
+    stop = free["free"][0][3]  # a stop token the scheduler cannot see coming: the next step is already queued
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop_token_ids=[stop])
+    core = make_engine(tiny_model_dir, "on", num_blocks=40, max_model_len=256)
+    core.add_request(EngineCoreRequest("x", prompt, params))
+    first, finished = [], False
+    while not finished:
+        for output in core.step().outputs:
+            first += output.new_token_ids
+            finished = output.finished
+    assert core.overlapped.in_flight and not core.scheduler.has_unfinished_requests()
+    core.sleep()  # no ValueError: the step in flight ran finished requests only
+    assert core.asleep and not core.has_unfinished_requests()
+    core.wake_up()
+    again, _ = run(core, [EngineCoreRequest("y", prompt, params)])
+    assert again["y"][0] == first == free["free"][0][:first.index(stop) + 1]

@@ -95,6 +95,15 @@ def test_the_wheel_holds_every_package_of_the_source_tree(wheel):
     assert "tandem/v1" in shipped  # generated from protos/ by the build backend
 
 
+def test_the_wheel_holds_the_shipped_chat_templates(wheel):
+    """The tool-aware chat templates are package data the frontend reads at start (chat_setup.py)."""
+    import zipfile
+
+    shipped = set(zipfile.ZipFile(wheel).namelist())
+    templates = {path.relative_to(REPO).as_posix() for path in (REPO / "services").rglob("*.jinja")}
+    assert templates and templates <= shipped, f"templates missing from the wheel: {sorted(templates - shipped)}"
+
+
 def test_the_base_install_has_no_torch_and_its_entry_points_start(base_venv, scratch):
     installed = _installed(base_venv, scratch)
     assert "tandem" in installed

@@ -100,7 +100,9 @@ def test_tool_choice_required_is_the_array_constraint(stack, parallel):
                    tool_choice=generation_pb2.ToolChoice(mode=generation_pb2.TOOL_CHOICE_MODE_REQUIRED))
     responses = stack.run(collect(stack, request, rpc="Chat"))
     sent = json.loads(stack.engine.added[request_id].sampling_params.structured.json_schema)
-    assert sent == required_calls_schema({t.name: json.loads(t.parameters_json) for t in TOOLS}, parallel=parallel)
+    schemas = {t.name: json.loads(t.parameters_json) for t in TOOLS}
+    assert sent == required_calls_schema(schemas, parallel=parallel, max_calls=16)  # the default --max-tool-calls
+    assert sent["maxItems"] == (16 if parallel else 1)
     last = responses[-1].completions[-1]
     assert [(c.name, c.arguments_json) for c in last.tool_calls] == [("search", '{"q": "x"}')]
     assert last.finish_reason == common_pb2.FINISH_REASON_TOOL_CALLS
@@ -159,8 +161,10 @@ def test_history_with_calls_and_results_renders_and_bad_arguments_are_refused(st
     messages = [generation_pb2.ChatMessage(role="user", content="Rain?"),
                 generation_pb2.ChatMessage(role="assistant", tool_calls=[call]),
                 generation_pb2.ChatMessage(role="tool", content="none today", tool_call_id="call_1")]
-    tokens = stack.run(stack.stub.Tokenize(generation_pb2.TokenizeRequest(chat=generation_pb2.ChatRequest(
-        messages=messages, tools=TOOLS))))
+    async def tokenize():  # the call is made on the stack's loop
+        return await stack.stub.Tokenize(generation_pb2.TokenizeRequest(chat=generation_pb2.ChatRequest(
+            messages=messages, tools=TOOLS)))
+    tokens = stack.run(tokenize())
     prompt = stack.tokenizer.decode(list(tokens.token_ids), skip_special_tokens=False)
     assert '<tool_call>\n{"name": "search", "arguments": {"q": "rain"}}\n</tool_call>' in prompt
     assert "<tool_response>\nnone today\n</tool_response>" in prompt

@@ -1,0 +1,503 @@
+"""The device check: everything worth knowing about Tandem on one GPU, in one call (docs/gpu.md).
+
+Parts, each timed and recorded even when another fails (JSON rewritten after each part):
+  cuda_tests     the CUDA tests (pytest: Triton kernels, CUDA graphs, CUDA greedy parity, overlap)
+  bandwidth      the HBM roofline's bandwidth: a 1 GiB device-to-device copy, bytes read + written / s
+  attention      the Triton paged-attention kernel vs SDPA on decode and prefill shapes (and their outputs)
+  smollm2        SmolLM2-135M's shapes (random bf16 weights), decode steps at 1x128, 32x4096, 64x512:
+                 CUDA graphs on/off x overlap on/off, beside the roofline
+  llama_shapes   random-weight models of Llama-3.2-1B's and Llama-3-8B's shapes at batch 1 and 64 vs roofline
+  transformers   transformers' generate on the SmolLM2-shaped weights, eager and static cache + torch.compile,
+                 batch 1 and 32, beside Tandem on the same weights
+Then the issue's acceptance checks side by side. No downloads: every model is random weights in the real
+shapes (the kernels and the bytes moved are the same). Needs torch, triton, transformers and the repo.
+
+    python scripts/gpu_check.py --out bench_results/gpu-check          # on a CUDA machine (<= ~8 min on an H100)
+    python scripts/gpu_check.py --cpu --out /tmp/gpu-check             # tiny shapes on CPU (CI: the script never rots)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from unittest import mock
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+if "--cpu" in sys.argv:  # before anything imports triton: its kernels run in the CPU interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from engine_core.openmp_env import limit_openmp_spinning  # noqa: E402
+
+limit_openmp_spinning()  # before torch loads, as tandem-engine does: idle OpenMP threads must not spin
+
+import torch  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Llama-family decoder's shape (written as a transformers LlamaConfig)."""
+
+    name: str
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tie: bool
+    rope_theta: float = 500000.0
+    max_positions: int = 8192
+
+
+SMOLLM2 = Shape("SmolLM2-135M", 49152, 576, 1536, 30, 9, 3, 64, True, rope_theta=100000.0)
+LLAMA_1B = Shape("Llama-3.2-1B", 128256, 2048, 8192, 16, 32, 8, 64, True)
+LLAMA_8B = Shape("Llama-3-8B", 128256, 4096, 14336, 32, 32, 8, 128, False)
+TINY = Shape("tiny", 512, 64, 128, 2, 4, 2, 16, True, max_positions=1024)
+TINY_UNTIED = Shape("tiny-untied", 512, 64, 160, 3, 4, 2, 16, False, max_positions=1024)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one mode runs: the real shapes on CUDA, tiny ones on CPU."""
+
+    device: str
+    dtype: torch.dtype
+    decode_shapes: tuple[tuple[int, int], ...]  # (batch, context)
+    decode_steps: int
+    small: Shape
+    roofline_models: tuple[Shape, ...]
+    roofline_batches: tuple[int, ...]
+    roofline_context: int
+    hf_batches: tuple[int, ...]
+    hf_prompt: int
+    hf_new_tokens: int
+    hf_compile: bool
+    copy_bytes: int
+    kv_cache_gib: float
+    test_selection: tuple[str, ...]
+
+
+CUDA_PLAN = Plan(
+    device="cuda", dtype=torch.bfloat16, decode_shapes=((1, 128), (32, 4096), (64, 512)), decode_steps=64,
+    small=SMOLLM2, roofline_models=(LLAMA_1B, LLAMA_8B), roofline_batches=(1, 64), roofline_context=512,
+    hf_batches=(1, 32), hf_prompt=128, hf_new_tokens=64, hf_compile=True, copy_bytes=2**30, kv_cache_gib=8.0,
+    test_selection=("tests/kernels/test_triton_kernels.py", "tests/kernels/test_triton_fused_ops.py",
+                    "tests/engine_core/test_cuda_graphs.py", "tests/engine_core/test_engine.py",
+                    "tests/engine_core/test_overlap.py", "-k", "cuda or triton or graph or Triton"),
+)
+CPU_PLAN = Plan(
+    device="cpu", dtype=torch.float32, decode_shapes=((1, 32), (4, 96), (8, 48)), decode_steps=4,
+    small=TINY, roofline_models=(TINY, TINY_UNTIED), roofline_batches=(1, 4), roofline_context=48,
+    hf_batches=(1, 2), hf_prompt=16, hf_new_tokens=4, hf_compile=False, copy_bytes=2**24, kv_cache_gib=0.05,
+    test_selection=("tests/engine_core/test_cuda_graphs.py::test_capture_sizes",),
+)
+
+# The issue's bars (notes: issue 41), checked where the device is CUDA.
+BARS = {"smollm2_1x128_step_ms": 1.2, "smollm2_32x4096_step_ms": 2.9, "llama8b_b1_of_roofline": 0.85,
+        "tandem_over_hf_eager_b1": 5.0, "overlap_gain_b64": 0.15}
+
+
+# ---- timing ------------------------------------------------------------------------------------
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_ms(fn, device: str) -> float:
+    """Median milliseconds of fn: triton's do_bench on CUDA, a few timed calls on CPU."""
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=25, rep=100, return_mode="median")
+    fn()
+    times = []
+    for _ in range(5):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
+# ---- models with random weights -----------------------------------------------------------------
+def hf_config(shape: Shape):
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim, max_position_embeddings=shape.max_positions, tie_word_embeddings=shape.tie,
+        rope_theta=shape.rope_theta, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+    )
+
+
+def random_weights(shape: Shape, device: str, dtype: torch.dtype, seed: int = 0):
+    """(name, tensor) in checkpoint naming, made on the device one at a time: no memory beyond the model's."""
+    import transformers
+
+    with torch.device("meta"):
+        skeleton = transformers.LlamaForCausalLM(hf_config(shape))
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, param in skeleton.named_parameters():
+        tensor = torch.empty(param.shape, device=device, dtype=dtype)
+        if "norm" in name:
+            tensor.uniform_(0.9, 1.1, generator=generator)
+        else:
+            tensor.normal_(0.0, 0.02, generator=generator)
+        yield name, tensor
+
+
+def engine_for(shape: Shape, plan: Plan, weights, *, cuda_graphs: bool, overlap: bool, max_num_seqs: int,
+               max_model_len: int):
+    """An EngineCore over the given (name, tensor) weights, built as the loader would build it."""
+    from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from engine_core.engine_core import EngineCore
+    from engine_core.loader.safetensors import read_hf_config
+    from engine_core.models.llama import packed_groups
+    from engine_core.models.registry import model_class
+
+    folder = Path(tempfile.mkdtemp(prefix=f"gpu-check-{shape.name}-"))  # the engine's model path: config.json only
+    hf_config(shape).save_pretrained(folder)
+    arch = read_hf_config(folder / "config.json")
+
+    def load(path, dtype, device, attention, fused):  # noqa: ANN001, ANN202 - load_model's
+        tensors = dict(weights)
+        packed = ((param, torch.cat([tensors.pop(n) for n in names]) if len(names) > 1 else tensors.pop(names[0]))
+                  for param, names in packed_groups(list(tensors)).items())
+        with torch.device("meta"):
+            model = model_class(arch.name)(arch, attention, fused)
+        model.load_weights(packed, torch.device(device), dtype)
+        return model.eval(), arch
+
+    config = EngineConfig(
+        model=ModelConfig(model=str(folder), dtype=str(plan.dtype).removeprefix("torch."), quantization="none",
+                          max_model_len=max_model_len),
+        cache=CacheConfig(kv_cache_memory_gib=plan.kv_cache_gib),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
+        device=DeviceConfig(device=plan.device, enforce_eager=not cuda_graphs, overlap="on" if overlap else "off",
+                            attention_backend="auto" if plan.device == "cuda" else "torch"),
+    )
+    # random weights instead of a checkpoint; on the CPU (the tiny mode) plain torch linears, unmeasured
+    with mock.patch("engine_core.engine_core.load_model", load), \
+            mock.patch("engine_core.engine_core.prepare_for_cpu", lambda model, quantization: None):
+        return EngineCore(config)
+
+
+def set_overlap(core, on: bool) -> None:
+    """Switch a built engine's overlapped steps (the same weights, graphs and KV cache either way)."""
+    from engine_core.overlap import InlineQueue, OverlappedSteps, ThreadQueue
+
+    if core.overlapped is not None:
+        core.overlapped.close()
+    core.overlapped = None
+    if on:
+        queue = InlineQueue() if core.runner.device.type == "cuda" else ThreadQueue()
+        core.overlapped = OverlappedSteps(core.scheduler, core.runner, queue)
+
+
+def decode_rate(core, batch: int, context: int, steps: int, device: str, seed: int = 0) -> dict:
+    """Prefill `batch` prompts of `context` tokens, warm up, then time `steps` decode steps."""
+    from engine_core.protocol import EngineCoreRequest, SamplingParams
+
+    warmup = 4
+    generator = torch.Generator().manual_seed(seed)
+    vocab = core.info.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=warmup + steps + 8, ignore_eos=True)
+    ids = [f"d{seed}-{batch}-{i}" for i in range(batch)]
+    for request_id in ids:
+        prompt = torch.randint(3, vocab, (context,), generator=generator).tolist()
+        core.add_request(EngineCoreRequest(request_id, prompt, params))
+    produced: dict[str, int] = {}
+    while len(produced) < batch or min(produced.values()) < warmup:
+        for output in core.step().outputs:
+            produced[output.request_id] = produced.get(output.request_id, 0) + len(output.new_token_ids)
+    sync(device)
+    started = time.perf_counter()
+    tokens = 0
+    for _ in range(steps):
+        tokens += sum(len(o.new_token_ids) for o in core.step().outputs)
+    sync(device)
+    seconds = time.perf_counter() - started
+    core.abort_requests(ids)
+    while core.has_unfinished_requests():
+        core.step()
+    core.reset_prefix_cache()
+    return {"batch": batch, "context": context, "steps": steps, "tokens": tokens, "step_ms": seconds / steps * 1e3,
+            "tok_per_s": tokens / seconds}
+
+
+def roofline_ms(core, batch: int, context: int, bandwidth: float) -> float:
+    """Every weight once plus each request's K and V over its context, at the copy bandwidth."""
+    weights = sum(p.numel() * p.element_size() for p in core.model.parameters())
+    arch = core.arch
+    element = torch.empty((), dtype=core.runner.dtype).element_size()
+    kv = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * element * batch * context
+    return (weights + kv) / bandwidth * 1e3
+
+
+def free(core) -> None:
+    if core.overlapped is not None:
+        core.overlapped.close()
+    core.runner.free_kv_cache()
+    del core
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ---- parts --------------------------------------------------------------------------------------
+def part_cuda_tests(plan: Plan, state: dict) -> dict:
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *plan.test_selection]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    timeout = max(30.0, min(240.0, state["deadline"] - time.perf_counter() - 60))  # leave the benchmarks a minute
+    try:
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        raise RuntimeError(f"pytest ran past {timeout:.0f} s:\n" + "\n".join(out.strip().splitlines()[-10:])) from None
+    tail = (done.stdout + done.stderr).strip().splitlines()[-15:]
+    if done.returncode != 0:
+        raise RuntimeError(f"pytest exited {done.returncode}:\n" + "\n".join(tail))
+    return {"command": " ".join(command[1:]), "summary": tail[-1] if tail else ""}
+
+
+def part_bandwidth(plan: Plan, state: dict) -> dict:
+    source = torch.empty(plan.copy_bytes, dtype=torch.uint8, device=plan.device)
+    target = torch.empty_like(source)
+    seconds = bench_ms(lambda: target.copy_(source), plan.device) / 1e3
+    state["bandwidth"] = 2 * plan.copy_bytes / seconds
+    return {"copy_bytes": plan.copy_bytes, "gb_per_s": state["bandwidth"] / 1e9}
+
+
+def part_attention(plan: Plan, state: dict) -> list[dict]:
+    from scripts.attention_cases import attention_cases, make_case, max_abs_diff, sdpa_attention, triton_attention
+
+    cases = list(attention_cases()) if plan.device == "cuda" else [("decode", 2, 40, (4, 2, 16)),
+                                                                     ("prefill", 1, 24, (4, 2, 16))]
+    rows = []
+    for kind, batch, context, heads in cases:
+        case = make_case(kind, batch, context, heads, 16, plan.dtype, torch.device(plan.device))
+        triton_ms = bench_ms(partial(triton_attention, case), plan.device)
+        sdpa_ms = bench_ms(partial(sdpa_attention, case), plan.device)
+        rows.append({"kind": kind, "batch": batch, "context": context, "heads": list(heads), "triton_ms": triton_ms,
+                     "sdpa_ms": sdpa_ms, "triton_over_sdpa": triton_ms / sdpa_ms,
+                     "triton_kv_gb_per_s": case.kv_bytes / (triton_ms / 1e3) / 1e9,
+                     "max_abs_diff": max_abs_diff(case)})
+        del case
+    return rows
+
+
+def part_smollm2(plan: Plan, state: dict) -> list[dict]:
+    shape = plan.small
+    max_batch = max(b for b, _ in plan.decode_shapes)
+    max_len = max(c for _, c in plan.decode_shapes) + plan.decode_steps + 32
+    weights = list(random_weights(shape, plan.device, plan.dtype))
+    state["small_weights"] = weights
+    core = engine_for(shape, plan, weights, cuda_graphs=True, overlap=False, max_num_seqs=max_batch,
+                      max_model_len=max_len)
+    graphs = core.runner.decode_graphs  # captured once; "off" runs the same engine without them
+    rows = []
+    for cuda_graphs in (True, False):
+        core.runner.decode_graphs = graphs if cuda_graphs else None
+        for batch, context in plan.decode_shapes:
+            decode_rate(core, batch, context, plan.decode_steps, plan.device, seed=1)  # untimed: first-use costs
+            for overlap in (False, True):
+                set_overlap(core, overlap)
+                row = decode_rate(core, batch, context, plan.decode_steps, plan.device)
+                row.update(cuda_graphs=cuda_graphs and graphs is not None, overlap=overlap,
+                           roofline_ms=roofline_ms(core, batch, context, state["bandwidth"]))
+                row["of_roofline"] = row["roofline_ms"] / row["step_ms"]
+                rows.append(row)
+    core.runner.decode_graphs = graphs
+    free(core)
+    return rows
+
+
+def part_llama_shapes(plan: Plan, state: dict) -> list[dict]:
+    rows = []
+    context = plan.roofline_context
+    for shape in plan.roofline_models:
+        core = engine_for(shape, plan, random_weights(shape, plan.device, plan.dtype), cuda_graphs=True,
+                          overlap=plan.device == "cuda", max_num_seqs=max(plan.roofline_batches),
+                          max_model_len=context + 2 * plan.decode_steps + 32)
+        for batch in plan.roofline_batches:
+            decode_rate(core, batch, context, plan.decode_steps, plan.device, seed=1)  # untimed: first-use costs
+            row = decode_rate(core, batch, context, plan.decode_steps, plan.device)
+            row.update(model=shape.name, roofline_ms=roofline_ms(core, batch, context, state["bandwidth"]))
+            row["of_roofline"] = row["roofline_ms"] / row["step_ms"]
+            rows.append(row)
+        free(core)
+    return rows
+
+
+def part_transformers(plan: Plan, state: dict) -> list[dict]:
+    import transformers
+
+    shape = plan.small
+    weights = state.get("small_weights") or list(random_weights(shape, plan.device, plan.dtype))
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(hf_config(shape))
+    model.load_state_dict(dict(weights), assign=True, strict=False)
+    model.tie_weights()
+    model.model.rotary_emb = type(model.model.rotary_emb)(model.config).to(plan.device)  # its buffers: not meta
+    model.eval()
+    assert not any(t.is_meta for t in (*model.parameters(), *model.buffers())), "a tensor was left on meta"
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    max_len = plan.hf_prompt + plan.hf_new_tokens + 8
+    core = engine_for(shape, plan, weights, cuda_graphs=True, overlap=plan.device == "cuda",
+                      max_num_seqs=max(plan.hf_batches), max_model_len=max_len)
+    rows = []
+    for batch in plan.hf_batches:
+        prompt = torch.randint(3, shape.vocab, (batch, plan.hf_prompt), device=plan.device)
+        decode_rate(core, batch, plan.hf_prompt, plan.hf_new_tokens, plan.device, seed=1)  # untimed: first-use costs
+        tandem = decode_rate(core, batch, plan.hf_prompt, plan.hf_new_tokens, plan.device)
+        row = {"batch": batch, "prompt": plan.hf_prompt, "new_tokens": plan.hf_new_tokens,
+               "tandem_tok_per_s": tandem["tok_per_s"]}
+        row["hf_eager_tok_per_s"] = _generate_rate(model, prompt, plan, cache="dynamic")
+        if plan.hf_compile and state["deadline"] - time.perf_counter() < 90:
+            row["hf_static_compile_tok_per_s"] = None  # a compile takes about a minute: not in the budget
+        elif plan.hf_compile:
+            compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+            with mock.patch.object(model, "forward", compiled):
+                row["hf_static_compile_tok_per_s"] = _generate_rate(model, prompt, plan, cache="static")
+        else:
+            row["hf_static_tok_per_s"] = _generate_rate(model, prompt, plan, cache="static")
+        row["tandem_over_hf_eager"] = row["tandem_tok_per_s"] / row["hf_eager_tok_per_s"]
+        rows.append(row)
+    free(core)
+    return rows
+
+
+def _generate_rate(model, prompt: torch.Tensor, plan: Plan, cache: str) -> float:
+    """Generated tokens per second of greedy generate (prompt included in the time), after one warm-up."""
+    options = {"max_new_tokens": plan.hf_new_tokens, "min_new_tokens": plan.hf_new_tokens, "do_sample": False,
+               "attention_mask": torch.ones_like(prompt)}
+    if cache == "static":
+        options["cache_implementation"] = "static"
+    with torch.inference_mode():
+        model.generate(prompt, **options)  # warm-up (and, compiled, the compile)
+        sync(plan.device)
+        started = time.perf_counter()
+        out = model.generate(prompt, **options)
+        sync(plan.device)
+    return prompt.shape[0] * (out.shape[1] - prompt.shape[1]) / (time.perf_counter() - started)
+
+
+PARTS = {  # name -> (function, estimated seconds on one H100, for the budget and docs/gpu.md), in run order
+    "bandwidth": (part_bandwidth, 5),
+    "cuda_tests": (part_cuda_tests, 120),
+    "smollm2": (part_smollm2, 100),
+    "llama_shapes": (part_llama_shapes, 70),
+    "transformers": (part_transformers, 120),
+    "attention": (part_attention, 35),
+}
+
+
+# ---- the checks -------------------------------------------------------------------------------------
+def checks(result: dict) -> list[dict]:
+    """The issue's bars beside the measured values; pass is None where a part did not run, and on CPU
+    (tiny shapes: the bars are for the real ones)."""
+    parts = result["parts"]
+
+    def rows(name):  # noqa: ANN001, ANN202
+        return parts.get(name, {}).get("result") or []
+
+    def pick(name, **where):  # noqa: ANN001, ANN003, ANN202
+        return next((r for r in rows(name) if all(r.get(k) == v for k, v in where.items())), None)
+
+    small = [(b, c) for b, c in CUDA_PLAN.decode_shapes]
+    one, long = small[0], small[1]
+    best_one = pick("smollm2", batch=one[0], context=one[1], cuda_graphs=True, overlap=True)
+    best_long = pick("smollm2", batch=long[0], context=long[1], cuda_graphs=True, overlap=True)
+    b64_off = pick("smollm2", batch=64, context=512, cuda_graphs=True, overlap=False)
+    b64_on = pick("smollm2", batch=64, context=512, cuda_graphs=True, overlap=True)
+    big = pick("llama_shapes", model=LLAMA_8B.name, batch=1)
+    hf = pick("transformers", batch=1)
+    measured = {
+        "smollm2_1x128_step_ms": best_one and best_one["step_ms"],
+        "smollm2_32x4096_step_ms": best_long and best_long["step_ms"],
+        "llama8b_b1_of_roofline": big and big["of_roofline"],
+        "tandem_over_hf_eager_b1": hf and hf["tandem_over_hf_eager"],
+        "overlap_gain_b64": b64_on and b64_off and b64_on["tok_per_s"] / b64_off["tok_per_s"] - 1,
+    }
+    out = []
+    for name, bar in BARS.items():
+        value = measured[name]
+        lower_is_better = name.endswith("_ms")
+        ok = None if value is None or result["mode"] != "cuda" else (value <= bar if lower_is_better else value >= bar)
+        out.append({"check": name, "bar": bar, "measured": value, "pass": ok})
+    return out
+
+
+def table(result: dict) -> str:
+    lines = [f"{result['device']} | torch {result['torch']} | {result['wall_s']:.0f} s", "",
+             f"{'part':<14} {'status':<8} {'s':>6} {'est s':>6}"]
+    for name, part in result["parts"].items():
+        lines.append(f"{name:<14} {part['status']:<8} {part['seconds']:6.1f} {PARTS[name][1]:6d}")
+    lines += ["", f"{'check':<26} {'bar':>7} {'measured':>10} pass"]
+    for check in result["checks"]:
+        value = "-" if check["measured"] is None else f"{check['measured']:.3f}"
+        lines.append(f"{check['check']:<26} {check['bar']:7.2f} {value:>10} {check['pass']}")
+    for row in (result["parts"].get("smollm2", {}).get("result") or []):
+        lines.append(f"  smollm2 {row['batch']}x{row['context']} graphs={row['cuda_graphs']!s:<5} "
+                     f"overlap={row['overlap']!s:<5} {row['step_ms']:7.3f} ms/step {row['tok_per_s']:9.0f} tok/s "
+                     f"{row['of_roofline']:.2f} of roofline")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json and gpu_check.txt")
+    parser.add_argument("--cpu", action="store_true", help="tiny shapes on CPU (what CI runs)")
+    parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS))
+    parser.add_argument("--budget-s", type=float, default=440.0,
+                        help="skip a part whose estimate no longer fits (default 440 s: under 8 minutes with "
+                             "Python and CUDA start-up)")
+    args = parser.parse_args(argv)
+    plan = CPU_PLAN if args.cpu else CUDA_PLAN
+    if plan.device == "cuda" and not torch.cuda.is_available():
+        parser.error("torch sees no CUDA GPU: run with --cpu for the tiny CPU check")
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    result = {"device": torch.cuda.get_device_name() if plan.device == "cuda" else f"cpu ({platform.processor()})",
+              "torch": torch.__version__, "mode": plan.device, "parts": {}, "checks": [], "wall_s": 0.0}
+    state: dict = {"bandwidth": 1e12, "deadline": started + args.budget_s}
+    for name in args.parts:
+        function, estimate = PARTS[name]
+        left = args.budget_s - (time.perf_counter() - started)
+        part_started = time.perf_counter()
+        if plan.device == "cuda" and estimate > left:
+            part = {"status": "skipped", "error": f"{left:.0f} s of the budget left, estimate {estimate} s"}
+        else:
+            try:
+                part = {"status": "ok", "result": function(plan, state)}
+            except Exception as exc:  # noqa: BLE001 - one part's failure must not cost the others
+                part = {"status": "failed", "error": f"{exc!r}", "traceback": traceback.format_exc()[-4000:]}
+        part["seconds"] = time.perf_counter() - part_started
+        result["parts"][name] = part
+        result["wall_s"] = time.perf_counter() - started
+        result["checks"] = checks(result)
+        (args.out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str))
+        print(f"[{result['wall_s']:6.1f} s] {name}: {part['status']}"
+              + (f" ({part['error'].splitlines()[0]})" if "error" in part else ""), flush=True)
+    text = table(result)
+    (args.out / "gpu_check.txt").write_text(text + "\n")
+    print(text)
+    return 0 if all(p["status"] == "ok" for p in result["parts"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

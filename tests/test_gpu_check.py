@@ -1,0 +1,32 @@
+"""`make gpu-check`'s script in its CPU mode: every part runs on tiny shapes, so the script that only a GPU
+machine runs for real (scripts/gpu_check.py, docs/gpu.md) cannot rot between GPU sessions."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_cpu_mode_runs_every_part(tmp_path):
+    done = subprocess.run([sys.executable, "scripts/gpu_check.py", "--cpu", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["mode"] == "cpu"
+    parts = result["parts"]
+    assert {name: part["status"] for name, part in parts.items()} == {name: "ok" for name in (
+        "cuda_tests", "bandwidth", "attention", "smollm2", "llama_shapes", "transformers")}
+    smollm2 = parts["smollm2"]["result"]
+    assert {(r["batch"], r["context"], r["overlap"]) for r in smollm2} == {
+        (b, c, o) for b, c in ((1, 32), (4, 96), (8, 48)) for o in (False, True)}
+    assert all(r["tokens"] == r["batch"] * r["steps"] for r in smollm2), "every timed step yields a token per request"
+    assert all(r["max_abs_diff"] < 1e-3 for r in parts["attention"]["result"])
+    assert [c["check"] for c in result["checks"]] == [
+        "smollm2_1x128_step_ms", "smollm2_32x4096_step_ms", "llama8b_b1_of_roofline", "tandem_over_hf_eager_b1",
+        "overlap_gain_b64"]
+    assert all(c["pass"] is None for c in result["checks"]), "the bars are for the real shapes on CUDA"
+    assert "check" in (tmp_path / "gpu_check.txt").read_text()
