@@ -131,3 +131,14 @@ def test_prompt_logprobs_read_the_adapted_lm_head(lora_models):
         assert [entry.token_ids[0] for entry in output.prompt_logprobs] == prompt[1:]
         reference = expected[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
         assert (ours - reference).abs().max().item() < LOGPROB_ATOL, name
+
+
+def test_overlapped_steps_keep_each_step_on_its_own_adapter_rows(lora_models):
+    """Overlapped steps (engine_core/overlap.py) run step N's sampling on the device queue before step N+1's
+    forward places its adapters: the LM head must read step N's rows."""
+    base, folders, references = lora_models
+    config = lora_config(base, folders, kernel="segments")
+    config.device.overlap = "on"
+    engine = LLMEngine(config)
+    assert engine.engine_core.overlapped is not None
+    assert_matches_merged(engine, references, 24)
