@@ -88,8 +88,7 @@ class EngineBusyLoop:
         # ---- owned by the loop thread
         self._router = ConnectionRouter()
         self._pause = PauseState()
-        # what every connection was last told (the default: none); the adapters loaded at start from the first
-        self._published_state = EngineState(lora_names=tuple(info.name for info in engine.list_loras()))
+        self._published_state = EngineState()  # what every connection was last told (the default: none)
         # ---- read by the health watchdog from any thread
         self.heartbeat = time.monotonic()  # the last completed step or idle wait
         self.busy = False  # working (not blocked on the queue)
@@ -151,6 +150,7 @@ class EngineBusyLoop:
     def _run(self) -> None:
         self.thread = threading.current_thread()
         try:
+            self._publish_state()  # the adapters loaded at start (--lora), before any connection opens
             while self._process_inputs(block=not self._has_work()):
                 if self._has_work():
                     self._router.route(self._step())
