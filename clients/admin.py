@@ -52,6 +52,26 @@ def admin_result(reply) -> AdminResult:
     return AdminResult(reply.ok, reply.detail)
 
 
+@dataclass(frozen=True)
+class LoraAdapter:
+    """A LoRA adapter as one engine holds it (tandem.v1.LoraAdapter)."""
+
+    name: str
+    path: str
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    pinned: bool
+    location: str  # device (a slot), host (host memory) or disk (read again when used)
+    engine: str  # the engine's address, as the frontend knows it
+
+
+def lora_adapters(reply) -> list[LoraAdapter]:
+    """The adapters of a Load/List/PinLoraAdapter response, one per adapter and engine."""
+    return [LoraAdapter(a.name, a.path, a.rank, a.alpha, tuple(a.target_modules), a.pinned, a.location, a.engine)
+            for a in reply.adapters]
+
+
 # ---- the states, as GetServerInfo reports them ----------------------------------------------------
 def engine_state(engine: generation_pb2.EngineStatus) -> str:
     """"admitting", "paused (keep)", "asleep" or both, for one engine of GetServerInfo."""

@@ -4,6 +4,8 @@
     tandem admin sleep                    tandem admin wake
     tandem admin drain --wait 30          tandem admin reset-prefix-cache
     tandem admin profile start --output-dir /tmp/trace    tandem admin profile stop
+    tandem admin lora load NAME PATH      tandem admin lora list      tandem admin lora pin NAME
+    tandem admin lora unload NAME
 
 Each prints what happened and exits 0, or prints why an engine refused and exits 1. The frontend's
 readiness (`tandem health`) says NOT_SERVING while it drains or its engines are paused or asleep; `tandem
@@ -14,6 +16,8 @@ $TANDEM_ADMIN_TOKEN; else $TANDEM_API_TOKEN).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 
 from clients.admin import PAUSE_MODES
@@ -27,7 +31,9 @@ EXAMPLES = """examples:
   tandem admin wake && tandem admin resume
   tandem admin drain --wait 60 --address 10.0.0.7:50051   # one replica: refuse new calls, let streams finish
   tandem admin reset-prefix-cache
-  tandem admin profile start --output-dir /tmp/trace && sleep 10 && tandem admin profile stop"""
+  tandem admin profile start --output-dir /tmp/trace && sleep 10 && tandem admin profile stop
+  tandem admin lora load sql /models/adapters/sql   # a PEFT adapter folder on the engines' machines
+  tandem admin lora list --json"""
 _PAUSE_HELP = "What happens to requests in flight (in every mode new requests wait until resume):\n" + "\n".join(
     f"  {name:<6} {meaning}" for name, (_, meaning) in PAUSE_MODES.items())
 
@@ -69,6 +75,14 @@ def add_parser(subcommands) -> argparse.ArgumentParser:
                      "the --output-dir given to start (a folder on the engine's machine).", _profile)
     profile.add_argument("step", choices=("start", "stop"), help="start or stop the profiler")
     profile.add_argument("--output-dir", metavar="DIR", help="with start: the folder for the traces (made if missing)")
+    lora = action("lora", "load, unload, list or pin LoRA adapters in every engine",
+                  "LoRA adapters (docs/lora.md). load NAME PATH: read the PEFT adapter folder PATH (on the engines' "
+                  "machines) into every engine as NAME, which requests then name; unload NAME (refused while "
+                  "requests use it); list; pin NAME (kept in the engines' host memory).", _lora)
+    lora.add_argument("step", choices=("load", "unload", "list", "pin"), help="what to do")
+    lora.add_argument("name", nargs="?", help="the adapter's name (load, unload, pin)")
+    lora.add_argument("path", nargs="?", help="with load: the PEFT adapter folder")
+    lora.add_argument("--json", action="store_true", help="print the adapters as JSON, one object per engine")
     return parser
 
 
@@ -99,6 +113,26 @@ def _profile(args: argparse.Namespace) -> int:
         if not args.output_dir:
             raise ValueError("profile start needs --output-dir DIR, the folder for the traces on the engine's machine")
         return _report(args, client.start_profile(args.output_dir))
+
+
+def _lora(args: argparse.Namespace) -> int:
+    if args.step != "list" and not args.name:
+        raise ValueError(f"lora {args.step} needs the adapter's NAME")
+    if args.step == "load" and not args.path:
+        raise ValueError("lora load needs NAME and PATH, the PEFT adapter folder on the engines' machines")
+    with client_from_args(args) as client:
+        if args.step == "unload":
+            print(f"unloaded {args.name} from {', '.join(client.unload_lora(args.name))}")
+            return 0
+        adapters = {"load": lambda: client.load_lora(args.name, args.path), "list": client.list_loras,
+                    "pin": lambda: client.pin_lora(args.name)}[args.step]()
+    if args.json:
+        print(json.dumps([dataclasses.asdict(a) for a in adapters], indent=2))
+    for adapter in [] if args.json else adapters:
+        fields = [adapter.name, f"rank {adapter.rank}", ",".join(adapter.target_modules), adapter.location,
+                  "pinned" if adapter.pinned else "unpinned", adapter.engine, adapter.path]
+        print("\t".join(fields))
+    return 0
 
 
 def _report(args: argparse.Namespace, result) -> int:

@@ -133,6 +133,26 @@ class AsyncTandemClient:
                     metadata: Metadata = None) -> AdminResult:
         return await self._operator_call("Drain", timeout, metadata, timeout_s=timeout_s)
 
+    # ---- LoRA adapters (see TandemClient: same names, same keywords) ----
+    async def load_lora(self, name: str, path: str, *, timeout: float | None = None,
+                        metadata: Metadata = None) -> list[admin.LoraAdapter]:
+        return admin.lora_adapters(await self._lora_call("LoadLoraAdapter", timeout, metadata, lora_name=name,
+                                                         lora_path=path))
+
+    async def unload_lora(self, name: str, *, timeout: float | None = None, metadata: Metadata = None) -> list[str]:
+        return list((await self._lora_call("UnloadLoraAdapter", timeout, metadata, lora_name=name)).engines)
+
+    async def list_loras(self, *, timeout: float | None = None, metadata: Metadata = None) -> list[admin.LoraAdapter]:
+        return admin.lora_adapters(await self._lora_call("ListLoraAdapters", timeout, metadata))
+
+    async def pin_lora(self, name: str, *, timeout: float | None = None,
+                       metadata: Metadata = None) -> list[admin.LoraAdapter]:
+        return admin.lora_adapters(await self._lora_call("PinLoraAdapter", timeout, metadata, lora_name=name))
+
+    async def _lora_call(self, method: str, timeout, metadata, **fields):
+        return await self._unary(getattr(self._admin, method), admin.admin_request(method, **fields), timeout,
+                                 metadata, None, self._admin_metadata)
+
     async def _operator_call(self, method: str, timeout, metadata, **fields) -> AdminResult:
         reply = await self._unary(getattr(self._admin, method), admin.admin_request(method, **fields), timeout,
                                   metadata, None, self._admin_metadata)

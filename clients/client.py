@@ -57,14 +57,14 @@ class TandemClient:
     def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None, metadata: Metadata = None,
                  traceparent: str | None = None, **sampling) -> Iterator[GenerateChunk]:
         """Stream a completion of a text prompt or of token ids. Keywords: SamplingParams fields
-        (temperature, max_tokens, stop, seed, ...) and request_id, priority, add_special_tokens."""
+        (temperature, max_tokens, stop, seed, ...) and request_id, priority, add_special_tokens, lora_name."""
         request = wire.generate_request(prompt, **sampling)
         return self._stream(self._stub.Generate, request, timeout, metadata, traceparent)
 
     def chat(self, messages: Iterable, *, timeout: float | None = None, metadata: Metadata = None,
              traceparent: str | None = None, **sampling) -> Iterator[GenerateChunk]:
         """Stream the assistant's answer to chat messages. Keywords: SamplingParams fields and
-        request_id, priority, add_generation_prompt, continue_final_message, and tools, tool_choice,
+        request_id, priority, add_generation_prompt, continue_final_message, lora_name, and tools, tool_choice,
         parallel_tool_calls (calls arrive as chunk.completions[i].tool_call_deltas, then tool_calls)."""
         request = wire.chat_request(messages, **sampling)
         return self._stream(self._stub.Chat, request, timeout, metadata, traceparent)
@@ -85,7 +85,7 @@ class TandemClient:
               traceparent: str | None = None, **options) -> wire.Embeddings:
         """One vector per input (a text, token ids, or a list of them) from the model's final hidden
         states; pooling: last | mean | cls; normalize: unit L2 norm (the server's default: true).
-        Options: request_id, priority, add_special_tokens."""
+        Options: request_id, priority, add_special_tokens, lora_name."""
         request = wire.embed_request(inputs, pooling=pooling, normalize=normalize, **options)
         return wire.embeddings_from_proto(self._unary(self._stub.Embed, request, timeout, metadata, traceparent))
 
@@ -155,6 +155,29 @@ class TandemClient:
         """Stop admitting requests on this frontend (health NOT_SERVING) and wait up to timeout_s for those in
         flight; ok when none is left. resume() ends it."""
         return self._operator_call("Drain", timeout, metadata, timeout_s=timeout_s)
+
+    # ---- LoRA adapters (docs/lora.md); refusals raise TandemError with the server's status ----
+    def load_lora(self, name: str, path: str, *, timeout: float | None = None,
+                  metadata: Metadata = None) -> list[admin.LoraAdapter]:
+        """Load the PEFT adapter folder `path` (on the engines' machines) into every engine as `name`."""
+        return admin.lora_adapters(self._lora_call("LoadLoraAdapter", timeout, metadata, lora_name=name,
+                                                   lora_path=path))
+
+    def unload_lora(self, name: str, *, timeout: float | None = None, metadata: Metadata = None) -> list[str]:
+        """Unload an adapter everywhere; the engines it left. Refused (FAILED_PRECONDITION) while in use."""
+        return list(self._lora_call("UnloadLoraAdapter", timeout, metadata, lora_name=name).engines)
+
+    def list_loras(self, *, timeout: float | None = None, metadata: Metadata = None) -> list[admin.LoraAdapter]:
+        return admin.lora_adapters(self._lora_call("ListLoraAdapters", timeout, metadata))
+
+    def pin_lora(self, name: str, *, timeout: float | None = None,
+                 metadata: Metadata = None) -> list[admin.LoraAdapter]:
+        """Keep an adapter in every engine's host memory (never pushed out by others)."""
+        return admin.lora_adapters(self._lora_call("PinLoraAdapter", timeout, metadata, lora_name=name))
+
+    def _lora_call(self, method: str, timeout, metadata, **fields):
+        return self._unary(getattr(self._admin, method), admin.admin_request(method, **fields), timeout, metadata,
+                           None, self._admin_metadata)
 
     def _operator_call(self, method: str, timeout, metadata, **fields) -> AdminResult:
         reply = self._unary(getattr(self._admin, method), admin.admin_request(method, **fields), timeout, metadata,

@@ -26,13 +26,14 @@ _POOLING = {"last": common_pb2.POOLING_TYPE_LAST, "mean": common_pb2.POOLING_TYP
 
 def embed_request(inputs: str | Sequence[int] | Iterable[str | Sequence[int]], *, pooling: str = "last",
                   normalize: bool | None = None, request_id: str = "", priority: int = 0,
-                  add_special_tokens: bool | None = None) -> generation_pb2.EmbedRequest:
-    """A text or token-id list, or a list of them; pooling: last | mean | cls."""
+                  add_special_tokens: bool | None = None, lora_name: str = "") -> generation_pb2.EmbedRequest:
+    """A text or token-id list, or a list of them; pooling: last | mean | cls; lora_name: a loaded LoRA adapter."""
     if pooling not in _POOLING:
         raise ValueError(f"pooling must be one of {', '.join(_POOLING)}, got {pooling!r}")
     single = isinstance(inputs, str) or (isinstance(inputs, Sequence) and all(isinstance(i, int) for i in inputs))
     items = [inputs] if single and inputs else list(inputs)
-    request = generation_pb2.EmbedRequest(request_id=request_id, priority=priority, pooling=_POOLING[pooling])
+    request = generation_pb2.EmbedRequest(request_id=request_id, priority=priority, pooling=_POOLING[pooling],
+                                          lora_name=lora_name)
     for item in items:
         if isinstance(item, str):
             request.inputs.add(text=item)

@@ -28,8 +28,9 @@ _FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REAS
 # What model_info() and server_info() return: the response messages as they come (read-only).
 ModelInfo = generation_pb2.GetModelInfoResponse
 ServerInfo = generation_pb2.GetServerInfoResponse
-_GENERATE_OPTIONS = ("request_id", "priority", "add_special_tokens")
-_CHAT_OPTIONS = ("request_id", "priority", "add_generation_prompt", "continue_final_message", *tools.TOOL_OPTIONS)
+_GENERATE_OPTIONS = ("request_id", "priority", "add_special_tokens", "lora_name")
+_CHAT_OPTIONS = ("request_id", "priority", "add_generation_prompt", "continue_final_message", "lora_name",
+                 *tools.TOOL_OPTIONS)
 
 
 # ---- results ---------------------------------------------------------------------------------------

@@ -13,6 +13,8 @@ _QUANTIZATIONS = ("auto", "int8", "int4", "none")
 _DEVICES = ("auto", "cpu", "cuda")
 _ATTENTION_BACKENDS = ("auto", "torch", "cpp", "triton")
 _POLICIES = ("fcfs", "priority")
+# kernels/lora_ops.py's choices, named here for the torch-free flag parser (tests/engine_core/test_lora.py checks)
+LORA_KERNELS = ("auto", "triton", "per_slot", "segments", "gather_bmm", "stacked")
 _OVERLAP = ("auto", "on", "off")
 
 
@@ -128,11 +130,40 @@ class DeviceConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Serving LoRA adapters beside the base model (docs/lora.md). Off unless `enable`."""
+
+    enable: bool = False
+    max_loras: int = 4  # device slots: the most distinct adapters in one step
+    max_lora_rank: int = 16  # adapters of a higher rank are refused; slots are this wide
+    max_cpu_loras: int | None = None  # adapters kept in host memory (LRU, pinned ones stay); None: max_loras
+    kernel: str = "auto"  # auto: Triton on CUDA, the fastest measured on CPU; or one kernel (kernels/lora_ops.py)
+    adapters: dict[str, str] = field(default_factory=dict)  # name -> PEFT folder, loaded at start
+    # steps a waiting request may be passed over for others' adapters before it holds the queue
+    max_wait_steps: int = 32
+
+    def __post_init__(self) -> None:
+        _require(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
+        _require(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        _require(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        _require(self.max_wait_steps >= 0, f"max_wait_steps must be >= 0, got {self.max_wait_steps}")
+        _require(self.kernel in LORA_KERNELS, f"lora kernel must be one of {LORA_KERNELS}, got {self.kernel!r}")
+        if self.adapters:
+            self.enable = True
+
+    @property
+    def host_capacity(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass

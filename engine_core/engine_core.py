@@ -18,6 +18,9 @@ import torch
 from engine_core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, ModelArchConfig, SchedulerConfig
 from engine_core.cuda_graphs import capture_sizes
 from engine_core.loader.registry import default_model_path, load_model, prepare_for_cpu
+from engine_core.lora.admission import LoraAdmission
+from engine_core.lora.engine_calls import EngineLoraCalls
+from engine_core.lora.runtime import LoraRuntime
 from engine_core.model_runner import ModelRunner, kv_cache_bytes_per_block
 from engine_core.overlap import InlineQueue, OverlappedSteps, ThreadQueue, resolve_overlap
 from engine_core.profiler import Profiler
@@ -80,7 +83,7 @@ def resolve_scheduler(config: SchedulerConfig, device: torch.device, max_model_l
     return replace(config, max_num_batched_tokens=budget)
 
 
-class EngineCore:
+class EngineCore(EngineLoraCalls):  # add_lora, remove_lora, pin_lora, list_loras: engine_core/lora/engine_calls.py
     def __init__(self, config: EngineConfig, *, log_stats: bool = False, kv_events: bool = False) -> None:
         """log_stats: outputs carry per-request events (queued, scheduled, preempted) as in vLLM v1.
         kv_events: each step's outputs carry the prefix-cache hashes indexed and evicted (for routers)."""
@@ -109,6 +112,9 @@ class EngineCore:
         logger.info("step token budget %d", config.scheduler.max_num_batched_tokens)
         block_size = config.cache.block_size
         num_blocks = config.cache.num_blocks or self._num_blocks_for_memory(dtype)
+        self.lora = None  # the adapters (engine_core/lora), when the engine serves LoRA
+        if config.lora.enable:
+            self.lora = LoraRuntime.attach(self.model, config.lora, device, dtype, self.attention.name)
         self.structured = StructuredOutputs(self._tokenizer_path(), vocab_size=self.arch.vocab_size,
                                             eos_token_ids=list(self.arch.eos_token_ids))
         self.last_mask_timing = None  # the last step's structured-output mask timing (metrics only)
@@ -116,11 +122,13 @@ class EngineCore:
             self.model, self.arch, self.attention,
             num_blocks=num_blocks, block_size=block_size, device=device, dtype=dtype,
             max_model_len=self.max_model_len, cuda_graph_sizes=self._cuda_graph_sizes(device),
-            structured=self.structured,
+            structured=self.structured, lora=self.lora,
         )
         every_layer_slides = all(self.arch.is_sliding(i) for i in range(self.arch.num_hidden_layers))
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len, log_stats=log_stats,
-                                   sliding_window=self.arch.sliding_window if every_layer_slides else None)
+                                   sliding_window=self.arch.sliding_window if every_layer_slides else None,
+                                   lora=LoraAdmission(config.lora.max_loras, config.lora.max_wait_steps)
+                                   if self.lora is not None else None)
         self._block_pool = self.scheduler.kv_cache_manager.block_pool
         self.overlapped: OverlappedSteps | None = None  # None: each step() runs its step to the end
         if resolve_overlap(config.device.overlap, device):
@@ -224,6 +232,7 @@ class EngineCore:
                              f"got {params.n}")
         if params.structured is not None:
             self.structured.new_matcher(params.structured)  # compiles (and caches) or raises
+        self.validate_lora(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Idempotent: unknown or finished ids are ignored."""

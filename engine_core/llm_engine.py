@@ -19,6 +19,7 @@ from engine_core.protocol import (
     CompletionOutput,
     EngineCoreOutput,
     EngineCoreRequest,
+    LoraInfo,
     OutputKind,
     RequestOutput,
     SamplingParams,
@@ -67,14 +68,17 @@ class LLMEngine:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams | None = None,
         priority: int = 0,
+        lora_name: str | None = None,
     ) -> None:
-        """Checked by `EngineCore.validate_request` (ValueError naming the problem) before anything is queued."""
+        """Checked by `EngineCore.validate_request` (ValueError naming the problem) before anything is queued.
+        `lora_name`: a loaded LoRA adapter to run the request with (None: the base model)."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
         params = sampling_params or SamplingParams()
         if isinstance(params.n, bool) or not isinstance(params.n, int) or params.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {params.n!r}")
-        request = EngineCoreRequest(request_id, list(prompt_token_ids), params, time.time(), priority)
+        request = EngineCoreRequest(request_id, list(prompt_token_ids), params, time.time(), priority,
+                                    lora_name=lora_name)
         children = request.fan_out()
         for child in children:  # validate all before queueing any
             self.engine_core.validate_request(child)
@@ -83,6 +87,19 @@ class LLMEngine:
             self._children[child.request_id] = (request_id, index)
         self._requests[request_id] = _OfflineRequest(
             params.output_kind, len(request.prompt_token_ids), [_Completion() for _ in children])
+
+    # ---- LoRA adapters (docs/lora.md), as vLLM's LLMEngine names them ------------------
+    def add_lora(self, name: str, path: str) -> LoraInfo:
+        return self.engine_core.add_lora(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        self.engine_core.remove_lora(name)
+
+    def pin_lora(self, name: str) -> LoraInfo:
+        return self.engine_core.pin_lora(name)
+
+    def list_loras(self) -> list[LoraInfo]:
+        return self.engine_core.list_loras()
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Idempotent; aborting a parent aborts all its children."""
@@ -164,8 +181,14 @@ class LLMEngine:
         self,
         prompts: list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        lora_names: str | list[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run a batch to completion; one whole RequestOutput per prompt, in prompt order (completions by index)."""
+        """Run a batch to completion; one whole RequestOutput per prompt, in prompt order (completions by index).
+        `lora_names`: one adapter for every prompt, or one each (None: the base model)."""
+        if not isinstance(lora_names, list):
+            lora_names = [lora_names] * len(prompts)
+        if len(lora_names) != len(prompts):
+            raise ValueError(f"got {len(lora_names)} lora_names for {len(prompts)} prompts: give one or one each")
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -173,8 +196,8 @@ class LLMEngine:
                 f"got {len(sampling_params)} sampling params for {len(prompts)} prompts: give one or one each"
             )
         request_ids = [f"generate-{next(self._ids)}" for _ in prompts]
-        for request_id, prompt, params in zip(request_ids, prompts, sampling_params):
-            self.add_request(request_id, prompt, params)
+        for request_id, prompt, params, lora_name in zip(request_ids, prompts, sampling_params, lora_names):
+            self.add_request(request_id, prompt, params, lora_name=lora_name)
         kinds = dict(zip(request_ids, (params.output_kind for params in sampling_params)))
         collected: dict[str, RequestOutput] = {}
         while any(not (request_id in collected and collected[request_id].finished) for request_id in request_ids):

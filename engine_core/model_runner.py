@@ -12,7 +12,7 @@ structured-output constraint get their token masks computed while the forward ru
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Sequence
 
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from engine_core.config import ModelArchConfig
 from engine_core.cuda_graphs import DecodeGraphRunner
 from engine_core.host_to_device import to_device
+from engine_core.lora.runtime import LoraRuntime
 from engine_core.protocol import PoolingType
 from engine_core.request import Request
 from engine_core.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs
@@ -54,10 +55,12 @@ class ModelRunner:
         max_model_len: int,
         cuda_graph_sizes: Sequence[int] = (),
         structured: StructuredOutputs | None = None,
+        lora: LoraRuntime | None = None,
     ) -> None:
         """`cuda_graph_sizes`: decode batch buckets (empty: every step runs eagerly). On CUDA
         each bucket is captured as a graph; elsewhere the padded buckets run eagerly.
-        `structured`: the engine's grammars and masks (None: constrained requests sample freely)."""
+        `structured`: the engine's grammars and masks (None: constrained requests sample freely).
+        `lora`: the model's adapter slots (engine_core/lora), when the engine serves LoRA."""
         self.model = model
         self.arch = arch
         self.attention = attention
@@ -67,6 +70,7 @@ class ModelRunner:
         self.dtype = dtype
         self.sampler = Sampler()
         self.structured = structured
+        self.lora = lora
         self.generators: dict[str, torch.Generator] = {}
         self.pooling_state: dict[str, torch.Tensor] = {}  # request id -> running sum (mean) or first row (cls)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -144,8 +148,11 @@ class ModelRunner:
         if batch.placeholder_rows is not None:  # tokens the step before sampled, still on the device
             source = batch.placeholder_source.sampled
             batch.input_ids[batch.placeholder_rows] = source[batch.placeholder_source_rows]
+        if self.lora is not None:  # here, on the device queue: the step before has sampled with its own rows
+            self.lora.begin_step([r.lora_name for r in batch.requests], batch.row_counts)
         md = batch.attn_metadata
-        if self.decode_graphs is not None and self.decode_graphs.can_run(md):
+        adapters = self.lora is not None and self.lora.active  # graphs are captured without adapter rows
+        if self.decode_graphs is not None and not adapters and self.decode_graphs.can_run(md):
             return self.decode_graphs.run(batch.input_ids, batch.positions, md)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, md)
 
@@ -165,6 +172,8 @@ class ModelRunner:
                 masks: StepMasks | None) -> None:
         output = step.output
         batch = step.batch
+        if self.lora is not None:
+            self.lora.select_head_rows(batch.logits_rows)
         rows = hidden if batch.every_row_samples else hidden[batch.logits_indices]
         logits = self.model.compute_logits(rows)  # [N, vocab] fp32
         if masks is not None:  # before the sampler: logprobs are those of the constrained distribution
@@ -182,6 +191,8 @@ class ModelRunner:
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: _Batch, output: ModelRunnerOutput) -> None:
         for request, token_start, position_start, count in batch.prompt_logprob_spans:
             # hidden row at position p predicts prompt token p + 1
+            if self.lora is not None:
+                self.lora.select_head_rows(range(token_start, token_start + count))
             logits = self.model.compute_logits(hidden[token_start:token_start + count])
             targets = request.prompt_token_ids[position_start + 1:position_start + 1 + count]
             output.prompt_logprobs[request.request_id] = compute_prompt_logprobs(
@@ -211,10 +222,12 @@ class ModelRunner:
     # ---- batch preparation ------------------------------------------------------
     def _prepare_batch(self, scheduler_output: SchedulerOutput) -> _Batch:
         num_scheduled = scheduler_output.num_scheduled_tokens
-        # decodes (one query token) first, then prefill chunks: the attention layout
+        # decodes (one query token) first, then prefill chunks: the attention layout; with LoRA, each adapter's
+        # rows together within them (runs the LoRA kernels take as one: kernels/cpu_lora.py)
         only_decodes = scheduler_output.total_num_scheduled_tokens == len(num_scheduled)
-        requests = scheduler_output.scheduled_requests if only_decodes else sorted(
-            scheduler_output.scheduled_requests, key=lambda r: num_scheduled[r.request_id] != 1
+        requests = scheduler_output.scheduled_requests if only_decodes and self.lora is None else sorted(
+            scheduler_output.scheduled_requests,
+            key=lambda r: (num_scheduled[r.request_id] != 1, r.lora_name is not None, r.lora_name or ""),
         )
         block_size = self.block_size
         input_ids: list[int] = []
@@ -287,6 +300,9 @@ class ModelRunner:
             placeholder_rows=self._to_device(placeholder_rows, torch.int64) if placeholder_rows else None,
             placeholder_source=self._last_step if placeholder_rows else None,
             placeholder_source_rows=self._to_device(placeholder_source_rows, torch.int64) if placeholder_rows else None,
+            requests=requests,
+            row_counts=[num_scheduled[r.request_id] for r in requests],
+            logits_rows=logits_indices,
         )
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -310,3 +326,7 @@ class _Batch:
     placeholder_rows: torch.Tensor | None = None
     placeholder_source: StepOutput | None = None
     placeholder_source_rows: torch.Tensor | None = None
+    # LoRA: the requests in batch order, their rows, and the sampled rows as a host list
+    requests: list[Request] = field(default_factory=list)
+    row_counts: list[int] = field(default_factory=list)
+    logits_rows: list[int] = field(default_factory=list)

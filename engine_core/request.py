@@ -16,7 +16,7 @@ from engine_core.protocol import (
     PoolingParams,
     SamplingParams,
 )
-from engine_core.protocol.block_hash import BlockHash, hash_block_tokens
+from engine_core.protocol.block_hash import BlockHash, hash_block_tokens, root_hash
 
 if TYPE_CHECKING:
     from engine_core.structured.matcher import GrammarMatcher
@@ -65,6 +65,7 @@ class Request:
     priority: int = 0
     max_model_len: int | None = None
     pooling: PoolingParams | None = None  # set: pooled (an embedding), never sampled
+    lora_name: str | None = None  # its LoRA adapter; block hashes are rooted in it (protocol/block_hash.py)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -106,6 +107,7 @@ class Request:
             priority=req.priority,
             max_model_len=max_model_len,
             pooling=req.pooling,
+            lora_name=req.lora_name,
         )
 
     # ---- sizes ----------------------------------------------------------------
@@ -144,7 +146,7 @@ class Request:
 
     def _update_block_hashes(self) -> None:
         size = self.block_size
-        parent = self.block_hashes[-1] if self.block_hashes else None
+        parent = self.block_hashes[-1] if self.block_hashes else root_hash(self.lora_name)
         for start in range(len(self.block_hashes) * size, self.num_tokens - size + 1, size):
             parent = hash_block_tokens(parent, self.all_token_ids[start:start + size])
             self.block_hashes.append(parent)

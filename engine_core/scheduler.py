@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 from engine_core.config import CacheConfig, SchedulerConfig
 from engine_core.kv_cache_manager import KVCacheManager
+from engine_core.lora.admission import LoraAdmission
 from engine_core.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from engine_core.request import Request, RequestStatus
 from engine_core.request_queue import FcfsQueue, PriorityQueue
@@ -29,9 +30,11 @@ from engine_core.types import ModelRunnerOutput, SchedulerOutput
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 max_model_len: int, *, log_stats: bool = False, sliding_window: int | None = None) -> None:
+                 max_model_len: int, *, log_stats: bool = False, sliding_window: int | None = None,
+                 lora: LoraAdmission | None = None) -> None:
         """log_stats: record per-request events (queued, scheduled, preempted) for tracing and metrics.
-        sliding_window: set when every layer attends through it (blocks behind it are freed)."""
+        sliding_window: set when every layer attends through it (blocks behind it are freed).
+        lora: the adapters-per-step rule (engine_core/lora/admission.py), when the engine serves LoRA."""
         capacity = (num_blocks - 1) * cache_config.block_size
         if max_model_len > capacity:
             raise ValueError(f"max_model_len ({max_model_len}) is larger than the KV cache holds "
@@ -40,6 +43,7 @@ class Scheduler:
             raise ValueError(f"without chunked prefill max_num_batched_tokens "
                              f"({scheduler_config.max_num_batched_tokens}) must be >= max_model_len ({max_model_len})")
         self.config = scheduler_config
+        self.lora = lora
         self.log_stats = log_stats
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
@@ -170,9 +174,18 @@ class Scheduler:
                 or request.num_tokens_ahead >= self.max_model_len)
 
     def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int]) -> None:
-        """Admit waiting requests in queue order while budget, KV cache and max_num_seqs allow."""
+        """Admit waiting requests in queue order while budget, KV cache and max_num_seqs allow; with
+        LoRA, pass over (for a bounded number of steps) those whose adapter would exceed max_loras."""
+        passed_over: list[Request] = []
+        if self.lora is not None:
+            self.lora.start_step(self.running)
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if self.lora is not None and not self.lora.admits(request):
+                if not self.lora.pass_over(request):
+                    break  # it has waited long enough: nothing behind it goes first
+                passed_over.append(self.waiting.pop())
+                continue
             computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_computed
             if num_new > budget:
@@ -192,6 +205,10 @@ class Scheduler:
                 request.num_cached_tokens = num_computed
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+            if self.lora is not None:
+                self.lora.admit(request)
+        for request in reversed(passed_over):
+            self.waiting.push_front(request)
 
     def _pick_victim(self) -> int:
         """Index in `running` of the request to preempt: the newest, or the least important."""
@@ -281,6 +298,8 @@ class Scheduler:
         """Forget a finished request: its blocks and its bookkeeping."""
         self.kv_cache_manager.free(request)
         self._num_prompt_logprobs_sent.pop(request.request_id, None)
+        if self.lora is not None:
+            self.lora.forget(request.request_id)
 
     def _new_prompt_logprobs(
         self, request: Request, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -307,6 +326,7 @@ class Scheduler:
         A pure read: utility calls may ask between steps without taking counts from the step's metrics.
         """
         manager = self.kv_cache_manager
+        running_loras, waiting_loras = self.lora.request_counts(self.requests.values()) if self.lora else ({}, {})
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -319,6 +339,9 @@ class Scheduler:
             num_scheduled_tokens=self._num_scheduled_tokens,
             num_prompt_tokens=self._num_prompt_tokens,
             num_generation_tokens=self._num_generation_tokens,
+            running_lora_adapters=running_loras,
+            waiting_lora_adapters=waiting_loras,
+            max_lora=0 if self.lora is None else self.lora.max_loras,
         )
 
 

@@ -1,7 +1,9 @@
 """The kernels' one front door: the engine imports `kernels` and nothing deeper (tests/test_layering.py).
 
 What it offers: paged attention and the KV-cache write (`select_backend`), fused layer ops and argmax
-(`select_fused_ops`, `argmax`), the float dtype measured fastest here (`fastest_float_dtype`), and the CPU
+(`select_fused_ops`, `argmax`), the float dtype measured fastest here (`fastest_float_dtype`), LoRA's
+shrink/expand products (`select_lora_ops`: Triton on CUDA, the kernel measured fastest per row bucket on the
+CPU; `LoraStepIndex` maps a step's rows to adapter slots), and the CPU
 linears: every kernel that can take a layer, timed per batch bucket on this machine (`use_measured_linears`,
 with the model's `LinearRole`s) and the pieces the one-op CPU decode layers reuse. Which layer gets which
 kernel is decided by the engine (engine_core/models): the kernels only offer, check and time.
@@ -90,10 +92,14 @@ from kernels.cpu_linear import (  # noqa: E402
 from kernels.float_dtype import fastest_float_dtype  # noqa: E402
 from kernels.fused_ops import FusedOps, argmax, select_fused_ops  # noqa: E402
 from kernels.linear_timing import Timer, fastest_uncontended, one_thread, wall_timer  # noqa: E402
+from kernels.lora_index import LoraStepIndex  # noqa: E402
+from kernels.lora_ops import LORA_KERNELS, LoraOps, LoraPlan, select_lora_ops  # noqa: E402
 
 __all__ = [
-    "AttentionBackend", "AttentionMetadata", "BUCKETS", "FusedOps", "LinearRole", "Timer", "allowed_kernels",
+    "AttentionBackend", "AttentionMetadata", "BUCKETS", "FusedOps", "LORA_KERNELS", "LinearRole", "LoraOps",
+    "LoraPlan", "LoraStepIndex", "Timer", "allowed_kernels",
     "argmax", "fastest_float_dtype", "fastest_uncontended", "int4_allowed", "kernel_fits", "one_thread",
-    "prepare_int4_gemv", "prepare_int8_gemv", "select_backend", "select_fused_ops", "use_measured_linears",
+    "prepare_int4_gemv", "prepare_int8_gemv", "select_backend", "select_fused_ops", "select_lora_ops",
+    "use_measured_linears",
     "wall_timer",
 ]

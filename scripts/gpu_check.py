@@ -372,8 +372,11 @@ def part_transformers(plan: Plan, state: dict) -> list[dict]:
             row["hf_static_compile_tok_per_s"] = None  # a compile takes about a minute: not in the budget
         elif plan.hf_compile:
             compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-            with mock.patch.object(model, "forward", compiled):
-                row["hf_static_compile_tok_per_s"] = _generate_rate(model, prompt, plan, cache="static")
+            try:  # a transformers/torch pair that will not compile costs this figure, not the part's others
+                with mock.patch.object(model, "forward", compiled):
+                    row["hf_static_compile_tok_per_s"] = _generate_rate(model, prompt, plan, cache="static")
+            except Exception as exc:  # noqa: BLE001
+                row["hf_static_compile_tok_per_s"], row["hf_compile_error"] = None, repr(exc)[:500]
         else:
             row["hf_static_tok_per_s"] = _generate_rate(model, prompt, plan, cache="static")
         row["tandem_over_hf_eager"] = row["tandem_tok_per_s"] / row["hf_eager_tok_per_s"]
@@ -444,7 +447,8 @@ def checks(result: dict) -> list[dict]:
 
 
 def table(result: dict) -> str:
-    lines = [f"{result['device']} | torch {result['torch']} | {result['wall_s']:.0f} s", "",
+    lines = [f"{result['device']} | torch {result['torch']} | triton {result['triton']} | "
+             f"transformers {result['transformers']} | {result['date_utc']} UTC | {result['wall_s']:.0f} s", "",
              f"{'part':<14} {'status':<8} {'s':>6} {'est s':>6}"]
     for name, part in result["parts"].items():
         lines.append(f"{name:<14} {part['status']:<8} {part['seconds']:6.1f} {PARTS[name][1]:6d}")
@@ -457,6 +461,15 @@ def table(result: dict) -> str:
                      f"overlap={row['overlap']!s:<5} {row['step_ms']:7.3f} ms/step {row['tok_per_s']:9.0f} tok/s "
                      f"{row['of_roofline']:.2f} of roofline")
     return "\n".join(lines)
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -474,7 +487,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     result = {"device": torch.cuda.get_device_name() if plan.device == "cuda" else f"cpu ({platform.processor()})",
-              "torch": torch.__version__, "mode": plan.device, "parts": {}, "checks": [], "wall_s": 0.0}
+              "torch": torch.__version__, "mode": plan.device, "parts": {}, "checks": [], "wall_s": 0.0,
+              "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "triton": _version("triton"),
+              "transformers": _version("transformers")}
     state: dict = {"bandwidth": 1e12, "deadline": started + args.budget_s}
     for name in args.parts:
         function, estimate = PARTS[name]

@@ -141,13 +141,15 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         # on CPU, the layers as one C++ op each for small decode steps (cpu_decode_layers.py); set by the loader
         self.decode_layers = None
+        self.lora = None  # the step's adapters (engine_core/lora), when the engine serves LoRA
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], md: AttentionMetadata):
         h = self.embed_tokens(input_ids)  # [T, hidden]
         if self.embed_scale is not None:
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         rope = self.rotary_emb(positions, h.dtype)
-        if self.decode_layers is not None and h.shape[0] <= self.decode_layers.max_rows:
+        if self.decode_layers is not None and h.shape[0] <= self.decode_layers.max_rows and not (
+                self.lora is not None and self.lora.active):  # the op has no adapter products
             return self.norm(*self.decode_layers(h, rope, kv_caches, md))[0]
         local_rope = rope if self.local_rotary_emb is None else self.local_rotary_emb(positions, h.dtype)
         residual = None

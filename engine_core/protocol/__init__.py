@@ -12,6 +12,7 @@ from engine_core.protocol.engine_state import EngineState, PauseMode
 from engine_core.protocol.finish_reason import FinishReason
 from engine_core.protocol.kv_events import KVCacheEvents
 from engine_core.protocol.logprobs import TokenLogprobs
+from engine_core.protocol.lora_info import LoraInfo
 from engine_core.protocol.outputs import EngineCoreEvent, EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
 from engine_core.protocol.pooling_params import PoolingParams, PoolingType
 from engine_core.protocol.request import EngineCoreRequest
@@ -20,12 +21,13 @@ from engine_core.protocol.request_output import CompletionOutput, RequestOutput,
 from engine_core.protocol.sampling_params import MAX_LOGPROBS, OutputKind, SamplingParams, validate_sampling_params
 from engine_core.protocol.scheduler_stats import SchedulerStats
 from engine_core.protocol.structured_output import StructuredOutput
-from engine_core.protocol.utility import UtilityCall, UtilityMethod, UtilityResult
+from engine_core.protocol.utility import UtilityCall, UtilityErrorKind, UtilityMethod, UtilityResult
 
 __all__ = [
     "BlockHash", "CompletionOutput", "EngineCoreEvent", "EngineCoreEventType", "EngineCoreOutput",
-    "EngineCoreOutputs", "EngineCoreRequest", "EngineInfo", "EngineState", "FinishReason", "KVCacheEvents",
+    "EngineCoreOutputs", "EngineCoreRequest", "EngineInfo", "EngineState", "FinishReason", "KVCacheEvents", "LoraInfo",
     "MAX_LOGPROBS", "OutputKind", "PauseMode", "PoolingParams", "PoolingType", "RequestError", "RequestErrorKind",
     "RequestOutput", "SamplingParams", "SchedulerStats", "StructuredOutput", "TokenLogprobs", "Usage",
-    "UtilityCall", "UtilityMethod", "UtilityResult", "hash_prompt_blocks", "validate_sampling_params",
+    "UtilityCall", "UtilityErrorKind", "UtilityMethod", "UtilityResult", "hash_prompt_blocks",
+    "validate_sampling_params",
 ]

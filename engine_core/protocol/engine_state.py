@@ -24,6 +24,7 @@ class EngineState:
     paused: bool = False  # new requests are held until resume
     pause_mode: PauseMode | None = None  # while paused
     asleep: bool = False  # new requests are refused until wake-up
+    lora_names: tuple[str, ...] = ()  # the LoRA adapters loaded (routers send their requests here)
 
     @property
     def admitting(self) -> bool:

@@ -18,6 +18,7 @@ class EngineCoreRequest:
     priority: int = 0  # lower runs first under the priority policy
     trace_headers: dict[str, str] | None = None  # W3C trace context of the caller's span
     pooling: PoolingParams | None = None  # set: an embedding request, pooled instead of sampled
+    lora_name: str | None = None  # the LoRA adapter to run it with (engine_core/lora); None: the base model
 
     def fan_out(self) -> list[EngineCoreRequest]:
         """The engine requests of an n > 1 request, one per completion: the engine core samples one sequence per

@@ -11,6 +11,7 @@ class RequestErrorKind(enum.IntEnum):
 
     INVALID = 0  # the request itself is bad: the client's to fix
     ASLEEP = 1  # the engine sleeps until WakeUp: a state of the server, not the client's fault
+    NOT_FOUND = 2  # the request names a LoRA adapter the engine has not loaded
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -18,3 +18,7 @@ class SchedulerStats:
     num_scheduled_tokens: int = 0  # this step
     num_prompt_tokens: int = 0  # this step: prompt lengths of requests that sampled their first token
     num_generation_tokens: int = 0  # this step: tokens sampled
+    # LoRA (vLLM's lora_requests_info): requests per adapter, running and waiting; max_lora 0 when LoRA is off
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+    max_lora: int = 0

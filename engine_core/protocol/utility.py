@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 
 from engine_core.protocol.engine_state import PauseMode
+from engine_core.protocol.lora_info import LoraInfo
 from engine_core.protocol.scheduler_stats import SchedulerStats
 
 
@@ -20,6 +21,10 @@ class UtilityMethod(enum.IntEnum):
     START_PROFILE = 6
     STOP_PROFILE = 7
     GET_STATS = 8
+    LOAD_LORA = 9
+    UNLOAD_LORA = 10
+    LIST_LORAS = 11
+    PIN_LORA = 12
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -31,6 +36,17 @@ class UtilityCall:
     method: UtilityMethod
     pause_mode: PauseMode = PauseMode.ABORT  # PAUSE only
     profile_dir: str = ""  # START_PROFILE only ("" = the engine's default)
+    lora_name: str = ""  # the LoRA methods
+    lora_path: str = ""  # LOAD_LORA only
+
+
+class UtilityErrorKind(enum.IntEnum):
+    """Why a call was refused, when the engine says: the status the frontend answers with (numbered like
+    tandem.v1.UtilityErrorKind; 0: not said)."""
+
+    INVALID_ARGUMENT = 1
+    NOT_FOUND = 2
+    FAILED_PRECONDITION = 3
 
 
 @dataclass(frozen=True)
@@ -39,3 +55,5 @@ class UtilityResult:
     ok: bool
     error: str = ""
     stats: SchedulerStats | None = None  # GET_STATS only
+    loras: tuple[LoraInfo, ...] = ()  # the LoRA methods' adapters
+    error_kind: UtilityErrorKind | None = None

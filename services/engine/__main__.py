@@ -16,7 +16,15 @@ import logging
 import sys
 from pathlib import Path
 
-from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine_core.config import (
+    LORA_KERNELS,
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    LoraConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from engine_core.openmp_env import limit_openmp_spinning
 from services.cpu_affinity import step_cpu_flag
 from services.cpu_priority import CPU_PRIORITIES
@@ -130,7 +138,30 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--overlap", default=device.overlap, choices=["auto", "on", "off"],
                    help="schedule and prepare the next step while this one runs (docs/gpu.md); "
                         "auto: on for cuda, off on cpu")
+
+    lora = defaults.lora
+    la = p.add_argument_group("LoRA adapters (docs/lora.md)")
+    la.add_argument("--enable-lora", action="store_true",
+                    help="serve LoRA adapters beside the base model (loaded at run time by AdminService, or --lora)")
+    la.add_argument("--lora", action="append", metavar="NAME=PATH", type=_lora_flag,
+                    help="load the PEFT adapter folder PATH as NAME at start (repeatable; implies --enable-lora)")
+    la.add_argument("--max-loras", type=int, default=lora.max_loras,
+                    help="device slots: the most distinct adapters in one step (requests of another wait)")
+    la.add_argument("--max-lora-rank", type=int, default=lora.max_lora_rank,
+                    help="the highest adapter rank served; every slot is this wide")
+    la.add_argument("--max-cpu-loras", type=int, default=lora.max_cpu_loras,
+                    help="adapters kept in host memory, least recently used pushed out (read again from their "
+                         "folder when used) unless pinned (default: --max-loras)")
+    la.add_argument("--lora-kernel", default=lora.kernel, choices=LORA_KERNELS,
+                    help="auto: Triton on CUDA, on CPU the fastest measured per batch size; or one kernel")
     return p
+
+
+def _lora_flag(value: str) -> tuple[str, str]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora takes NAME=PATH (a PEFT adapter folder), got {value!r}")
+    return name, path
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -155,6 +186,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             enforce_eager=args.enforce_eager, cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
             overlap=args.overlap,
         ),
+        lora=LoraConfig(enable=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                        max_cpu_loras=args.max_cpu_loras, kernel=args.lora_kernel, adapters=dict(args.lora or ())),
     )
 
 

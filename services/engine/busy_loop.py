@@ -27,13 +27,16 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from engine_core.lora.errors import LoraAdapterError, LoraDisabledError, LoraInUseError, UnknownLoraError
 from engine_core.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineState,
+    LoraInfo,
     PauseMode,
     RequestErrorKind,
     UtilityCall,
+    UtilityErrorKind,
     UtilityMethod,
     UtilityResult,
 )
@@ -46,6 +49,14 @@ if TYPE_CHECKING:  # torch-free to import: tandem-engine's flags read its defaul
     from engine_core.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
+
+_LORA_METHODS = (UtilityMethod.LOAD_LORA, UtilityMethod.UNLOAD_LORA, UtilityMethod.LIST_LORAS, UtilityMethod.PIN_LORA)
+_LORA_ERROR_KINDS = {
+    LoraAdapterError: UtilityErrorKind.INVALID_ARGUMENT,
+    UnknownLoraError: UtilityErrorKind.NOT_FOUND,
+    LoraInUseError: UtilityErrorKind.FAILED_PRECONDITION,
+    LoraDisabledError: UtilityErrorKind.FAILED_PRECONDITION,
+}
 
 _STOP = object()  # the sentinel that ends the loop
 _IDLE_TICK_S = 1.0  # an idle loop still records a heartbeat this often
@@ -139,6 +150,7 @@ class EngineBusyLoop:
     def _run(self) -> None:
         self.thread = threading.current_thread()
         try:
+            self._publish_state()  # the adapters loaded at start (--lora), before any connection opens
             while self._process_inputs(block=not self._has_work()):
                 if self._has_work():
                     self._router.route(self._step())
@@ -262,6 +274,9 @@ class EngineBusyLoop:
             except ValueError:
                 self._router.forget(engine_id)
                 raise
+        except (UnknownLoraError, LoraDisabledError) as exc:  # an adapter this engine does not have
+            self._router.refuse(connection, request.request_id, str(exc), RequestErrorKind.NOT_FOUND)
+            return
         except ValueError as exc:
             self._router.refuse(connection, request.request_id, str(exc))
             return
@@ -312,18 +327,35 @@ class EngineBusyLoop:
                 self.engine.start_profile(call.profile_dir)
             elif method is UtilityMethod.STOP_PROFILE:
                 self.engine.stop_profile()
+            elif method in _LORA_METHODS:
+                return UtilityResult(call.call_id, True, stats=self.engine.make_stats(), loras=self._lora_call(call))
         except ValueError as exc:  # refused, with a message for the caller
-            return UtilityResult(call.call_id, False, str(exc), self.engine.make_stats())
+            return UtilityResult(call.call_id, False, str(exc), self.engine.make_stats(),
+                                 error_kind=_LORA_ERROR_KINDS.get(type(exc)))
         finally:
             if (events := self.engine.take_kv_events()) is not None:  # a reset clears every router's view now
                 self._router.broadcast_kv_events(events, self.engine.make_stats())
             self._publish_state()  # before the caller's answer, so its frontend already routes by it
         return UtilityResult(call.call_id, True, stats=self.engine.make_stats())
 
+    def _lora_call(self, call: UtilityCall) -> tuple[LoraInfo, ...]:
+        """Run a LoRA utility call on the loop thread, between steps: a load reads the adapter's folder
+        here, so the running streams wait that long (one step) and no more."""
+        if call.method is UtilityMethod.LOAD_LORA:
+            return (self.engine.add_lora(call.lora_name, call.lora_path),)
+        if call.method is UtilityMethod.UNLOAD_LORA:
+            self.engine.remove_lora(call.lora_name)
+            return ()
+        if call.method is UtilityMethod.PIN_LORA:
+            return (self.engine.pin_lora(call.lora_name),)
+        return tuple(self.engine.list_loras())
+
     def _publish_state(self) -> None:
-        """Tell every connection when pause, resume, sleep or wake-up changed what happens to new requests."""
+        """Tell every connection when pause, resume, sleep, wake-up or the LoRA adapters changed what happens
+        to new requests."""
         paused = not self._pause.admitting
-        state = EngineState(paused=paused, pause_mode=self._pause.mode if paused else None, asleep=self.engine.asleep)
+        state = EngineState(paused=paused, pause_mode=self._pause.mode if paused else None, asleep=self.engine.asleep,
+                            lora_names=tuple(info.name for info in self.engine.list_loras()))
         if state != self._published_state:
             self._published_state = state
             self._router.broadcast_state(state)

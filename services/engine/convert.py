@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tandem.v1 import engine_core_pb2
+from tandem.v1 import common_pb2, engine_core_pb2
 
 from engine_core.config import EngineConfig
 from engine_core.protocol import (
@@ -19,6 +19,7 @@ from engine_core.protocol import (
     EngineCoreRequest,
     EngineInfo,
     EngineState,
+    LoraInfo,
     PauseMode,
     PoolingParams,
     PoolingType,
@@ -63,6 +64,7 @@ def request_from_proto(request: engine_core_pb2.EngineCoreRequest) -> EngineCore
         priority=request.priority,
         trace_headers=dict(request.trace_headers) or None,
         pooling=pooling_from_proto(request.pooling) if request.HasField("pooling") else None,
+        lora_name=request.lora_name or None,
     )
 
 
@@ -77,8 +79,16 @@ def utility_from_proto(call: engine_core_pb2.UtilityCall) -> UtilityCall:
         raise ValueError(f"unknown utility method {call.method}")
     if call.pause_mode not in (0, *PauseMode):
         raise ValueError(f"unknown pause mode {call.pause_mode}")
-    return UtilityCall(call.call_id, UtilityMethod(call.method), PauseMode(call.pause_mode or PauseMode.ABORT),
-                       call.profile_dir)
+    method = UtilityMethod(call.method)
+    if method in _LORA_NAMED and not call.lora_name:
+        raise ValueError(f"utility {method}: lora_name must not be empty")
+    if method is UtilityMethod.LOAD_LORA and not call.lora_path:
+        raise ValueError("utility load_lora: lora_path must not be empty")
+    return UtilityCall(call.call_id, method, PauseMode(call.pause_mode or PauseMode.ABORT), call.profile_dir,
+                       call.lora_name, call.lora_path)
+
+
+_LORA_NAMED = (UtilityMethod.LOAD_LORA, UtilityMethod.UNLOAD_LORA, UtilityMethod.PIN_LORA)
 
 
 # ---- outputs --------------------------------------------------------------------------
@@ -104,7 +114,8 @@ def outputs_to_proto(message: EngineCoreOutputs) -> engine_core_pb2.EngineCoreOu
 
 
 def engine_state_to_proto(state: EngineState) -> engine_core_pb2.EngineState:
-    return engine_core_pb2.EngineState(paused=state.paused, asleep=state.asleep, pause_mode=int(state.pause_mode or 0))
+    return engine_core_pb2.EngineState(paused=state.paused, asleep=state.asleep, pause_mode=int(state.pause_mode or 0),
+                                       lora_names=state.lora_names)
 
 
 def output_to_proto(output: EngineCoreOutput) -> engine_core_pb2.EngineCoreOutput:
@@ -132,10 +143,17 @@ def stats_to_proto(stats: SchedulerStats) -> engine_core_pb2.SchedulerStats:
 
 
 def utility_result_to_proto(result: UtilityResult) -> engine_core_pb2.UtilityResult:
-    proto = engine_core_pb2.UtilityResult(call_id=result.call_id, ok=result.ok, error=result.error)
+    proto = engine_core_pb2.UtilityResult(call_id=result.call_id, ok=result.ok, error=result.error,
+                                          error_kind=int(result.error_kind or 0),
+                                          loras=[lora_to_proto(info) for info in result.loras])
     if result.stats is not None:
         proto.stats.CopyFrom(stats_to_proto(result.stats))
     return proto
+
+
+def lora_to_proto(info: LoraInfo) -> common_pb2.LoraAdapter:
+    return common_pb2.LoraAdapter(name=info.name, path=info.path, rank=info.rank, alpha=info.alpha,
+                                  target_modules=info.target_modules, pinned=info.pinned, location=info.location)
 
 
 def engine_info_to_proto(info: EngineInfo, config: EngineConfig) -> engine_core_pb2.GetEngineInfoResponse:

@@ -63,6 +63,8 @@ class EngineTelemetry:
             SpanAttributes.REQUEST_TOP_P: params.top_p,
             "tandem.request.priority": request.priority,
         }
+        if request.lora_name is not None:
+            attributes["tandem.request.lora_name"] = request.lora_name
         if params.max_tokens is not None:
             attributes[SpanAttributes.REQUEST_MAX_TOKENS] = params.max_tokens
         span = self.tracer.start_span("engine_core.request", context=extract_context(request.trace_headers),

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import math
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from engine_core.protocol import (
     EngineInfo,
@@ -26,9 +27,10 @@ from engine_core.protocol import (
 from services.frontend.change_listeners import ChangeListeners
 from services.frontend.chat_setup import ChatSetup
 from services.frontend.engine_client import EngineClient
-from services.frontend.errors import DuplicateRequest, EngineUnavailable, InvalidRequest, TooManyRequests
+from services.frontend.errors import DuplicateRequest, EngineUnavailable, InvalidRequest, NotFound, TooManyRequests
 from services.frontend.input_processor import InputProcessor, Prompt, new_request_id
 from services.frontend.limits import RequestLimits
+from services.frontend.lora_results import lora_results
 from services.frontend.messages import EmbedResult, EngineCallResult, EngineOutputs
 from services.frontend.output_processor import DEFAULT_MAX_UNSENT_TOKENS, OutputProcessor, RequestOutputCollector
 from services.frontend.telemetry import FrontendTelemetry
@@ -104,13 +106,15 @@ class AsyncLLM(ChangeListeners):
 
     # ---- generation -----------------------------------------------------------------
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str = "", *,
-                       priority: int = 0, trace_headers: dict[str, str] | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs (sampling_params None: every default). Validation errors raise InvalidRequest.
+                       priority: int = 0, trace_headers: dict[str, str] | None = None,
+                       lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (sampling_params None: every default). Validation errors raise InvalidRequest;
+        `lora_name` no engine has loaded, NotFound.
 
         Closing the generator early (client cancel, deadline) aborts the request in the engine.
         """
         request_id, collector = self.add_request(prompt, sampling_params, request_id, priority=priority,
-                                                 trace_headers=trace_headers)
+                                                 trace_headers=trace_headers, lora_name=lora_name)
         finished = False
         try:
             while not finished:
@@ -122,7 +126,7 @@ class AsyncLLM(ChangeListeners):
                 self.abort(request_id)
 
     async def embed(self, prompts: list[Prompt], pooling: PoolingParams, request_id: str = "", *, priority: int = 0,
-                    trace_headers: dict[str, str] | None = None) -> EmbedResult:
+                    trace_headers: dict[str, str] | None = None, lora_name: str | None = None) -> EmbedResult:
         """One vector per prompt: each prompt is an engine request that is prefilled and pooled, in the
         same batches as generation. Validation errors raise InvalidRequest; cancelling aborts them all."""
         if not prompts:
@@ -135,7 +139,8 @@ class AsyncLLM(ChangeListeners):
                 if prompt is None:
                     raise InvalidRequest(f"inputs[{i}] is empty: set text or token_ids")
                 child_id, collector = self.add_request(prompt, params, f"{request_id}-{i}", priority=priority,
-                                                       trace_headers=trace_headers, pooling=pooling)
+                                                       trace_headers=trace_headers, pooling=pooling,
+                                                       lora_name=lora_name)
                 ids.append(child_id)
                 collectors.append(collector)
             outputs = [await collector.get() for collector in collectors]
@@ -151,7 +156,8 @@ class AsyncLLM(ChangeListeners):
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str = "", *,
                     priority: int = 0, trace_headers: dict[str, str] | None = None,
-                    pooling: PoolingParams | None = None) -> tuple[str, RequestOutputCollector]:
+                    pooling: PoolingParams | None = None,
+                    lora_name: str | None = None) -> tuple[str, RequestOutputCollector]:
         """Validate, admit and send a request (fanned out when n > 1); its id and collector."""
         if self.draining:
             raise EngineUnavailable("the server is draining and admits no new requests; use another replica")
@@ -162,6 +168,8 @@ class AsyncLLM(ChangeListeners):
         tool_plan = self.input_processor.plan_tools(prompt, sampling_params)
         request = self.input_processor.process(request_id, prompt, sampling_params, priority=priority,
                                                trace_headers=trace_headers, pooling=pooling, tool_plan=tool_plan)
+        if lora_name:
+            request = replace(request, lora_name=lora_name)
         n = request.sampling_params.n
         in_flight = self.num_in_flight
         if in_flight + n > self.max_waiting_requests:
@@ -174,7 +182,7 @@ class AsyncLLM(ChangeListeners):
         try:
             for child in children:
                 self.engine_client.add_request(child)
-        except EngineUnavailable:
+        except (EngineUnavailable, NotFound):  # NotFound: no engine has its LoRA adapter
             self.abort(request.request_id)
             raise
         self._start_output_handler()
@@ -257,6 +265,29 @@ class AsyncLLM(ChangeListeners):
 
     async def stop_profile(self) -> list[EngineCallResult]:
         return await self.engine_client.call_utility(UtilityMethod.STOP_PROFILE)
+
+    # ---- LoRA adapters (every engine; docs/lora.md) --------------------------------------
+    async def add_lora(self, name: str, path: str) -> list[EngineCallResult]:
+        """Load the PEFT adapter folder `path` (on the engines' machines) as `name` into every engine."""
+        if not name or not path:
+            raise InvalidRequest(f"lora_name and lora_path must both be set (got {name!r}, {path!r})")
+        return lora_results(await self.engine_client.call_utility(UtilityMethod.LOAD_LORA, lora_name=name,
+                                                                  lora_path=path))
+
+    async def remove_lora(self, name: str) -> list[EngineCallResult]:
+        if not name:
+            raise InvalidRequest("lora_name is empty: name the adapter to unload")
+        return lora_results(await self.engine_client.call_utility(UtilityMethod.UNLOAD_LORA, lora_name=name),
+                            missing_ok=True)
+
+    async def pin_lora(self, name: str) -> list[EngineCallResult]:
+        if not name:
+            raise InvalidRequest("lora_name is empty: name the adapter to pin")
+        return lora_results(await self.engine_client.call_utility(UtilityMethod.PIN_LORA, lora_name=name),
+                            missing_ok=True)
+
+    async def list_loras(self) -> list[EngineCallResult]:
+        return lora_results(await self.engine_client.call_utility(UtilityMethod.LIST_LORAS))
 
     async def drain(self, timeout_s: float) -> int:
         """Stop admitting requests and wait up to timeout_s (finite, >= 0) for those in flight; how many are left."""

@@ -13,6 +13,7 @@ from engine_core.protocol import (
     EngineInfo,
     EngineState,
     KVCacheEvents,
+    LoraInfo,
     PauseMode,
     PoolingParams,
     PoolingType,
@@ -22,6 +23,7 @@ from engine_core.protocol import (
     SamplingParams,
     SchedulerStats,
     UtilityCall,
+    UtilityErrorKind,
     UtilityResult,
 )
 from services import sampling_convert
@@ -153,6 +155,22 @@ def admin_response(results: list[EngineCallResult], response_type: type[AdminRes
     return response_type(ok=not failed, detail=detail)
 
 
+def lora_from_proto(lora: common_pb2.LoraAdapter) -> LoraInfo:
+    return LoraInfo(lora.name, lora.path, lora.rank, lora.alpha, tuple(lora.target_modules), lora.pinned,
+                    lora.location)
+
+
+def lora_to_proto(info: LoraInfo, engine: str) -> common_pb2.LoraAdapter:
+    return common_pb2.LoraAdapter(name=info.name, path=info.path, rank=info.rank, alpha=info.alpha,
+                                  target_modules=info.target_modules, pinned=info.pinned, location=info.location,
+                                  engine=engine)
+
+
+def lora_adapters(results: list[EngineCallResult]) -> list[common_pb2.LoraAdapter]:
+    """Every engine's adapters, each named with its engine."""
+    return [lora_to_proto(info, result.address) for result in results for info in result.loras]
+
+
 def drain_response(left: int, timeout_s: float) -> admin_pb2.DrainResponse:
     detail = "drained" if not left else f"{left} requests still in flight after {timeout_s:g}s"
     return admin_pb2.DrainResponse(ok=not left, detail=detail)
@@ -164,6 +182,7 @@ def request_to_proto(request: EngineCoreRequest) -> engine_core_pb2.EngineCoreIn
         request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
         sampling_params=sampling_convert.sampling_params_to_proto(request.sampling_params),
         arrival_time=request.arrival_time, priority=request.priority, trace_headers=request.trace_headers or {},
+        lora_name=request.lora_name or "",
         pooling=None if request.pooling is None else engine_core_pb2.PoolingParams(
             type=int(request.pooling.pooling_type), normalize=request.pooling.normalize),
     ))
@@ -189,7 +208,9 @@ def message_from_proto(batch: engine_core_pb2.EngineCoreOutputs) -> EngineCoreOu
     )
     if batch.HasField("utility_result"):
         result = batch.utility_result
-        message.utility_result = UtilityResult(result.call_id, result.ok, result.error)
+        message.utility_result = UtilityResult(
+            result.call_id, result.ok, result.error, loras=tuple(lora_from_proto(lora) for lora in result.loras),
+            error_kind=UtilityErrorKind(result.error_kind) if result.error_kind in (*UtilityErrorKind,) else None)
     if batch.HasField("scheduler_stats"):
         stats = batch.scheduler_stats
         message.scheduler_stats = SchedulerStats(num_running_reqs=stats.num_running_reqs,
@@ -204,7 +225,8 @@ def message_from_proto(batch: engine_core_pb2.EngineCoreOutputs) -> EngineCoreOu
     if batch.HasField("engine_state"):
         state = batch.engine_state
         mode = PauseMode(state.pause_mode) if state.paused and state.pause_mode in (*PauseMode,) else None
-        message.engine_state = EngineState(paused=state.paused, asleep=state.asleep, pause_mode=mode)
+        message.engine_state = EngineState(paused=state.paused, asleep=state.asleep, pause_mode=mode,
+                                           lora_names=tuple(state.lora_names))
     return message
 
 
@@ -231,4 +253,5 @@ def engine_info_request() -> engine_core_pb2.GetEngineInfoRequest:
 
 def utility_to_proto(call: UtilityCall) -> engine_core_pb2.EngineCoreInput:
     return engine_core_pb2.EngineCoreInput(utility=engine_core_pb2.UtilityCall(
-        call_id=call.call_id, method=int(call.method), pause_mode=int(call.pause_mode), profile_dir=call.profile_dir))
+        call_id=call.call_id, method=int(call.method), pause_mode=int(call.pause_mode), profile_dir=call.profile_dir,
+        lora_name=call.lora_name, lora_path=call.lora_path))

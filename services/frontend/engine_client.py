@@ -30,7 +30,11 @@ from engine_core.protocol import (
     UtilityMethod,
 )
 from services.frontend import convert
-from services.frontend.engine_client_base import EngineClient, refusal_error  # EngineClient re-exported
+from services.frontend.engine_client_base import (  # EngineClient re-exported
+    EngineClient,
+    refusal_error,
+    with_adapter,
+)
 from services.frontend.engine_connection import EngineConnection
 from services.frontend.engine_discovery import (
     DEFAULT_RESOLVE_INTERVAL_S,
@@ -170,8 +174,8 @@ class GrpcEngineClient(EngineClient):
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
-        candidates = self._candidates()
-        decision = self.router.choose([e.load for e in candidates], request.prompt_token_ids)
+        candidates = with_adapter(self._candidates(), request.lora_name)
+        decision = self.router.choose([e.load for e in candidates], request.prompt_token_ids, request.lora_name)
         engine = candidates[decision.index]
         engine.track(request.request_id, decision.prefix_hashes)
         engine.send(convert.request_to_proto(request))
@@ -201,7 +205,7 @@ class GrpcEngineClient(EngineClient):
             self._retire_if_idle(engine)
 
     async def call_utility(self, method: UtilityMethod, *, pause_mode: PauseMode = PauseMode.ABORT,
-                           profile_dir: str = "") -> list[EngineCallResult]:
+                           profile_dir: str = "", lora_name: str = "", lora_path: str = "") -> list[EngineCallResult]:
         engines = [e for e in self._engines.values() if e.connected]
         if not engines:
             raise EngineUnavailable("no engine is connected; the call reached no engine")
@@ -209,7 +213,8 @@ class GrpcEngineClient(EngineClient):
         for engine in engines:
             call_id = next(self._call_ids)
             engine.pending[call_id] = future = asyncio.get_running_loop().create_future()
-            engine.send(convert.utility_to_proto(UtilityCall(call_id, method, pause_mode, profile_dir)))
+            engine.send(convert.utility_to_proto(UtilityCall(call_id, method, pause_mode, profile_dir, lora_name,
+                                                             lora_path)))
             calls.append(future)
         return list(await asyncio.gather(*calls))
 
@@ -273,7 +278,8 @@ class GrpcEngineClient(EngineClient):
             result = message.utility_result
             future = engine.pending.pop(result.call_id, None)
             if future is not None and not future.done():
-                future.set_result(EngineCallResult(engine.address, result.ok, result.error))
+                future.set_result(EngineCallResult(engine.address, result.ok, result.error, result.loras,
+                                                   result.error_kind))
         for error in message.errors:
             engine.untrack([error.request_id])
             self._put_output(EngineOutputs(failed=[error.request_id], error=refusal_error(error)))

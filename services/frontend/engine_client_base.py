@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from engine_core.protocol import EngineCoreRequest, EngineInfo, PauseMode, RequestError, RequestErrorKind, UtilityMethod
 from services.frontend.change_listeners import ChangeListeners
-from services.frontend.errors import EngineAsleep, InvalidRequest
+from services.frontend.errors import EngineAsleep, InvalidRequest, NotFound
 from services.frontend.messages import EngineCallResult, EngineOutputs, EngineStatus
 
 
@@ -40,7 +40,7 @@ class EngineClient(ChangeListeners, ABC):
 
     @abstractmethod
     async def call_utility(self, method: UtilityMethod, *, pause_mode: PauseMode = PauseMode.ABORT,
-                           profile_dir: str = "") -> list[EngineCallResult]:
+                           profile_dir: str = "", lora_name: str = "", lora_path: str = "") -> list[EngineCallResult]:
         """Call `method` on every engine connected; one result each."""
 
     @abstractmethod
@@ -81,8 +81,22 @@ class EngineClient(ChangeListeners, ABC):
         self._outputs.put_nowait(outputs)
 
 
+def with_adapter(engines: list, lora_name: str | None) -> list:
+    """The engines (anything with an EngineState `state`) that have the LoRA adapter loaded; NotFound when none
+    has. A base-model request may go to any."""
+    if lora_name is None:
+        return engines
+    having = [e for e in engines if lora_name in e.state.lora_names]
+    if not having:
+        raise NotFound(f"no engine has the LoRA adapter {lora_name!r} loaded: load it (AdminService/LoadLoraAdapter, "
+                       "`tandem admin lora load`) or name a loaded one (ListLoraAdapters)")
+    return having
+
+
 def refusal_error(error: RequestError) -> Exception:
     """What the client hears of a request an engine refused: its own fault, or the engine's state."""
     if error.kind is RequestErrorKind.ASLEEP:
         return EngineAsleep()
+    if error.kind is RequestErrorKind.NOT_FOUND:
+        return NotFound(f"the engine refused the request: {error.message}")
     return InvalidRequest(f"the engine refused the request: {error.message}")

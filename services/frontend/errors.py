@@ -19,6 +19,14 @@ class SlowReader(TooManyRequests):
     """The client stopped reading its stream and too much output waited for it (RESOURCE_EXHAUSTED)."""
 
 
+class NotFound(FrontendError):
+    """What the request names does not exist (NOT_FOUND): a LoRA adapter no engine has loaded."""
+
+
+class FailedPrecondition(FrontendError):
+    """The servers' state refuses the call (FAILED_PRECONDITION): e.g. unloading an adapter in use."""
+
+
 class DuplicateRequest(FrontendError):
     """A request with this id is already in flight (ALREADY_EXISTS)."""
 

@@ -19,7 +19,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from engine_core.protocol import EngineCoreRequest, EngineInfo, EngineState, PauseMode, UtilityCall, UtilityMethod
-from services.frontend.engine_client_base import EngineClient, refusal_error
+from services.frontend.engine_client_base import EngineClient, refusal_error, with_adapter
 from services.frontend.errors import EngineAsleep, EngineUnavailable
 from services.frontend.messages import EngineCallResult, EngineOutputs, EngineStatus
 
@@ -92,6 +92,7 @@ class InProcessEngineClient(EngineClient):
         if self._state.asleep:
             raise EngineAsleep()
         self._in_flight.add(request.request_id)
+        with_adapter(self.engines(), request.lora_name)  # NotFound when the engine lacks the adapter
         self._busy_loop.submit(self._connection, self._messages.Add(request))
 
     def abort(self, request_ids: list[str]) -> None:
@@ -101,12 +102,13 @@ class InProcessEngineClient(EngineClient):
             self._busy_loop.submit(self._connection, self._messages.Abort(ids))
 
     async def call_utility(self, method: UtilityMethod, *, pause_mode: PauseMode = PauseMode.ABORT,
-                           profile_dir: str = "") -> list[EngineCallResult]:
+                           profile_dir: str = "", lora_name: str = "", lora_path: str = "") -> list[EngineCallResult]:
         if not self.is_connected:
             raise EngineUnavailable("the in-process engine is not running; the call reached no engine")
         call_id = next(self._call_ids)
         self._pending[call_id] = future = asyncio.get_running_loop().create_future()
-        self._busy_loop.submit(self._connection, UtilityCall(call_id, method, pause_mode, profile_dir))
+        self._busy_loop.submit(self._connection, UtilityCall(call_id, method, pause_mode, profile_dir, lora_name,
+                                                             lora_path))
         return [await future]
 
     # ---- from the busy loop's thread ------------------------------------------------
@@ -131,7 +133,8 @@ class InProcessEngineClient(EngineClient):
             result = item.utility_result
             future = self._pending.pop(result.call_id, None)
             if future is not None and not future.done():
-                future.set_result(EngineCallResult(self.address, result.ok, result.error))
+                future.set_result(EngineCallResult(self.address, result.ok, result.error, result.loras,
+                                                   result.error_kind))
         for error in item.errors:
             self._in_flight.discard(error.request_id)
             self._put_output(EngineOutputs(failed=[error.request_id], error=refusal_error(error)))

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine_core.protocol import EngineCoreOutput, EngineCoreOutputs, EngineState, FinishReason, Usage
+from engine_core.protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineState,
+    FinishReason,
+    LoraInfo,
+    Usage,
+    UtilityErrorKind,
+)
 
 
 @dataclass(frozen=True)
@@ -28,6 +36,8 @@ class EngineCallResult:
     address: str
     ok: bool
     error: str = ""
+    loras: tuple[LoraInfo, ...] = ()  # the LoRA calls' adapters
+    error_kind: UtilityErrorKind | None = None  # why it was refused, when the engine said
 
 
 @dataclass

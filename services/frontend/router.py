@@ -112,23 +112,27 @@ class Router:
         self.balance_abs, self.balance_rel, self.kv_usage_limit = balance_abs, balance_rel, kv_usage_limit
         self._turn = itertools.count()
 
-    def choose(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int]) -> Decision:
-        """The engine for this prompt (engines: non-empty, in a stable order)."""
+    def choose(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int],
+               lora_name: str | None = None) -> Decision:
+        """The engine for this prompt under the LoRA adapter `lora_name` (None: the base model; its blocks
+        hash apart, engine_core/block_hash.py). engines: non-empty, in a stable order."""
         if not engines:
             raise ValueError("no engine to route to")
         turn = next(self._turn)
         if self.policy is RoutingPolicy.ROUND_ROBIN:
-            return self._decision(engines, turn % len(engines), prompt_token_ids)
+            return self._decision(engines, turn % len(engines), prompt_token_ids, lora_name)
         if self.policy is RoutingPolicy.LEAST_LOADED:
-            return self._decision(engines, self._least_loaded(engines, range(len(engines)), turn), prompt_token_ids)
-        return self._prefix_aware(engines, prompt_token_ids, turn)
+            return self._decision(engines, self._least_loaded(engines, range(len(engines)), turn), prompt_token_ids,
+                                  lora_name)
+        return self._prefix_aware(engines, prompt_token_ids, turn, lora_name)
 
     # ---- policies ---------------------------------------------------------------------
-    def _prefix_aware(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int], turn: int) -> Decision:
+    def _prefix_aware(self, engines: Sequence[EngineLoad], prompt_token_ids: Sequence[int], turn: int,
+                      lora_name: str | None) -> Decision:
         hashes_by_size: dict[int, list[BlockHash]] = {}
         matched = []
         for engine in engines:
-            hashes = self._hashes(hashes_by_size, engine.block_size, prompt_token_ids)
+            hashes = self._hashes(hashes_by_size, engine.block_size, prompt_token_ids, lora_name)
             matched.append(engine.prefix.match(hashes) * engine.block_size)
         eligible = self._eligible(engines)
         best = max(eligible, key=lambda i: (matched[i], -engines[i].load))
@@ -152,19 +156,22 @@ class Router:
         n = len(engines)
         return min(among, key=lambda i: (engines[i].load, len(engines[i].prefix), (i - turn) % n))
 
-    def _decision(self, engines: Sequence[EngineLoad], index: int, prompt_token_ids: Sequence[int]) -> Decision:
+    def _decision(self, engines: Sequence[EngineLoad], index: int, prompt_token_ids: Sequence[int],
+                  lora_name: str | None) -> Decision:
         """Round-robin and least-loaded still track what they send where (the index is what the engine reports)."""
         engine = engines[index]
-        hashes = self._hashes({}, engine.block_size, prompt_token_ids)
+        hashes = self._hashes({}, engine.block_size, prompt_token_ids, lora_name)
         return Decision(index, hashes, engine.prefix.match(hashes) * engine.block_size)
 
     @staticmethod
-    def _hashes(cache: dict[int, list[BlockHash]], block_size: int, prompt_token_ids: Sequence[int]) -> list[BlockHash]:
+    def _hashes(cache: dict[int, list[BlockHash]], block_size: int, prompt_token_ids: Sequence[int],
+                lora_name: str | None = None) -> list[BlockHash]:
         """The prompt's full-block hashes at `block_size`, but never its last token: an engine computes at
         least one prompt token, so a block ending at the prompt's end is only hit by longer prompts."""
         if block_size <= 0:
             return []
         if block_size not in cache:
             cache[block_size] = hash_prompt_blocks(prompt_token_ids, block_size,
-                                                   limit=(len(prompt_token_ids) - 1) // block_size)
+                                                   limit=(len(prompt_token_ids) - 1) // block_size,
+                                                   lora_name=lora_name)
         return cache[block_size]

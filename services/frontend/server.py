@@ -17,7 +17,15 @@ from tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_
 
 from services.frontend import convert
 from services.frontend.async_llm import AsyncLLM
-from services.frontend.errors import DuplicateRequest, EngineUnavailable, FrontendError, InvalidRequest, TooManyRequests
+from services.frontend.errors import (
+    DuplicateRequest,
+    EngineUnavailable,
+    FailedPrecondition,
+    FrontendError,
+    InvalidRequest,
+    NotFound,
+    TooManyRequests,
+)
 from services.frontend.health import ADMIN_SERVICE, GENERATION_SERVICE, FrontendHealth
 from services.frontend.input_processor import TextPrompt
 from services.frontend.messages import EngineCallResult
@@ -33,6 +41,8 @@ _STATUS = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     TooManyRequests: grpc.StatusCode.RESOURCE_EXHAUSTED,
     DuplicateRequest: grpc.StatusCode.ALREADY_EXISTS,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     EngineUnavailable: grpc.StatusCode.UNAVAILABLE,
 }
 
@@ -56,13 +66,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def Generate(self, request, context):
         prompt = convert.prompt_from_generate(request)
         async for response in self._stream(context, request.request_id, prompt, request.sampling_params,
-                                           request.priority, generation_pb2.GenerateResponse):
+                                           request.priority, generation_pb2.GenerateResponse, request.lora_name):
             yield response
 
     async def Chat(self, request, context):
         prompt = convert.prompt_from_chat(request)
         async for response in self._stream(context, request.request_id, prompt, request.sampling_params,
-                                           request.priority, generation_pb2.ChatResponse):
+                                           request.priority, generation_pb2.ChatResponse, request.lora_name):
             yield response
 
     async def Embed(self, request, context):
@@ -71,20 +81,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         try:
             prompts, pooling = convert.embed_from_proto(request)
             result = await self.llm.embed(prompts, pooling, request.request_id, priority=request.priority,
-                                          trace_headers=trace_headers)
+                                          trace_headers=trace_headers, lora_name=request.lora_name or None)
         except Exception as e:  # noqa: BLE001 - mapped to a status code
             self.llm.telemetry.count_error(status_for(e) if isinstance(e, FrontendError) else grpc.StatusCode.INTERNAL)
             await _abort(context, e)
         return convert.embed_response(result)
 
-    async def _stream(self, context, request_id, prompt, sampling_proto, priority, response_type):
+    async def _stream(self, context, request_id, prompt, sampling_proto, priority, response_type, lora_name=""):
         # Tracing on: the OpenTelemetry interceptor already made the client's context current.
         trace_headers = None if self.llm.telemetry.tracing else {
             k: v for k, v in (context.invocation_metadata() or ()) if k in _TRACE_KEYS}
         sampling_params = convert.sampling_params_from_proto(sampling_proto)
         try:
             async with aclosing(self.llm.generate(prompt, sampling_params, request_id, priority=priority,
-                                                  trace_headers=trace_headers)) as outputs:
+                                                  trace_headers=trace_headers, lora_name=lora_name or None)) as outputs:
                 async for output in outputs:
                     yield convert.response_from_output(output, response_type)
         except Exception as e:  # noqa: BLE001 - mapped to a status code
@@ -169,6 +179,29 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         except InvalidRequest as e:
             await _abort(context, e)
         return convert.drain_response(left, request.timeout_s)
+
+    async def LoadLoraAdapter(self, request, context):
+        results = await self._lora_call(context, self.llm.add_lora(request.lora_name, request.lora_path))
+        return admin_pb2.LoadLoraAdapterResponse(adapters=convert.lora_adapters(results))
+
+    async def UnloadLoraAdapter(self, request, context):
+        results = await self._lora_call(context, self.llm.remove_lora(request.lora_name))
+        return admin_pb2.UnloadLoraAdapterResponse(engines=[r.address for r in results])
+
+    async def ListLoraAdapters(self, request, context):
+        results = await self._lora_call(context, self.llm.list_loras())
+        return admin_pb2.ListLoraAdaptersResponse(adapters=convert.lora_adapters(results))
+
+    async def PinLoraAdapter(self, request, context):
+        results = await self._lora_call(context, self.llm.pin_lora(request.lora_name))
+        return admin_pb2.PinLoraAdapterResponse(adapters=convert.lora_adapters(results))
+
+    async def _lora_call(self, context, call) -> list[EngineCallResult]:
+        """A LoRA call's results; a refusal ends the call with its status (services/frontend/lora_results.py)."""
+        try:
+            return await call
+        except Exception as e:  # noqa: BLE001
+            await _abort(context, e)
 
     async def _forward(self, context, call, response_type):
         """Await the engines' utility results and answer with one `response_type` (ok, detail)."""

@@ -11,6 +11,7 @@ import argparse
 import socket
 import socketserver
 import threading
+import time
 from collections.abc import Callable, Iterable
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -80,6 +81,11 @@ class EngineMetrics:
             "tandem:structured_mask_seconds",
             "Structured output: time to compute one constrained token's mask (a step's mask time over its rows).",
             labels, buckets=MASK_BUCKETS, registry=r))
+        # vLLM's vllm:lora_requests_info: one series per state, its value the time it was set
+        self.lora_requests_info = Gauge(
+            "tandem:lora_requests_info", "LoRA adapters of the running and waiting requests (comma-separated).",
+            ["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+        self.model_name = model_name
         self.structured_mask_wait = bind(Histogram(
             "tandem:structured_mask_wait_seconds",
             "Structured output: time a step's sampler waited for its masks after the forward (not hidden by it).",
@@ -101,6 +107,10 @@ class EngineMetrics:
             self.generation_tokens.inc(stats.num_generation_tokens)
         self.iteration_tokens.observe(stats.num_scheduled_tokens)
         self.step_duration.observe(step_seconds)
+        if stats.max_lora:
+            self.lora_requests_info.labels(self.model_name, str(stats.max_lora),
+                                           ",".join(sorted(stats.running_lora_adapters)),
+                                           ",".join(sorted(stats.waiting_lora_adapters))).set(time.time())
 
     def record_masks(self, timing) -> None:
         """`timing`: a step's engine_core.structured.masks.MaskTiming; one observation per constrained token."""

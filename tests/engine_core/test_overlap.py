@@ -224,3 +224,40 @@ def test_sleep_right_after_the_last_output_waits_for_the_step_in_flight(tiny_mod
     core.wake_up()
     again, _ = run(core, [EngineCoreRequest("y", prompt, params)])
     assert again["y"][0] == first == free["free"][0][:first.index(stop) + 1]
+
+
+def test_stop_strings_and_n_through_the_frontend_are_unchanged(tiny_model_dir):
+    """AsyncLLM over the in-process busy loop: stop strings end a stream by aborting it in the engine, n > 1
+    fans out into seeded children; the texts, finish reasons and stop strings must not move with overlap."""
+    from engine_core.protocol.tokenizer import load_tokenizer
+    from services.engine.busy_loop import EngineBusyLoop
+    from services.frontend.input_processor import TokensPrompt
+    from tests.frontend.test_in_process import run_with_llm, token_ids
+
+    tokenizer = load_tokenizer(default_model_path())
+    prompt = prompts(1, seed=11)[0]
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+
+    async def body(llm):  # noqa: ANN001, ANN202
+        free = await token_ids(llm, TokensPrompt(prompt), SamplingParams(max_tokens=12, **greedy))
+        stop = tokenizer.decode(free[0][4:6], True)  # text from the middle of the free answer
+        stopped = [o async for o in llm.generate(TokensPrompt(prompt),
+                                                 SamplingParams(max_tokens=40, stop=[stop], **greedy))]
+        last = stopped[-1].completions[-1]
+        text = "".join(c.text for o in stopped for c in o.completions)
+        fanned = await token_ids(llm, TokensPrompt(prompt), SamplingParams(n=3, temperature=0.8, seed=3, max_tokens=10))
+        return free, stop, (text, last.finish_reason, last.stop_string), fanned
+
+    results = {}
+    for overlap in ("off", "on"):
+        core = make_engine(tiny_model_dir, overlap)
+        busy_loop = EngineBusyLoop(core)
+        busy_loop.start()
+        try:
+            results[overlap] = run_with_llm((core, busy_loop), tokenizer, body)
+        finally:
+            busy_loop.stop()
+    free, stop, stopped, fanned = results["on"]
+    assert stop and stopped[1] == FinishReason.STOP and stopped[2] == stop
+    assert len(fanned) == 3 and all(len(tokens) == 10 for tokens in fanned.values())
+    assert results["on"] == results["off"]

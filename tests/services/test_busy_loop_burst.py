@@ -41,6 +41,9 @@ class StepRecorder:
     def stop_profile(self) -> None:
         pass
 
+    def list_loras(self) -> list:
+        return []
+
 
 def run_burst(count: int, spacing_s: float, **loop_args) -> list[list[str]]:
     """Submit `count` requests `spacing_s` apart to an idle loop; the engine ids of each step's requests."""

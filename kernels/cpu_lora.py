@@ -1,0 +1,60 @@
+"""LoRA's shrink and expand on CPU: y += (x A_s^T) B_s for each row's slot s, four ways.
+
+Each kernel adds into y [T, out] in place from x [T, in], the slot tensors A [S, R, in] and
+B [S, R, out] and the step's `LoraStepIndex`; rows of slot -1 (the base model) are untouched.
+
+- `per_slot`: the plain per-slot matmul (the baseline): each slot's rows gathered, two matmuls,
+  added back with index_add.
+- `segments`: SGMV-like (Punica, S-LoRA): rows come ordered by adapter, so each slot is one or
+  two runs of rows; two matmuls per run on views, no gather or scatter.
+- `gather_bmm`: BGMV-like: every row gathers its slot's A and B and one batched matmul each does
+  every row at once; the gathered weights grow with the rows, so it is timed up to 32 rows only.
+- `stacked`: every slot at once: x times all the A's ([T, S*R]), the other slots' columns zeroed
+  by the row mask, times all the B's; S times the arithmetic, two GEMMs whatever the mix.
+
+Which wins depends on the CPU, the rows and the number of adapters in the step: the engine times
+them at load (kernels/lora_ops.py) and takes the fastest per bucket.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.lora_index import LoraStepIndex
+
+
+def add_lora_per_slot(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                      index: LoraStepIndex) -> None:
+    for slot, rows in index.groups:
+        y.index_add_(0, rows, (x.index_select(0, rows) @ a[slot].t()) @ b[slot])
+
+
+def add_lora_segments(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                      index: LoraStepIndex) -> None:
+    for slot, start, end in index.segments:
+        y[start:end].addmm_(x[start:end] @ a[slot].t(), b[slot])
+
+
+def add_lora_gather_bmm(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                        index: LoraStepIndex) -> None:
+    slots = index.clamped_slots
+    shrunk = torch.bmm(a[slots], x.unsqueeze(2))  # [T, R, 1]
+    if index.has_base_rows:
+        shrunk = shrunk * index.mask.sum(1, keepdim=True)  # [T, 1, 1]: 0 for base rows
+    y.add_(torch.bmm(shrunk.transpose(1, 2), b[slots]).squeeze(1))
+
+
+def add_lora_stacked(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                     index: LoraStepIndex) -> None:
+    num_slots, rank = a.shape[0], a.shape[1]
+    shrunk = (x @ a.reshape(num_slots * rank, -1).t()).view(-1, num_slots, rank) * index.mask  # [T, S, R]
+    y.addmm_(shrunk.view(-1, num_slots * rank), b.reshape(num_slots * rank, -1))
+
+
+CPU_LORA_KERNELS = {
+    "per_slot": add_lora_per_slot,
+    "segments": add_lora_segments,
+    "gather_bmm": add_lora_gather_bmm,
+    "stacked": add_lora_stacked,
+}
+MAX_ROWS = {"gather_bmm": 32}  # per-row gathered weights: [T, R, in] + [T, R, out]
