@@ -215,7 +215,9 @@ def message_from_proto(batch: engine_core_pb2.EngineCoreOutputs) -> EngineCoreOu
         stats = batch.scheduler_stats
         message.scheduler_stats = SchedulerStats(num_running_reqs=stats.num_running_reqs,
                                                  num_waiting_reqs=stats.num_waiting_reqs,
-                                                 kv_cache_usage=stats.kv_cache_usage)
+                                                 kv_cache_usage=stats.kv_cache_usage,
+                                                 num_free_blocks=stats.num_free_blocks,  # a gateway's GetLoads
+                                                 num_total_blocks=stats.num_total_blocks)
     if batch.HasField("kv_events"):
         events = batch.kv_events
         message.kv_events = KVCacheEvents(stored=list(events.stored_block_hashes),

@@ -86,6 +86,7 @@ class GrpcEngineClient(EngineClient):
         self._connected = asyncio.Event()
         self._retired: set[asyncio.Task] = set()  # retired engines' closing tasks (held: the loop keeps weak refs)
         self._started = self._closed = False
+        self._last_stats: dict[str, SchedulerStats] = {}  # per engine address: what a new report listener starts from
 
     # ---- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -162,6 +163,14 @@ class GrpcEngineClient(EngineClient):
 
     def engines(self) -> list[EngineStatus]:
         return [EngineStatus(e.address, e.connected, len(e.in_flight), e.state) for e in self._engines.values()]
+
+    def add_report_listener(self, listener) -> None:
+        """A listener added after engines connected starts from each one's prefix cache and load as known now."""
+        for engine in self._engines.values():
+            if engine.connected:
+                listener(engine.address, engine.load.block_size, self._last_stats.get(engine.address),
+                         KVCacheEvents(stored=list(engine.load.prefix.cached), cleared=True))
+        super().add_report_listener(listener)
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -256,6 +265,8 @@ class GrpcEngineClient(EngineClient):
         """Utility answers to their callers; refusals and outputs to the output handler; load to the router;
         a new engine state to the listeners (health)."""
         engine.observe(message.scheduler_stats, message.kv_events)
+        if message.scheduler_stats is not None:
+            self._last_stats[engine.address] = message.scheduler_stats
         if message.scheduler_stats is not None or message.kv_events is not None:
             for listener in self.report_listeners:
                 listener(engine.address, engine.load.block_size, message.scheduler_stats, message.kv_events)

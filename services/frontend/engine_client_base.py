@@ -22,8 +22,7 @@ class EngineClient(ChangeListeners, ABC):
     def __init__(self) -> None:
         self._outputs: asyncio.Queue[EngineOutputs] = asyncio.Queue()
         ChangeListeners.__init__(self)  # notified when an engine connects, disconnects, pauses, resumes, sleeps, wakes
-        # called with (engine address, block size, SchedulerStats | None, KVCacheEvents | None) as engines report
-        self.report_listeners: list[Callable] = []
+        self.report_listeners: list[Callable] = []  # see add_report_listener
 
     @abstractmethod
     async def start(self) -> None: ...
@@ -68,6 +67,11 @@ class EngineClient(ChangeListeners, ABC):
 
     @abstractmethod
     def engines(self) -> list[EngineStatus]: ...
+
+    def add_report_listener(self, listener: Callable) -> None:
+        """Call `listener(engine address, block size, SchedulerStats | None, KVCacheEvents | None)` with every
+        engine's load and prefix-cache changes as they arrive (a gateway's KV events)."""
+        self.report_listeners.append(listener)
 
     async def get_output(self) -> EngineOutputs:
         """The next engine step's outputs, or requests that failed (AsyncLLM's output handler is the reader)."""

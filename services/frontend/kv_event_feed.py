@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from engine_core.protocol import KVCacheEvents, SchedulerStats
 from engine_core.protocol.block_hash import BlockHash, hash_block_tokens
 
-MAX_KNOWN_BLOCKS = 1 << 17  # token ids remembered per block hash (least recently learned go first)
+MAX_KNOWN_BLOCKS = 1 << 16  # token ids remembered per block hash (~20 MB at 16 tokens a block; oldest go first)
 MAX_QUEUED_BATCHES = 1024  # a subscriber further behind than this is dropped (it resubscribes)
 
 

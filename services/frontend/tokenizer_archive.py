@@ -21,11 +21,6 @@ from services.frontend.tokenizer import TokenizerBundle
 CHUNK_BYTES = 64 * 1024  # what smg's servicers stream per GetTokenizerChunk
 
 
-def effective_chat_template(tokenizer: TokenizerBundle) -> str | None:
-    """The chat template the frontend renders chats with: the one place a gateway's copy comes from."""
-    return tokenizer.chat_template
-
-
 @dataclass(frozen=True)
 class TokenizerArchive:
     data: bytes  # the ZIP
@@ -35,8 +30,11 @@ class TokenizerArchive:
         return [self.data[start:start + size] for start in range(0, len(self.data), size)]
 
 
-def build_tokenizer_archive(tokenizer: TokenizerBundle, info: EngineInfo) -> TokenizerArchive:
-    """The ZIP of the four files (fixed timestamps, so the same tokenizer gives the same bytes and digest)."""
+def build_tokenizer_archive(tokenizer: TokenizerBundle, info: EngineInfo,
+                            chat_template: str | None) -> TokenizerArchive:
+    """The ZIP of the four files (fixed timestamps, so the same tokenizer gives the same bytes and digest).
+    `chat_template`: the one the frontend renders with (AsyncLLM.chat_template: the model's, a shipped
+    tool-aware one or --chat-template), not necessarily the tokenizer's own."""
     eos_ids = list(info.eos_token_ids)
     bos_id = tokenizer.tokenizer.token_to_id(tokenizer.bos_token) if tokenizer.bos_token else None
     tokenizer_config = {
@@ -48,9 +46,8 @@ def build_tokenizer_archive(tokenizer: TokenizerBundle, info: EngineInfo) -> Tok
         "model_max_length": info.max_model_len,
         "clean_up_tokenization_spaces": False,
     }
-    template = effective_chat_template(tokenizer)
-    if template:
-        tokenizer_config["chat_template"] = template
+    if chat_template:
+        tokenizer_config["chat_template"] = chat_template
     ids = {"eos_token_id": eos_ids, **({"bos_token_id": bos_id} if bos_id is not None else {})}
     files = {
         "tokenizer.json": tokenizer.tokenizer.to_str(),

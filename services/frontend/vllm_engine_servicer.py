@@ -41,7 +41,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.version = version
         self._status_for = status_for  # server.status_for: FrontendError -> grpc.StatusCode
         self.feed = KVEventFeed()
-        llm.engine_client.report_listeners.append(self.feed.on_engine_report)
+        llm.engine_client.add_report_listener(self.feed.on_engine_report)
         self._started = time.time()
         self._last_receive = 0.0
         self._archive: tuple[object, TokenizerArchive] | None = None  # (engine info it was built for, archive)
@@ -114,7 +114,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         if info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no engine has connected yet, so the model is unknown")
         if self._archive is None or self._archive[0] != info:  # built once per model (a few hundred ms)
-            self._archive = info, await asyncio.to_thread(build_tokenizer_archive, self.llm.tokenizer, info)
+            self._archive = info, await asyncio.to_thread(build_tokenizer_archive, self.llm.tokenizer, info,
+                                                          self.llm.chat_template)
         archive = self._archive[1]
         chunks = archive.chunks()
         for i, data in enumerate(chunks):

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 
 from services.frontend.async_llm import AsyncLLM
 from services.frontend.server import VERSION, status_for
-from services.frontend.tokenizer_archive import CHUNK_BYTES, effective_chat_template
+from services.frontend.tokenizer_archive import CHUNK_BYTES
 from services.frontend.vllm_engine_servicer import VllmEngineServicer
 from tests.frontend.conftest import wait_until
 from tests.frontend.test_units import _NoEngine, _SyncShell
@@ -120,7 +120,8 @@ def test_get_tokenizer_streams_a_zip_of_what_the_frontend_loaded(stack, vllm, to
     text = "Hello <|im_start|>user 12345 héllo"
     assert rebuilt.encode(text, add_special_tokens=False).ids == tokenizer.encode(text, add_special_tokens=False)
     config = json.loads(files.read("tokenizer_config.json"))
-    assert config["chat_template"] == effective_chat_template(tokenizer)
+    assert config["chat_template"] == stack.llm.chat_template  # what the frontend renders with (tools-aware)
+    assert "tools" in config["chat_template"]  # SmolLM2's shipped tools template, not the GGUF's own
     assert config["eos_token"] == tokenizer.eos_token and config["bos_token"] == tokenizer.bos_token
     eos = tokenizer.tokenizer.token_to_id(tokenizer.eos_token)
     assert json.loads(files.read("generation_config.json"))["eos_token_id"] == [eos]

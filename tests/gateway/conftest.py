@@ -1,10 +1,9 @@
 """smg (the Shepherd Model Gateway, a real `smg launch`) in front of a real Tandem stack, all on loopback ports
-the OS picks: a tiny random Llama with SmolLM2's tokenizer and a chat template that renders tools (Hermes
-style, tests/gateway/hermes_tools.jinja, until the frontend's own tools template lands). Always stopped."""
+the OS picks: a tiny random Llama with SmolLM2's tokenizer, so the frontend renders with SmolLM2's shipped
+tools template (hermes-style calls) and smg gets that template from GetTokenizer. Always stopped."""
 
 from __future__ import annotations
 
-import json
 import signal
 from pathlib import Path
 
@@ -13,32 +12,19 @@ import pytest
 from clients.gateway import Gateway, post_json
 from clients.local_stack import free_port, wait_until_serving
 from engine_core.loader import default_model_path
-from services.frontend.tokenizer import load_tokenizer
 from tests.engine_core.tiny_models import write_tiny_model
 from tests.test_stack import VOCAB, Services
 
-HERE = Path(__file__).parent
 MAX_MODEL_LEN = 2048
 ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "16",
                 "--num-blocks", "600", "--max-num-seqs", "64", "--max-num-batched-tokens", "512"]
-
-
-def write_tools_tokenizer(folder: Path) -> Path:
-    """SmolLM2's tokenizer as a Hugging Face folder whose chat template renders tools."""
-    bundle = load_tokenizer(default_model_path())
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "tokenizer.json").write_text(bundle.tokenizer.to_str())
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": bundle.bos_token, "eos_token": bundle.eos_token, "add_bos_token": False,
-        "chat_template": (HERE / "hermes_tools.jinja").read_text()}))
-    return folder
 
 
 class GatewayStack(Services):
     """Engine + frontend subprocesses (tests/test_stack.py) and smg in front; the frontend can be killed and
     started again on its port."""
 
-    def __init__(self, model_dir: Path, tokenizer_dir: Path, log_dir: Path) -> None:
+    def __init__(self, model_dir: Path, tokenizer_dir: Path | str, log_dir: Path) -> None:
         self.frontend_args = ["--tokenizer", str(tokenizer_dir), "--log-level", "WARNING"]
         super().__init__(["--model", str(model_dir), *ENGINE_FLAGS, "--log-level", "WARNING",
                           "--tokenizer", str(tokenizer_dir)], self.frontend_args)
@@ -72,7 +58,7 @@ class GatewayStack(Services):
 def gateway_stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("gateway")
     model_dir = write_tiny_model(root / "model", vocab_size=VOCAB, max_position_embeddings=MAX_MODEL_LEN)
-    stack = GatewayStack(model_dir, write_tools_tokenizer(root / "tokenizer"), root)
+    stack = GatewayStack(model_dir, default_model_path(), root)
     try:
         yield stack
     finally:

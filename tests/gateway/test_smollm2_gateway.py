@@ -11,7 +11,6 @@ from clients.gateway import Gateway, post_json
 from clients.local_stack import free_port
 from engine_core.loader import default_model_path
 from tests.engine_core.test_loader import CHAT_PROMPT
-from tests.gateway.conftest import write_tools_tokenizer
 from tests.gateway.test_smg_http import PERSON, WEATHER_TOOL
 from tests.test_stack import Services
 
@@ -25,7 +24,9 @@ def smollm2_gateway(tmp_path_factory):
     root = tmp_path_factory.mktemp("smollm2-gateway")
     services = Services(["--model", str(default_model_path()), "--dtype", "float32", "--max-model-len", "2048",
                          "--log-level", "WARNING"], ["--log-level", "WARNING"])
-    gateway = Gateway([services.frontend_address], port=free_port(), log_file=root / "smg.log")
+    # the frontend renders SmolLM2 with its shipped tools template (hermes-style calls: smg's qwen parser)
+    gateway = Gateway([services.frontend_address], port=free_port(), log_file=root / "smg.log",
+                      extra_args=["--tool-call-parser", "qwen"])
     try:
         gateway.start()
         gateway.model = gateway.wait_for_model()
@@ -62,28 +63,11 @@ def test_a_stop_string_ends_the_answer(smollm2_gateway):
     assert choice["finish_reason"] == "stop" and choice["message"]["content"] == full[:full.index("Paris")]
 
 
-@pytest.fixture(scope="module")
-def smollm2_tools_gateway(tmp_path_factory):
-    """The same model with a template that renders tools (until the frontend's own tools template lands)."""
-    root = tmp_path_factory.mktemp("smollm2-tools")
-    tokenizer = write_tools_tokenizer(root / "tokenizer")
-    services = Services(["--model", str(default_model_path()), "--dtype", "float32", "--max-model-len", "2048",
-                         "--log-level", "WARNING"], ["--tokenizer", str(tokenizer), "--log-level", "WARNING"])
-    gateway = Gateway([services.frontend_address], port=free_port(), log_file=root / "smg.log",
-                      extra_args=["--tool-call-parser", "qwen"])
-    try:
-        gateway.start()
-        gateway.model = gateway.wait_for_model()
-        yield gateway
-    finally:
-        gateway.stop()
-        services.stop()
-
-
-def test_a_named_tool_call(smollm2_tools_gateway):
-    """A named function: smg constrains the answer to the function's parameters schema (tool_choice "required"
+def test_a_named_tool_call(smollm2_gateway):
+    """The template smg renders tools with is the frontend's (SmolLM2's shipped tools template, from GetTokenizer).
+    A named function: smg constrains the answer to the function's parameters schema (tool_choice "required"
     gets smg's looser array schema, under which SmolLM2-135M repeats calls to max_tokens)."""
-    answer = ask(smollm2_tools_gateway, "What is the weather in Paris?", temperature=0, max_tokens=60,
+    answer = ask(smollm2_gateway, "What is the weather in Paris?", temperature=0, max_tokens=60,
                  tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert answer["choices"][0]["message"].get("tool_calls"), json.dumps(answer)
     [call] = answer["choices"][0]["message"]["tool_calls"]
