@@ -1,7 +1,9 @@
 """LoRA's shrink and expand on CPU: y += (x A_s^T) B_s for each row's slot s, four ways.
 
 Each kernel adds into y [T, out] in place from x [T, in], the slot tensors A [S, R, in] and
-B [S, R, out] and the step's `LoraStepIndex`; rows of slot -1 (the base model) are untouched.
+B [S, R, out] and the step's `LoraStepIndex`; rows of slot -1 (the base model) are untouched. The
+products run in the slots' dtype (fp32 on the CPU, where bf16 matmuls of LoRA's thin shapes cost 3-8x
+fp32's on CPUs without native bf16: docs/lora.md), x cast to it and the sum cast back to y's.
 
 - `per_slot`: the plain per-slot matmul (the baseline): each slot's rows gathered, two matmuls,
   added back with index_add.
@@ -26,29 +28,37 @@ from kernels.lora_index import LoraStepIndex
 def add_lora_per_slot(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                       index: LoraStepIndex) -> None:
     for slot, rows in index.groups:
-        y.index_add_(0, rows, (x.index_select(0, rows) @ a[slot].t()) @ b[slot])
+        y.index_add_(0, rows, ((x.index_select(0, rows).to(a.dtype) @ a[slot].t()) @ b[slot]).to(y.dtype))
 
 
 def add_lora_segments(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                       index: LoraStepIndex) -> None:
     for slot, start, end in index.segments:
-        y[start:end].addmm_(x[start:end] @ a[slot].t(), b[slot])
+        shrunk = x[start:end].to(a.dtype) @ a[slot].t()
+        if y.dtype == a.dtype:
+            y[start:end].addmm_(shrunk, b[slot])
+        else:
+            y[start:end] += (shrunk @ b[slot]).to(y.dtype)
 
 
 def add_lora_gather_bmm(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                         index: LoraStepIndex) -> None:
     slots = index.clamped_slots
-    shrunk = torch.bmm(a[slots], x.unsqueeze(2))  # [T, R, 1]
+    shrunk = torch.bmm(a[slots], x.to(a.dtype).unsqueeze(2))  # [T, R, 1]
     if index.has_base_rows:
-        shrunk = shrunk * index.mask.sum(1, keepdim=True)  # [T, 1, 1]: 0 for base rows
-    y.add_(torch.bmm(shrunk.transpose(1, 2), b[slots]).squeeze(1))
+        shrunk = shrunk * index.mask.sum(1, keepdim=True).to(a.dtype)  # [T, 1, 1]: 0 for base rows
+    y.add_(torch.bmm(shrunk.transpose(1, 2), b[slots]).squeeze(1).to(y.dtype))
 
 
 def add_lora_stacked(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                      index: LoraStepIndex) -> None:
     num_slots, rank = a.shape[0], a.shape[1]
-    shrunk = (x @ a.reshape(num_slots * rank, -1).t()).view(-1, num_slots, rank) * index.mask  # [T, S, R]
-    y.addmm_(shrunk.view(-1, num_slots * rank), b.reshape(num_slots * rank, -1))
+    shrunk = (x.to(a.dtype) @ a.reshape(num_slots * rank, -1).t()).view(-1, num_slots, rank)  # [T, S, R]
+    shrunk = (shrunk * index.mask.to(a.dtype)).view(-1, num_slots * rank)
+    if y.dtype == a.dtype:
+        y.addmm_(shrunk, b.reshape(num_slots * rank, -1))
+    else:
+        y.add_((shrunk @ b.reshape(num_slots * rank, -1)).to(y.dtype))
 
 
 CPU_LORA_KERNELS = {

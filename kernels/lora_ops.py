@@ -65,10 +65,12 @@ _KERNELS: dict[str, AddLora] = {**CPU_LORA_KERNELS, "triton": _triton_add}
 class LoraOps:
     """Plans LoRA layers: one fixed kernel, or on the CPU the fastest per bucket (measured once per shape)."""
 
-    def __init__(self, kernel: str, num_slots: int, dtype: torch.dtype, timer: Timer = wall_timer) -> None:
+    def __init__(self, kernel: str, num_slots: int, dtype: torch.dtype, timer: Timer = wall_timer,
+                 slot_dtype: torch.dtype | None = None) -> None:
         self.kernel = kernel  # "auto" (CPU, measured) or a kernel name
         self.num_slots = num_slots
-        self.dtype = dtype
+        self.dtype = dtype  # the activations'
+        self.slot_dtype = slot_dtype or dtype  # the adapters' weights and products'
         self.timer = timer
         self._plans: dict[tuple[int, int, int], LoraPlan] = {}
 
@@ -83,21 +85,22 @@ class LoraOps:
                 self._plans[key] = LoraPlan([(BUCKETS[-1], self.kernel)])
             else:
                 self._plans[key] = choose_lora_plan(in_features, out_features, rank, self.num_slots, self.dtype,
-                                                    timer=self.timer)
+                                                    timer=self.timer, slot_dtype=self.slot_dtype)
         return self._plans[key]
 
 
 def select_lora_ops(device: str, num_slots: int, dtype: torch.dtype, kernel: str = "auto",
                     attention_backend: str = "auto") -> LoraOps:
     """Triton on CUDA (and wherever attention runs Triton, as the interpreter tests do); on the CPU
-    the measured kernels; `kernel` names one kernel instead."""
+    the measured kernels; `kernel` names one kernel instead. The adapters' weights are kept in fp32 on the
+    CPU (their products cost a fraction of bf16's there, kernels/cpu_lora.py), in `dtype` on CUDA."""
     if kernel not in LORA_KERNELS:
         raise ValueError(f"lora kernel must be one of {LORA_KERNELS}, got {kernel!r}")
     if kernel == "auto" and (device.startswith("cuda") or attention_backend == "triton"):
         kernel = "triton"
     if kernel != "triton" and device.startswith("cuda"):
         raise ValueError(f"lora kernel {kernel!r} is a CPU kernel; on CUDA use 'triton' or 'auto'")
-    return LoraOps(kernel, num_slots, dtype)
+    return LoraOps(kernel, num_slots, dtype, slot_dtype=torch.float32 if device == "cpu" else dtype)
 
 
 def timing_index(rows: int, num_slots: int, dtype: torch.dtype) -> LoraStepIndex:
@@ -107,15 +110,18 @@ def timing_index(rows: int, num_slots: int, dtype: torch.dtype) -> LoraStepIndex
 
 @torch.inference_mode()
 def choose_lora_plan(in_features: int, out_features: int, rank: int, num_slots: int, dtype: torch.dtype,
-                     buckets: tuple[int, ...] = BUCKETS, timer: Timer = wall_timer) -> LoraPlan:
-    """Time each CPU kernel at each bucket on random slot tensors of this shape; the fastest per bucket."""
-    a = torch.randn(num_slots, rank, in_features, dtype=dtype) * 0.01
-    b = torch.randn(num_slots, rank, out_features, dtype=dtype) * 0.01
+                     buckets: tuple[int, ...] = BUCKETS, timer: Timer = wall_timer,
+                     slot_dtype: torch.dtype | None = None) -> LoraPlan:
+    """Time each CPU kernel at each bucket on random slot tensors of this shape (activations in `dtype`, the
+    slots in `slot_dtype`, default the same); the fastest per bucket."""
+    slot_dtype = slot_dtype or dtype
+    a = torch.randn(num_slots, rank, in_features, dtype=slot_dtype) * 0.01
+    b = torch.randn(num_slots, rank, out_features, dtype=slot_dtype) * 0.01
     steps, report = [], []
     for rows in buckets:
         x = torch.randn(rows, in_features, dtype=dtype)
         y = torch.zeros(rows, out_features, dtype=dtype)
-        index = timing_index(rows, num_slots, dtype)
+        index = timing_index(rows, num_slots, slot_dtype)
         fit = [name for name in CPU_LORA_KERNELS if rows <= MAX_ROWS.get(name, rows)]
         candidates = {name: (lambda run=CPU_LORA_KERNELS[name]: run(y, x, a, b, index)) for name in fit}
         timings, _ = fastest_uncontended(candidates, rows, timer, min_rounds=_MIN_CALLS, max_rounds=4 * _MIN_CALLS,

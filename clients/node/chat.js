@@ -43,6 +43,8 @@ options:
   --tools FILE          a JSON list of tools the model may call ({name, description,
                         parameters}); its calls print as {"tool_call": ...} lines
   --tool-choice C       auto (default), none, required, or a tool's name
+  --lora NAME           answer with this loaded LoRA adapter (docs/lora.md); NOT_FOUND
+                        when no engine has it
   --timeout S           deadline in seconds (default: 120)
   --tls-ca PEM          use TLS, verifying the server with this CA
   --tls-server-name NAME
@@ -86,6 +88,7 @@ function parseArgs(argv) {
       case '--whitespace-flexible': args.whitespaceFlexible = true; break;
       case '--tools': args.tools = readJson(value(++i, flag), flag); break;
       case '--tool-choice': args.toolChoice = value(++i, flag); break;
+      case '--lora': args.lora = value(++i, flag); break;
       case '--timeout': args.timeout = number(value(++i, flag), flag); break;
       case '--tls-ca': args.tlsCa = readText(value(++i, flag), flag); break;
       case '--tls-server-name': args.tlsServerName = value(++i, flag); break;
@@ -186,6 +189,7 @@ function main() {
   const request = { messages, sampling_params: sampling };
   if (args.tools) request.tools = toolsToProto(args.tools);
   if (args.toolChoice) request.tool_choice = toolChoiceToProto(args.toolChoice);
+  if (args.lora) request.lora_name = args.lora;
   const call = client.Chat(request, metadata, { deadline });
   let answered = false;
   const toolCalls = [];

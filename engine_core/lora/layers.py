@@ -111,5 +111,5 @@ class LoraEmbedding(nn.Module):
         index = self.context.index
         if index is not None:
             for slot, start, end in index.segments:
-                h[start:end] += self.slots.lora_a[slot, ids[start:end]] @ self.slots.lora_b[slot]
+                h[start:end] += (self.slots.lora_a[slot, ids[start:end]] @ self.slots.lora_b[slot]).to(h.dtype)
         return h

@@ -43,7 +43,7 @@ class LoraRuntime:
         targets = lora_targets(model)
         slots: dict[str, LoraSlots] = {}
         for target in {t.path: t for t in targets.values()}.values():
-            module_slots = LoraSlots(target, config.max_loras, config.max_lora_rank, device, dtype)
+            module_slots = LoraSlots(target, config.max_loras, config.max_lora_rank, device, ops.slot_dtype)
             parent_name, _, child_name = target.path.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             base = getattr(parent, child_name)
@@ -57,7 +57,7 @@ class LoraRuntime:
             slots[target.path] = module_slots
         model.model.lora = context  # the decoder asks whether this step has adapters
         manager = LoraManager(targets, slots, config.max_loras, config.max_lora_rank, config.host_capacity)
-        runtime = cls(manager, context, device, dtype)
+        runtime = cls(manager, context, device, ops.slot_dtype)
         for name, path in config.adapters.items():
             manager.add(name, path)
         return runtime

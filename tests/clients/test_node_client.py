@@ -47,6 +47,13 @@ def test_node_prints_the_status_of_a_bad_request(node, live_stack):
     assert result.stderr.startswith("tandem-node: INVALID_ARGUMENT: sampling_params.temperature")
 
 
+def test_node_asks_for_a_lora_adapter(node, live_stack):
+    """--lora sends lora_name: the live stack's engine serves no adapters, so the answer is NOT_FOUND."""
+    result = node_chat(node, "--address", live_stack.frontend_address, "--lora", "sql", "hi")
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.startswith("tandem-node: NOT_FOUND:") and "'sql'" in result.stderr, result.stderr
+
+
 def test_node_names_an_unreadable_file_in_one_line(node, tmp_path):
     for flag in ("--json-schema", "--grammar", "--tls-ca", "--token-file"):
         result = node_chat(node, flag, str(tmp_path / "missing"), "hi")

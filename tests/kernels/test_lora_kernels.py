@@ -102,3 +102,20 @@ def test_select_lora_ops():
         select_lora_ops("cuda", 4, torch.float32, kernel="segments")
     with pytest.raises(ValueError, match="lora kernel must be one of"):
         select_lora_ops("cpu", 4, torch.float32, kernel="fast")
+
+
+@pytest.mark.parametrize("kernel", [*sorted(CPU_LORA_KERNELS), "triton"])
+def test_bf16_activations_over_fp32_slots(kernel):
+    """The CPU keeps the slots in fp32 (kernels/lora_ops.py): bf16 rows in, the fp32 product added in bf16."""
+    y, x, a, b, row_slots = make_case(9, 3, 8, 40, 24, torch.bfloat16, 5)
+    a, b = a.float(), b.float()
+    expected = reference(y, x, a, b, row_slots)
+    run = add_lora_triton if kernel == "triton" else CPU_LORA_KERNELS[kernel]
+    run(y, x, a, b, LoraStepIndex(row_slots, 3, x.device, torch.float32))
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), expected, atol=0.5, rtol=1e-2)  # one bf16 rounding of y
+
+
+def test_the_cpu_keeps_slots_in_fp32():
+    assert select_lora_ops("cpu", 4, torch.bfloat16).slot_dtype == torch.float32
+    assert select_lora_ops("cuda", 4, torch.bfloat16).slot_dtype == torch.bfloat16
