@@ -117,22 +117,20 @@ def _connection(url: str, timeout: float) -> tuple[http.client.HTTPConnection, s
 
 
 def get_json(url: str, timeout: float = 60) -> dict:
-    connection, path = _connection(url, timeout)
-    try:
-        connection.request("GET", path)
-        response = connection.getresponse()
-        body = response.read().decode()
-        if response.status != 200:
-            raise GatewayError(response.status, body)
-        return json.loads(body)
-    finally:
-        connection.close()
+    return _request_json("GET", url, None, timeout)
 
 
 def post_json(url: str, body: dict, timeout: float = 300) -> dict:
+    return _request_json("POST", url, body, timeout)
+
+
+def _request_json(method: str, url: str, body: dict | None, timeout: float) -> dict:
     connection, path = _connection(url, timeout)
     try:
-        connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        if body is None:
+            connection.request(method, path)
+        else:
+            connection.request(method, path, json.dumps(body), {"Content-Type": "application/json"})
         response = connection.getresponse()
         text = response.read().decode()
         if response.status != 200:

@@ -20,7 +20,6 @@ import json
 import platform
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -31,7 +30,7 @@ from safetensors.torch import save_file  # noqa: E402
 from engine_core.config import CacheConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from engine_core.llm_engine import LLMEngine  # noqa: E402
 from engine_core.lora.targets import LINEAR_LEAVES  # noqa: E402
-from engine_core.protocol import SamplingParams  # noqa: E402
+from scripts.bench_offline import bench_tandem  # noqa: E402
 
 TARGETS = [leaf for leaf in LINEAR_LEAVES if leaf not in ("qkv_proj", "gate_up_proj", "lm_head")]
 
@@ -75,24 +74,6 @@ def write_adapters(engine: LLMEngine, folder: Path, count: int, rank: int) -> di
     return folders
 
 
-def run_round(engine: LLMEngine, prompts: list[list[int]], gen_len: int, lora_names: list[str | None]) -> dict:
-    params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
-    engine.engine_core.reset_prefix_cache()
-    started = time.perf_counter()
-    for index, (prompt, lora_name) in enumerate(zip(prompts, lora_names)):
-        engine.add_request(f"bench-{index}", prompt, params, lora_name=lora_name)
-    first_token: dict[str, float] = {}
-    generated = 0
-    while engine.has_unfinished_requests():
-        for output in engine.step():  # DELTA: each message holds the step's new tokens
-            first_token.setdefault(output.request_id, time.perf_counter() - started)
-            generated += sum(len(c.token_ids) for c in output.completions)
-    elapsed = time.perf_counter() - started
-    ttfts = sorted(first_token.values())
-    return {"seconds": elapsed, "generated_tokens": generated, "tok_per_s": generated / elapsed,
-            "ttft_p50_s": ttfts[len(ttfts) // 2]}
-
-
 def main() -> None:
     args = parse_args()
     model = ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.prompt_len + args.gen_len + 16)
@@ -111,10 +92,10 @@ def main() -> None:
     no_adapter = [None] * args.streams
     runs = {"base": (base, no_adapter), "lora": (served, spread), "lora_engine_base": (served, no_adapter)}
     results: dict[str, list[dict]] = {name: [] for name in runs}
-    run_round(served, prompts[:1], 2, spread[:1])  # warm-up: first-call allocations, the adapters' first slots
+    bench_tandem(served, prompts[:1], 2, spread[:1])  # warm-up: first-call allocations, the adapters' first slots
     for round_index in range(args.rounds):
         for name, (engine, lora_names) in runs.items():
-            result = run_round(engine, prompts, args.gen_len, lora_names)
+            result = bench_tandem(engine, prompts, args.gen_len, lora_names)
             results[name].append(result)
             print(f"round {round_index + 1} {name:<17} {result['tok_per_s']:8.1f} tok/s  "
                   f"TTFT p50 {result['ttft_p50_s']:.2f} s", flush=True)

@@ -48,12 +48,14 @@ def make_prompts(count: int, length: int, vocab_size: int, seed: int = 0) -> lis
     return torch.randint(100, vocab_size - 100, (count, length), generator=generator).tolist()
 
 
-def bench_tandem(engine: LLMEngine, prompts: list[list[int]], gen_len: int) -> dict:
+def bench_tandem(engine: LLMEngine, prompts: list[list[int]], gen_len: int,
+                 lora_names: list[str | None] | None = None) -> dict:
+    """All prompts at once, greedy, exactly gen_len tokens each (lora_names: each prompt's adapter, None: base)."""
     params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
     engine.engine_core.reset_prefix_cache()
     started = time.perf_counter()
-    for index, prompt in enumerate(prompts):
-        engine.add_request(f"bench-{index}", prompt, params)
+    for index, (prompt, lora_name) in enumerate(zip(prompts, lora_names or [None] * len(prompts))):
+        engine.add_request(f"bench-{index}", prompt, params, lora_name=lora_name)
     first_token: dict[str, float] = {}
     generated = 0
     while engine.has_unfinished_requests():

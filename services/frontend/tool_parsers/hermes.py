@@ -8,9 +8,9 @@ from services.frontend.tool_parsers.json_scan import (
     CALL,
     PENDING,
     could_start,
-    held_tag_prefix,
     scan_call,
     skip_whitespace,
+    text_before_tag,
 )
 from services.frontend.tool_parsers.tool_call import Scan
 from services.frontend.tool_parsers.tool_parser import ToolParser
@@ -27,16 +27,9 @@ class HermesToolParser(ToolParser):
         scan = Scan(stable_pos=pos)
         i = pos
         while True:
-            tag = text.find(OPEN, i)
-            if tag < 0:
-                end = len(text) - (0 if final else held_tag_prefix(text, i, OPEN))
-                if end > i:
-                    scan.pieces.append(text[i:end])
-                scan.settle(end)
+            tag = text_before_tag(scan, text, i, OPEN, final)
+            if tag is None:
                 return scan
-            if tag > i:
-                scan.pieces.append(text[i:tag])
-                scan.settle(tag)
             body = skip_whitespace(text, tag + len(OPEN))
             if body == len(text):
                 if final:

@@ -12,7 +12,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from services.frontend.tool_parsers.tool_call import PartialCall
+from services.frontend.tool_parsers.tool_call import PartialCall, Scan
 
 _STRUCTURE = re.compile(r'[{}\[\]"\\]')
 _WHITESPACE = re.compile(r"\s*")
@@ -51,6 +51,22 @@ def held_tag_prefix(text: str, start: int, tag: str) -> int:
         if text.endswith(tag[:size]):
             return size
     return 0
+
+
+def text_before_tag(scan: Scan, text: str, start: int, tag: str, final: bool) -> int | None:
+    """Take the plain text from `start` up to the next `tag` into `scan` and return the tag's position; None when no
+    tag follows (the text is taken and settled, but for an end that could begin the tag, held back unless final)."""
+    found = text.find(tag, start)
+    if found < 0:
+        end = len(text) - (0 if final else held_tag_prefix(text, start, tag))
+        if end > start:
+            scan.pieces.append(text[start:end])
+        scan.settle(end)
+        return None
+    if found > start:
+        scan.pieces.append(text[start:found])
+        scan.settle(found)
+    return found
 
 
 def could_start(text: str, i: int, tag: str) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.frontend.tool_parsers.call_list import scan_call_list
-from services.frontend.tool_parsers.json_scan import held_tag_prefix, skip_whitespace
+from services.frontend.tool_parsers.json_scan import skip_whitespace, text_before_tag
 from services.frontend.tool_parsers.tool_call import Scan
 from services.frontend.tool_parsers.tool_parser import ToolParser
 
@@ -21,16 +21,9 @@ class MistralToolParser(ToolParser):
         scan = Scan(stable_pos=pos)
         i = pos
         while True:
-            tag = text.find(TAG, i)
-            if tag < 0:
-                end = len(text) - (0 if final else held_tag_prefix(text, i, TAG))
-                if end > i:
-                    scan.pieces.append(text[i:end])
-                scan.settle(end)
+            tag = text_before_tag(scan, text, i, TAG, final)
+            if tag is None:
                 return scan
-            if tag > i:
-                scan.pieces.append(text[i:tag])
-                scan.settle(tag)
             body = skip_whitespace(text, tag + len(TAG))
             if body == len(text) and not final:
                 return scan
