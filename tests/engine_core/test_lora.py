@@ -15,7 +15,7 @@ import torch
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
 from engine_core.llm_engine import LLMEngine
 from engine_core.protocol import SamplingParams
-from tests.engine_core.test_engine import CPP, INTERPRETER, hf_greedy
+from tests.engine_core.test_engine import CPP, CUDA, INTERPRETER, hf_greedy
 from tests.engine_core.tiny_lora import ALL_LINEAR, merged_model, write_tiny_adapter
 from tests.engine_core.tiny_models import write_tiny_model
 
@@ -47,12 +47,12 @@ def lora_models(tmp_path_factory):
 
 
 def lora_config(base, folders, *, backend="torch", kernel="auto", enforce_eager=False, max_loras=4,
-                max_cpu_loras=None, budget=16, num_blocks=512, max_num_seqs=32) -> EngineConfig:
+                max_cpu_loras=None, budget=16, num_blocks=512, max_num_seqs=32, device="cpu") -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=str(base), dtype="float32"),
         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs),
-        device=DeviceConfig(device="cpu", attention_backend=backend, enforce_eager=enforce_eager),
+        device=DeviceConfig(device=device, attention_backend=backend, enforce_eager=enforce_eager),
         lora=LoraConfig(enable=True, max_loras=max_loras, max_lora_rank=16, max_cpu_loras=max_cpu_loras,
                         kernel=kernel, adapters={name: str(folder) for name, folder in folders.items()}),
     )
@@ -114,6 +114,15 @@ def test_mixed_batch_matches_merged_adapters_triton_interpreter(lora_models, max
     engine = LLMEngine(lora_config(base, folders, kernel="triton"))
     assert engine.engine_core.lora.context.ops.kernel == "triton"
     assert_matches_merged(engine, references, max_tokens)
+
+
+@CUDA
+def test_mixed_batch_matches_merged_adapters_cuda(lora_models):
+    """The Triton LoRA kernels and paged attention on the GPU, in fp32, against the merged copies on CPU."""
+    base, folders, references = lora_models
+    engine = LLMEngine(lora_config(base, folders, backend="triton", kernel="triton", device="cuda"))
+    assert engine.engine_core.lora.context.ops.kernel == "triton"
+    assert_matches_merged(engine, references)
 
 
 def test_prompt_logprobs_read_the_adapted_lm_head(lora_models):

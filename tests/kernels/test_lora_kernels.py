@@ -17,6 +17,7 @@ from kernels.lora_ops import LoraPlan, choose_lora_plan
 from kernels.triton_lora import add_lora_triton
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs on CPU tensors
 
 
 def reference(y, x, a, b, row_slots):
@@ -68,8 +69,9 @@ def test_triton_kernels_match_reference(dtype, rows, num_slots, rank, in_f, out_
     """Odd sizes: the blocks of k (128), outputs (128) and ranks are masked at their ends."""
     y, x, a, b, row_slots = make_case(rows, num_slots, rank, in_f, out_f, dtype, seed)
     expected = reference(y, x, a, b, row_slots)
+    y, x, a, b = (t.to(TRITON_DEVICE) for t in (y, x, a, b))
     add_lora_triton(y, x, a, b, LoraStepIndex(row_slots, num_slots, x.device, dtype))
-    torch.testing.assert_close(y.float(), expected, atol=TOL[dtype] * 40, rtol=TOL[dtype])
+    torch.testing.assert_close(y.float().cpu(), expected, atol=TOL[dtype] * 40, rtol=TOL[dtype])
 
 
 def test_measured_plan_names_a_kernel_per_bucket_that_fits():
@@ -111,9 +113,11 @@ def test_bf16_activations_over_fp32_slots(kernel):
     a, b = a.float(), b.float()
     expected = reference(y, x, a, b, row_slots)
     run = add_lora_triton if kernel == "triton" else CPU_LORA_KERNELS[kernel]
+    if kernel == "triton":
+        y, x, a, b = (t.to(TRITON_DEVICE) for t in (y, x, a, b))
     run(y, x, a, b, LoraStepIndex(row_slots, 3, x.device, torch.float32))
     assert y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.float(), expected, atol=0.5, rtol=1e-2)  # one bf16 rounding of y
+    torch.testing.assert_close(y.float().cpu(), expected, atol=0.5, rtol=1e-2)  # one bf16 rounding of y
 
 
 def test_the_cpu_keeps_slots_in_fp32():
