@@ -14,7 +14,7 @@ _DEVICES = ("auto", "cpu", "cuda")
 _ATTENTION_BACKENDS = ("auto", "torch", "cpp", "triton")
 _POLICIES = ("fcfs", "priority")
 # kernels/lora_ops.py's choices, named here for the torch-free flag parser (tests/engine_core/test_lora.py checks)
-LORA_KERNELS = ("auto", "triton", "per_slot", "segments", "gather_bmm", "stacked")
+LORA_KERNELS = ("auto", "triton", "per_slot", "segments", "gather_bmm", "stacked", "cpp")
 _OVERLAP = ("auto", "on", "off")
 
 

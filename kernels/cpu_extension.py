@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "argmax.cpp", "int8_rows.cpp", "int8_gemv.cpp", "int4_gemv.cpp",
            "int8_vnni.cpp", "int8_grouped.cpp",
-           "bf16_packed.cpp", "decode_layer.cpp")
+           "bf16_packed.cpp", "lora.cpp", "decode_layer.cpp")
 CFLAGS = (
     "-O3",
     "-ffp-contract=fast",  # fused multiply-adds (C++ standard modes turn them off)

@@ -13,6 +13,9 @@ fp32's on CPUs without native bf16: docs/lora.md), x cast to it and the sum cast
   every row at once; the gathered weights grow with the rows, so it is timed up to 32 rows only.
 - `stacked`: every slot at once: x times all the A's ([T, S*R]), the other slots' columns zeroed
   by the row mask, times all the B's; S times the arithmetic, two GEMMs whatever the mix.
+- `cpp`: BGMV in C++ (kernels/csrc/lora.cpp): each row's shrink and expand in one pass, rows over
+  the threads, the ranks an adapter leaves empty skipped; one call whatever the mix. The CPU's
+  one-op decoder layers run it inside the op (engine_core/models/cpu_decode_layers.py).
 
 Which wins depends on the CPU, the rows and the number of adapters in the step: the engine times
 them at load (kernels/lora_ops.py) and takes the fastest per bucket.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu_extension
 from kernels.lora_index import LoraStepIndex
 
 
@@ -61,10 +65,23 @@ def add_lora_stacked(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch
         y.add_((shrunk @ b.reshape(num_slots * rank, -1)).to(y.dtype))
 
 
+def add_lora_cpp(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 index: LoraStepIndex) -> None:
+    if not cpu_extension.load():  # cached: after the first call, a lookup
+        raise RuntimeError("the cpp LoRA kernel needs Tandem's C++ CPU kernels, which could not be built here")
+    torch.ops.tandem.lora_add(y, x, a, b, index.slots)
+
+
 CPU_LORA_KERNELS = {
     "per_slot": add_lora_per_slot,
     "segments": add_lora_segments,
     "gather_bmm": add_lora_gather_bmm,
     "stacked": add_lora_stacked,
+    "cpp": add_lora_cpp,
 }
+NEEDS_EXTENSION = {"cpp"}  # kernels of the C++ extension (kernels/cpu_extension.py): none without a compiler
+
+
+def cpu_lora_kernel_available(name: str) -> bool:
+    return name not in NEEDS_EXTENSION or cpu_extension.load()
 MAX_ROWS = {"gather_bmm": 32}  # per-row gathered weights: [T, R, in] + [T, R, out]

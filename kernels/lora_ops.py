@@ -4,7 +4,7 @@
 each LoRA layer's `LoraPlan` (`plan_for(in, out, rank)`), whose `add(y, x, A, B, index)` adds
 every row's adapter product into y in place (the contract of kernels/cpu_lora.py).
 
-On the CPU "auto" times the four kernels of kernels/cpu_lora.py on each layer shape at each row
+On the CPU "auto" times the kernels of kernels/cpu_lora.py on each layer shape at each row
 bucket, with the step's rows spread over every slot in adapter order (as the runner orders them),
 against the plain per-slot matmul, and keeps the fastest per bucket, as kernels/cpu_linear.py
 does for the linears; a kernel name forces one kernel everywhere (tests, debugging).
@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from kernels.cpu_lora import CPU_LORA_KERNELS, MAX_ROWS
+from kernels.cpu_lora import CPU_LORA_KERNELS, MAX_ROWS, cpu_lora_kernel_available
 from kernels.linear_timing import Timer, fastest_uncontended, wall_timer
 from kernels.lora_index import LoraStepIndex
 
@@ -100,6 +100,9 @@ def select_lora_ops(device: str, num_slots: int, dtype: torch.dtype, kernel: str
         kernel = "triton"
     if kernel != "triton" and device.startswith("cuda"):
         raise ValueError(f"lora kernel {kernel!r} is a CPU kernel; on CUDA use 'triton' or 'auto'")
+    if kernel in CPU_LORA_KERNELS and not cpu_lora_kernel_available(kernel):
+        raise ValueError(f"lora kernel {kernel!r} needs Tandem's C++ CPU kernels, which could not be built here "
+                         "(see the log); use 'auto'")
     return LoraOps(kernel, num_slots, dtype, slot_dtype=torch.float32 if device == "cpu" else dtype)
 
 
@@ -122,7 +125,8 @@ def choose_lora_plan(in_features: int, out_features: int, rank: int, num_slots: 
         x = torch.randn(rows, in_features, dtype=dtype)
         y = torch.zeros(rows, out_features, dtype=dtype)
         index = timing_index(rows, num_slots, slot_dtype)
-        fit = [name for name in CPU_LORA_KERNELS if rows <= MAX_ROWS.get(name, rows)]
+        fit = [name for name in CPU_LORA_KERNELS
+               if rows <= MAX_ROWS.get(name, rows) and cpu_lora_kernel_available(name)]
         candidates = {name: (lambda run=CPU_LORA_KERNELS[name]: run(y, x, a, b, index)) for name in fit}
         timings, _ = fastest_uncontended(candidates, rows, timer, min_rounds=_MIN_CALLS, max_rounds=4 * _MIN_CALLS,
                                          budget_s=_BUDGET_S)

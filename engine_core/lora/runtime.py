@@ -8,7 +8,8 @@ row reads which slot, and `select_head_rows` before each LM-head call.
 
 A step without adapter rows leaves `context.index` None: the wrapped modules add nothing, the CPU's
 one-op decoder layers (engine_core/models/cpu_decode_layers.py) and CUDA graphs run as without
-LoRA. A step with adapter rows runs the layers module by module and eagerly (both read
+LoRA. A step with adapter rows runs the CPU's one-op layers with the adapters' products inside them
+(given the layers' slots here), and on CUDA the layers module by module and eagerly (both read
 `context.active`).
 """
 
@@ -23,8 +24,13 @@ from engine_core.config import LoraConfig
 from engine_core.lora.layers import LoraContext, LoraEmbedding, LoraLinear, LoraSlots
 from engine_core.lora.manager import LoraManager
 from engine_core.lora.targets import lora_targets
+from engine_core.models.cpu_decode_layers import decode_layer_linears
 from engine_core.protocol import LoraInfo
 from kernels import LoraStepIndex, select_lora_ops
+
+
+def _slot_pair(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    return (module.slots.lora_a, module.slots.lora_b) if isinstance(module, LoraLinear) else None
 
 
 class LoraRuntime:
@@ -56,6 +62,10 @@ class LoraRuntime:
             setattr(parent, child_name, wrapped)
             slots[target.path] = module_slots
         model.model.lora = context  # the decoder asks whether this step has adapters
+        decode_layers = getattr(model.model, "decode_layers", None)
+        if decode_layers is not None:  # the CPU's one-op layers add the adapters' products themselves
+            decode_layers.attach_lora([[_slot_pair(linear) for linear in decode_layer_linears(layer)]
+                                       for layer in model.model.layers])
         manager = LoraManager(targets, slots, config.max_loras, config.max_lora_rank, config.host_capacity)
         runtime = cls(manager, context, device, ops.slot_dtype)
         for name, path in config.adapters.items():

@@ -6,7 +6,9 @@ torch.ops boxing, temporaries) costs about as much as the kernel: some 60 of a l
 on the 2-core EPYC, and the same ~7 ms a step at 32 or 128 rows. Where the layers use the C++ fused ops
 and attention and every linear runs one of Tandem's own kernels (`OP_KERNELS`), `CpuDecodeLayers`
 runs each layer as one op over scratch tensors made once per step. The op calls the same kernels
-in the same order as the module path, so the outputs are the same.
+in the same order as the module path, so the outputs are the same. With LoRA it also adds each
+adapter row's products after each linear (`attach_lora`, kernels/csrc/lora.cpp), so decode steps
+that mix adapters stay one op per layer.
 
 Whether it pays is measured at load like every kernel choice (`choose_decode_layers`), per
 bucket up to 128 rows (decode batches and short prefill chunks): the model's layers run once
@@ -58,7 +60,8 @@ TIMING_CONTEXT = 128  # positions each row of the timing batch attends to
 TIMING_BLOCK = 16
 
 
-def _linears(layer: torch.nn.Module) -> list[torch.nn.Module]:
+def decode_layer_linears(layer: torch.nn.Module) -> list[torch.nn.Module]:
+    """qkv, o, gate_up and down: the op's linears, in its order."""
     attn, mlp = layer.self_attn, layer.mlp
     return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
 
@@ -71,7 +74,7 @@ def _fits(layer: torch.nn.Module) -> bool:
     return (
         all(f is not None and f.name == "cpp" for f in fused)
         and layer.self_attn.attention.name == "cpp" and layer.self_attn.q_norm is None
-        and all(linear.bias is None for linear in _linears(layer))
+        and all(linear.bias is None for linear in decode_layer_linears(layer))
     )
 
 
@@ -83,7 +86,7 @@ def layer_weights(model: LlamaModel) -> list[list[torch.Tensor]] | None:
         return None
     if not all(_fits(layer) for layer in layers):
         return None
-    return [[linear.weight for linear in _linears(layer)] for layer in layers]
+    return [[linear.weight for linear in decode_layer_linears(layer)] for layer in layers]
 
 
 def _op_args(kernel: str, state) -> tuple:
@@ -127,11 +130,22 @@ class CpuDecodeLayers:
             (layer.self_attn.scale, layer.self_attn.window or 0, layer.self_attn.softcap or 0.0)
             for layer in model.layers
         ]
+        # per layer: the adapter slots (A, B) of qkv, o, gate_up and down, once LoRA is attached
+        self.lora_slots: list[tuple[torch.Tensor, ...]] = [(_EMPTY,) * 8 for _ in model.layers]
+        self.serves_lora = False  # until attach_lora: a step with adapter rows takes the module path
+
+    def attach_lora(self, slots_by_layer: list[list[tuple[torch.Tensor, torch.Tensor] | None]]) -> None:
+        """Each layer's adapter slots, (A, B) per linear in the op's order (None: a linear without
+        adapters): the op adds their products for the rows that name a slot (kernels/csrc/lora.cpp)."""
+        self.lora_slots = [tuple(t for pair in layer for t in (pair or (_EMPTY, _EMPTY))) for layer in slots_by_layer]
+        self.serves_lora = True
 
     def __call__(
-        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_caches, md: AttentionMetadata
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_caches, md: AttentionMetadata,
+        lora_row_slots: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(embeddings [T, hidden]) -> (last layer's output, residual), as the layer loop returns them."""
+        """(embeddings [T, hidden]) -> (last layer's output, residual), as the layer loop returns them.
+        `lora_row_slots` [T] int64: each row's adapter slot (-1: the base model), for a step with adapter rows."""
         T = h.shape[0]
         # the first layer's norm(x + 0) is its norm(x) exactly, so every layer is the same op
         residual = torch.zeros_like(h)
@@ -149,8 +163,10 @@ class CpuDecodeLayers:
         )
         op = torch.ops.tandem.llama_decode_layer
         weights_by_layer = self.weights[next(rows for rows in self.buckets if rows >= T)]
-        for weights, attention, (key_cache, value_cache) in zip(weights_by_layer, self.attention, kv_caches):
-            op(h, residual, *weights, key_cache, value_cache, *attention, *step)
+        rows_slots = _EMPTY if lora_row_slots is None else lora_row_slots
+        for weights, attention, (key_cache, value_cache), lora in zip(
+                weights_by_layer, self.attention, kv_caches, self.lora_slots):
+            op(h, residual, *weights, key_cache, value_cache, *attention, *step, rows_slots, *lora)
         return h, residual
 
 
@@ -168,7 +184,7 @@ def choose_decode_layers(
         return None
     if not all(kernel_fits(GEMV, w) for layer in weights for w in layer):
         return None
-    linears = [_linears(layer) for layer in model.layers]
+    linears = [decode_layer_linears(layer) for layer in model.layers]
     with one_thread():  # many small packing ops: see linear_timing.one_thread
         int8_gemvs = [[(GEMV, linear.state(GEMV) or prepare_int8_gemv(w, None)) for linear, w in zip(layer, layer_ws)]
                       for layer, layer_ws in zip(linears, weights)]

@@ -148,9 +148,11 @@ class LlamaModel(nn.Module):
         if self.embed_scale is not None:
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         rope = self.rotary_emb(positions, h.dtype)
-        if self.decode_layers is not None and h.shape[0] <= self.decode_layers.max_rows and not (
-                self.lora is not None and self.lora.active):  # the op has no adapter products
-            return self.norm(*self.decode_layers(h, rope, kv_caches, md))[0]
+        adapter_rows = self.lora is not None and self.lora.active
+        if self.decode_layers is not None and h.shape[0] <= self.decode_layers.max_rows and (
+                not adapter_rows or self.decode_layers.serves_lora):
+            lora_rows = self.lora.index.slots if adapter_rows else None
+            return self.norm(*self.decode_layers(h, rope, kv_caches, md, lora_rows))[0]
         local_rope = rope if self.local_rotary_emb is None else self.local_rotary_emb(positions, h.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):

@@ -89,7 +89,7 @@ def test_the_flag_parser_names_the_kernels_there_are():
     assert LORA_KERNELS == KERNELS
 
 
-@pytest.mark.parametrize("kernel", ["per_slot", "segments", "gather_bmm", "stacked", "auto"])
+@pytest.mark.parametrize("kernel", ["per_slot", "segments", "gather_bmm", "stacked", "cpp", "auto"])
 def test_mixed_batch_matches_merged_adapters_cpu(lora_models, kernel):
     base, folders, references = lora_models
     engine = LLMEngine(lora_config(base, folders, kernel=kernel))

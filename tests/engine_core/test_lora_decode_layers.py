@@ -1,5 +1,5 @@
-"""The CPU's one-op decoder layers beside LoRA: they serve the steps without adapter rows and step
-aside (the layers run module by module) for a step with any; the answers are the module path's."""
+"""The CPU's one-op decoder layers beside LoRA: they serve the steps with adapter rows too, adding each
+row's adapter products inside the op (kernels/csrc/lora.cpp), and give the module path's answers."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def model_and_adapter(tmp_path_factory):
     return base, write_tiny_adapter(base, tmp_path_factory.mktemp("op-adapter"), rank=4, seed=5)
 
 
-def test_one_op_layers_step_aside_for_adapter_rows(model_and_adapter, monkeypatch):
+def test_one_op_layers_serve_adapter_rows_as_the_module_path_does(model_and_adapter, monkeypatch):
     base, adapter = model_and_adapter
     import kernels.cpu_linear as cpu_linear
 
@@ -39,25 +39,29 @@ def test_one_op_layers_step_aside_for_adapter_rows(model_and_adapter, monkeypatc
     ))
     model = engine.engine_core.model.model
     layers_op = model.decode_layers
-    assert layers_op is not None
+    assert layers_op is not None and layers_op.serves_lora
     steps = []  # (rows, whether the step had adapter rows) of every call of the op
 
     def counting(h, *args):
         steps.append((h.shape[0], model.lora.active))
         return layers_op(h, *args)
 
-    counting.max_rows = layers_op.max_rows
+    counting.max_rows, counting.serves_lora = layers_op.max_rows, True
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, 256, (n,), generator=g).tolist() for n in (3, 9, 6)]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
 
     def answers(lora_names):
-        return [o.completions[0].token_ids for o in engine.generate(prompts, params, lora_names=lora_names)]
+        outputs = engine.generate(prompts, params, lora_names=lora_names)
+        return [(o.completions[0].token_ids, [entry.logprobs for entry in o.completions[0].logprobs])
+                for o in outputs]
 
     model.decode_layers = counting
     base_only, mixed = answers(None), answers([None, "x", None])
-    model.decode_layers = None
-    assert answers(None) == base_only and answers([None, "x", None]) == mixed  # the module path's answers
-    assert steps and not any(active for _, active in steps)  # never run with adapter rows in the step
-    assert (3, False) in steps  # but it served the base-only decode steps
-    assert mixed[1] != base_only[1] and mixed[0] == base_only[0]
+    model.decode_layers = None  # the module path, its LoRA products on the "segments" kernel
+    for ours, modules in zip([*base_only, *mixed], [*answers(None), *answers([None, "x", None])]):
+        assert ours[0] == modules[0]
+        assert torch.tensor(ours[1]).sub(torch.tensor(modules[1])).abs().max().item() < 1e-4
+    assert (3, True) in steps  # the op ran the decode steps with the adapter's row in them
+    assert (3, False) in steps  # and the base-only ones
+    assert mixed[1][0] != base_only[1][0] and mixed[0][0] == base_only[0][0]
