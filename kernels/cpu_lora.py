@@ -65,11 +65,14 @@ def add_lora_stacked(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch
         y.add_((shrunk @ b.reshape(num_slots * rank, -1)).to(y.dtype))
 
 
+_EVERY_OUTPUT = torch.empty(0, dtype=torch.int64)  # no pieces: every rank reaches every output
+
+
 def add_lora_cpp(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                  index: LoraStepIndex) -> None:
     if not cpu_extension.load():  # cached: after the first call, a lookup
         raise RuntimeError("the cpp LoRA kernel needs Tandem's C++ CPU kernels, which could not be built here")
-    torch.ops.tandem.lora_add(y, x, a, b, index.slots)
+    torch.ops.tandem.lora_add(y, x, a, b, index.slots, _EVERY_OUTPUT)
 
 
 CPU_LORA_KERNELS = {

@@ -6,7 +6,7 @@ and, for the LM head, the slots of the rows whose logits are computed (`head_ind
 
 Slot tensors per module: A [S, R, in] and B [S, R, out], R = max_lora_rank x the module's pieces
 (q, k, v for qkv_proj), zero where an adapter has no piece; an embedding keeps A as [S, vocab, R]
-(a row per token id). Written by engine_core/lora/manager.py when an adapter takes a slot.
+(a row per token id). `lora_pieces` [S, pieces, 2]: the outputs each block of ranks reaches. Written by engine_core/lora/manager.py when an adapter takes a slot.
 """
 
 from __future__ import annotations
@@ -44,11 +44,16 @@ class LoraSlots(nn.Module):
         self.register_buffer("lora_a", torch.zeros(a_shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("lora_b", torch.zeros(num_slots, rank, target.out_features, dtype=dtype, device=device),
                              persistent=False)
+        # per slot and block of max_rank ranks: the (first, end) outputs its B rows reach, (0, 0) for a block
+        # the adapter leaves empty; the CPU kernel expands each block over those outputs only (kernels/csrc/lora.cpp)
+        self.register_buffer("lora_pieces", torch.zeros(num_slots, target.num_pieces, 2, dtype=torch.int64),
+                             persistent=False)
 
     def write(self, slot: int, pieces: list[LoraPiece]) -> None:
         """Fill `slot` with an adapter's pieces of this module (none: zeros, the base model's output)."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
+        self.lora_pieces[slot].zero_()
         for piece in pieces:
             start = piece.index * self.max_rank
             rank = piece.a.shape[0]
@@ -59,6 +64,7 @@ class LoraSlots(nn.Module):
                 self.lora_a[slot, start:start + rank] = a
             self.lora_b[slot, start:start + rank, piece.offset:piece.offset + piece.size] = piece.b.to(
                 self.lora_b.dtype)
+            self.lora_pieces[slot, piece.index] = torch.tensor([piece.offset, piece.offset + piece.size])
 
 
 class LoraLinear(nn.Module):

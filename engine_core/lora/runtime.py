@@ -29,8 +29,10 @@ from engine_core.protocol import LoraInfo
 from kernels import LoraStepIndex, select_lora_ops
 
 
-def _slot_pair(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
-    return (module.slots.lora_a, module.slots.lora_b) if isinstance(module, LoraLinear) else None
+def _slots_of(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    if not isinstance(module, LoraLinear):
+        return None
+    return module.slots.lora_a, module.slots.lora_b, module.slots.lora_pieces
 
 
 class LoraRuntime:
@@ -64,7 +66,7 @@ class LoraRuntime:
         model.model.lora = context  # the decoder asks whether this step has adapters
         decode_layers = getattr(model.model, "decode_layers", None)
         if decode_layers is not None:  # the CPU's one-op layers add the adapters' products themselves
-            decode_layers.attach_lora([[_slot_pair(linear) for linear in decode_layer_linears(layer)]
+            decode_layers.attach_lora([[_slots_of(linear) for linear in decode_layer_linears(layer)]
                                        for layer in model.model.layers])
         manager = LoraManager(targets, slots, config.max_loras, config.max_lora_rank, config.host_capacity)
         runtime = cls(manager, context, device, ops.slot_dtype)

@@ -130,14 +130,15 @@ class CpuDecodeLayers:
             (layer.self_attn.scale, layer.self_attn.window or 0, layer.self_attn.softcap or 0.0)
             for layer in model.layers
         ]
-        # per layer: the adapter slots (A, B) of qkv, o, gate_up and down, once LoRA is attached
-        self.lora_slots: list[tuple[torch.Tensor, ...]] = [(_EMPTY,) * 8 for _ in model.layers]
+        # per layer: the adapter slots (A, B, pieces) of qkv, o, gate_up and down, once LoRA is attached
+        self.lora_slots: list[tuple[torch.Tensor, ...]] = [(_EMPTY,) * 12 for _ in model.layers]
         self.serves_lora = False  # until attach_lora: a step with adapter rows takes the module path
 
-    def attach_lora(self, slots_by_layer: list[list[tuple[torch.Tensor, torch.Tensor] | None]]) -> None:
-        """Each layer's adapter slots, (A, B) per linear in the op's order (None: a linear without
-        adapters): the op adds their products for the rows that name a slot (kernels/csrc/lora.cpp)."""
-        self.lora_slots = [tuple(t for pair in layer for t in (pair or (_EMPTY, _EMPTY))) for layer in slots_by_layer]
+    def attach_lora(self, slots_by_layer: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]]) -> None:
+        """Each layer's adapter slots, (A, B, pieces) per linear in the op's order (None: a linear without
+        adapters; engine_core/lora/layers.py): the op adds their products for the rows that name a slot
+        (kernels/csrc/lora.cpp)."""
+        self.lora_slots = [tuple(t for slots in layer for t in (slots or (_EMPTY,) * 3)) for layer in slots_by_layer]
         self.serves_lora = True
 
     def __call__(

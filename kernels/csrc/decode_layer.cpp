@@ -17,7 +17,7 @@
 // (unused slots: empty tensors).
 //
 // With LoRA (engine_core/lora), each linear also comes with its adapter slots A [S, R, in] and
-// B [S, R, out], and the step its rows' slots (`lora_row_slots` [T], -1 for base rows): lora.cpp adds
+// B [S, R, out] and the outputs each slot's blocks of ranks reach (lora.cpp), and the step its rows' slots (`lora_row_slots` [T], -1 for base rows): lora.cpp adds
 // every adapter row's product right after its linear, as the module path's LoraLinear does, so a
 // decode step with adapter rows is still one op per layer. Without: empty tensors.
 
@@ -28,8 +28,9 @@ namespace {
 
 enum LinearKind : int64_t { kInt8Gemv = 0, kInt8Vnni = 1, kBf16Packed = 2, kInt4Gemv = 3, kInt8Grouped = 4 };
 
-void adapters(Tensor out, Tensor x, const Tensor& lora_a, const Tensor& lora_b, const Tensor& row_slots) {
-  if (row_slots.numel() > 0 && lora_a.numel() > 0) lora_add(out, x, lora_a, lora_b, row_slots);
+void adapters(Tensor out, Tensor x, const Tensor& lora_a, const Tensor& lora_b, const Tensor& lora_pieces,
+              const Tensor& row_slots) {
+  if (row_slots.numel() > 0 && lora_a.numel() > 0) lora_add(out, x, lora_a, lora_b, row_slots, lora_pieces);
 }
 
 void linear(int64_t kind, Tensor out, Tensor x, const Tensor& a, const Tensor& b, const Tensor& c, const Tensor& d) {
@@ -58,25 +59,26 @@ void llama_decode_layer(
     Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc,
     Tensor qkv, Tensor qk, Tensor q, Tensor k, Tensor v, Tensor attn, Tensor attn_rows,
     Tensor o, Tensor gate_up, Tensor act,
-    Tensor lora_row_slots, Tensor qkv_lora_a, Tensor qkv_lora_b, Tensor o_lora_a, Tensor o_lora_b,
-    Tensor gate_up_lora_a, Tensor gate_up_lora_b, Tensor down_lora_a, Tensor down_lora_b) {
+    Tensor lora_row_slots, Tensor qkv_lora_a, Tensor qkv_lora_b, Tensor qkv_lora_pieces, Tensor o_lora_a,
+    Tensor o_lora_b, Tensor o_lora_pieces, Tensor gate_up_lora_a, Tensor gate_up_lora_b, Tensor gate_up_lora_pieces,
+    Tensor down_lora_a, Tensor down_lora_b, Tensor down_lora_pieces) {
   // attention: hidden <- norm(hidden + residual), residual <- the sum
   fused_add_rms_norm(hidden, residual, input_norm, eps);
   linear(qkv_kind, qkv, hidden, qkv_a, qkv_b, qkv_c, qkv_d);
-  adapters(qkv, hidden, qkv_lora_a, qkv_lora_b, lora_row_slots);
+  adapters(qkv, hidden, qkv_lora_a, qkv_lora_b, qkv_lora_pieces, lora_row_slots);
   rotary_embedding(qk, cos, sin);
   write_kv_cache(k, v, key_cache, value_cache, slot_mapping);
   paged_attention(attn, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window,
                   softcap);
   linear(o_kind, o, attn_rows, o_a, o_b, o_c, o_d);
-  adapters(o, attn_rows, o_lora_a, o_lora_b, lora_row_slots);
+  adapters(o, attn_rows, o_lora_a, o_lora_b, o_lora_pieces, lora_row_slots);
   // MLP: o <- norm(o + residual); its output goes to hidden, the next layer's input
   fused_add_rms_norm(o, residual, post_norm, eps);
   linear(gate_up_kind, gate_up, o, gate_up_a, gate_up_b, gate_up_c, gate_up_d);
-  adapters(gate_up, o, gate_up_lora_a, gate_up_lora_b, lora_row_slots);
+  adapters(gate_up, o, gate_up_lora_a, gate_up_lora_b, gate_up_lora_pieces, lora_row_slots);
   silu_and_mul(act, gate_up);
   linear(down_kind, hidden, act, down_a, down_b, down_c, down_d);
-  adapters(hidden, act, down_lora_a, down_lora_b, lora_row_slots);
+  adapters(hidden, act, down_lora_a, down_lora_b, down_lora_pieces, lora_row_slots);
 }
 
 }  // namespace
@@ -93,8 +95,9 @@ STABLE_TORCH_LIBRARY_FRAGMENT(tandem, m) {
       "Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
       "Tensor query_start_loc, Tensor(e!) qkv, Tensor(f!) qk, Tensor q, Tensor k, Tensor v, "
       "Tensor(g!) attn, Tensor attn_rows, Tensor(h!) o, Tensor(i!) gate_up, Tensor(j!) act, "
-      "Tensor lora_row_slots, Tensor qkv_lora_a, Tensor qkv_lora_b, Tensor o_lora_a, Tensor o_lora_b, "
-      "Tensor gate_up_lora_a, Tensor gate_up_lora_b, Tensor down_lora_a, Tensor down_lora_b) -> ()");
+      "Tensor lora_row_slots, Tensor qkv_lora_a, Tensor qkv_lora_b, Tensor qkv_lora_pieces, Tensor o_lora_a, "
+      "Tensor o_lora_b, Tensor o_lora_pieces, Tensor gate_up_lora_a, Tensor gate_up_lora_b, "
+      "Tensor gate_up_lora_pieces, Tensor down_lora_a, Tensor down_lora_b, Tensor down_lora_pieces) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(tandem, CPU, m) {

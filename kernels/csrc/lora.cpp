@@ -4,7 +4,8 @@
 //
 // A [S, R, in] and B [S, R, out] are fp32 (the CPU keeps the slots in fp32: docs/lora.md); x and y
 // are fp32 or bf16. A row's R shrunk values are fp32 dot products; the expand adds them times B's
-// rows to y's row in fp32 and rounds once. Up to four consecutive rows of one adapter go through
+// rows to y's row in fp32 and rounds once. A fused module's slot (qkv: q, k and v side by side) says
+// which outputs each block of ranks reaches, and each block's expand covers those outputs only. Up to four consecutive rows of one adapter go through
 // together, so each vector of A and B loaded serves all of them (the products are bound by loads,
 // not arithmetic, one row at a time). Ranks an adapter leaves empty (a piece it does not train, a
 // rank below the slot's) shrink to exactly 0 and are skipped in the expand.
@@ -66,12 +67,13 @@ void shrink_tile(float* shrunk, const float* x, const float* a, int64_t rank, in
   }
 }
 
-// y_j += sum over the used ranks of shrunk[j, r] * b[r] for the tile's N rows, 32 outputs at a time in registers
+// y_j[begin:end] += sum over the used ranks of shrunk[j, r] * b[r, begin:end] for the tile's N rows, 32
+// outputs at a time in registers (b's rows are `out` long)
 template <int N, typename T>
 void expand_tile(T* y, int64_t y_stride, const float* shrunk, int64_t rank, const int64_t* used, int64_t num_used,
-                 const float* b, int64_t out) {
-  int64_t i = 0;
-  for (; i + 32 <= out; i += 32) {
+                 const float* b, int64_t out, int64_t begin, int64_t end) {
+  int64_t i = begin;
+  for (; i + 32 <= end; i += 32) {
     f32x16 acc0[N], acc1[N];
     for (int j = 0; j < N; ++j) {
       acc0[j] = load<f32x16>(y + j * y_stride + i);
@@ -91,7 +93,7 @@ void expand_tile(T* y, int64_t y_stride, const float* shrunk, int64_t rank, cons
       store(y + j * y_stride + i + 16, acc1[j]);
     }
   }
-  for (; i < out; ++i) {
+  for (; i < end; ++i) {
     for (int j = 0; j < N; ++j) {
       float acc = load<float>(y + j * y_stride + i);
       for (int64_t u = 0; u < num_used; ++u) acc += shrunk[j * rank + used[u]] * b[used[u] * out + i];
@@ -100,10 +102,13 @@ void expand_tile(T* y, int64_t y_stride, const float* shrunk, int64_t rank, cons
   }
 }
 
-// one tile: N consecutive rows of one slot
+// one tile: N consecutive rows of one slot. `pieces` (num_pieces > 0): the slot's blocks of rank
+// rows, each as the (begin, end) of the outputs its B rows reach (the q, k and v of a fused qkv); else
+// every rank reaches every output.
 template <int N, typename T>
 void add_tile(T* y, int64_t y_stride, const T* x, int64_t x_stride, const float* a, const float* b, int64_t rank,
-              int64_t in, int64_t out, float* x_rows, float* shrunk, int64_t* used) {
+              int64_t in, int64_t out, const int64_t* pieces, int64_t num_pieces, float* x_rows, float* shrunk,
+              int64_t* used) {
   for (int j = 0; j < N; ++j) {
     const T* xr = x + j * x_stride;
     for_lanes(in, [&](auto lanes, int64_t i) { store(x_rows + j * in + i, load<decltype(lanes)>(xr + i)); });
@@ -115,12 +120,21 @@ void add_tile(T* y, int64_t y_stride, const T* x, int64_t x_stride, const float*
     for (int j = 0; j < N; ++j) nonzero |= shrunk[j * rank + r] != 0.0f;
     if (nonzero) used[num_used++] = r;
   }
-  if (num_used > 0) expand_tile<N>(y, y_stride, shrunk, rank, used, num_used, b, out);
+  if (num_used == 0) return;
+  if (num_pieces == 0) return expand_tile<N>(y, y_stride, shrunk, rank, used, num_used, b, out, 0, out);
+  const int64_t block = rank / num_pieces;
+  int64_t u = 0;
+  for (int64_t p = 0; p < num_pieces; ++p) {  // used[] is ascending: each block's ranks are a run of it
+    const int64_t first = u;
+    while (u < num_used && used[u] < (p + 1) * block) ++u;
+    const int64_t begin = pieces[2 * p], end = pieces[2 * p + 1];
+    if (u > first && end > begin) expand_tile<N>(y, y_stride, shrunk, rank, used + first, u - first, b, out, begin, end);
+  }
 }
 
 }  // namespace
 
-void lora_add(Tensor y, Tensor x, Tensor a, Tensor b, Tensor row_slots) {
+void lora_add(Tensor y, Tensor x, Tensor a, Tensor b, Tensor row_slots, Tensor pieces) {
   check_rows(x, 2, "x");
   check_rows(y, 2, "y");
   check_cpu_dtype(y, x.scalar_type(), "y");
@@ -135,6 +149,14 @@ void lora_add(Tensor y, Tensor x, Tensor a, Tensor b, Tensor row_slots) {
   TANDEM_CHECK(b.dim() == 3 && b.size(0) == slots && b.size(1) == rank && b.size(2) == out,
                "lora B must be [S, R, out]");
   TANDEM_CHECK(y.size(0) == rows && row_slots.numel() == rows, "y and row_slots need a row per row of x");
+  const int64_t num_pieces = pieces.numel() == 0 ? 0 : pieces.size(1);
+  if (num_pieces > 0) {
+    check_cpu_dtype(pieces, ScalarType::Long, "pieces");
+    TANDEM_CHECK(pieces.is_contiguous() && pieces.dim() == 3 && pieces.size(0) == slots && pieces.size(2) == 2 &&
+                     rank % num_pieces == 0,
+                 "pieces must be [S, P, 2] (the outputs of each block of R / P ranks)");
+  }
+  const int64_t* piece_data = num_pieces > 0 ? ptr<int64_t>(pieces) : nullptr;
   const int64_t* slot_of = ptr<int64_t>(row_slots);
   const float* a_data = ptr<float>(a);
   const float* b_data = ptr<float>(b);
@@ -172,7 +194,9 @@ void lora_add(Tensor y, Tensor x, Tensor a, Tensor b, Tensor row_slots) {
         const T* xt = xs + first * x_stride;
         auto run = [&](auto rows_tag) {
           constexpr int N = decltype(rows_tag)::value;
-          add_tile<N>(yt, y_stride, xt, x_stride, a_s, b_s, rank, in, out, x_rows.data(), shrunk.data(), used.data());
+          add_tile<N>(yt, y_stride, xt, x_stride, a_s, b_s, rank, in, out,
+                      num_pieces > 0 ? piece_data + s * num_pieces * 2 : nullptr, num_pieces, x_rows.data(),
+                      shrunk.data(), used.data());
         };
         switch (n) {
           case 1: run(std::integral_constant<int, 1>{}); break;
@@ -188,7 +212,7 @@ void lora_add(Tensor y, Tensor x, Tensor a, Tensor b, Tensor row_slots) {
 }  // namespace tandem
 
 STABLE_TORCH_LIBRARY_FRAGMENT(tandem, m) {
-  m.def("lora_add(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor row_slots) -> ()");
+  m.def("lora_add(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor row_slots, Tensor pieces) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(tandem, CPU, m) {

@@ -23,7 +23,7 @@ void int8_grouped_gemm(Tensor out, Tensor x, Tensor packed, Tensor w_scale, Tens
 // bf16_packed.cpp
 void bf16_packed_gemm(Tensor out, Tensor x, Tensor packed, Tensor bias);
 // lora.cpp
-void lora_add(Tensor y, Tensor x, Tensor a, Tensor b, Tensor row_slots);
+void lora_add(Tensor y, Tensor x, Tensor a, Tensor b, Tensor row_slots, Tensor pieces);
 // paged_attention.cpp
 void paged_attention(Tensor out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables,
                      Tensor seq_lens, Tensor query_start_loc, double scale, int64_t window, double softcap);

@@ -131,3 +131,28 @@ def test_bf16_activations_over_fp32_slots(kernel):
 def test_the_cpu_keeps_slots_in_fp32():
     assert select_lora_ops("cpu", 4, torch.bfloat16).slot_dtype == torch.float32
     assert select_lora_ops("cuda", 4, torch.bfloat16).slot_dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not cpu_lora_kernel_available("cpp"), reason="needs a C++ compiler for the CPU kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpp_kernel_expands_each_piece_over_its_own_outputs(dtype):
+    """A fused module's slot (engine_core/lora/layers.py): rank block i reaches outputs pieces[s, i] only
+    (B is zero elsewhere there; here it is not, so a kernel that read past its piece would be caught); a
+    block an adapter leaves empty is (0, 0)."""
+    y, x, a, b, row_slots = make_case(11, 3, 12, 40, 70, dtype, 9, row_slots=[0, 0, 0, 0, 0, -1, 1, 1, 2, 2, 2])
+    a, b = a.float(), b.float()
+    b_everywhere = b.clone()
+    pieces = torch.tensor([[[0, 33], [33, 50], [50, 70]],   # q, k, v of a fused qkv, odd widths
+                           [[0, 70], [0, 0], [0, 0]],       # one piece over every output (Phi-3's qkv_proj)
+                           [[0, 0], [10, 42], [0, 0]]])     # only the middle piece
+    for slot in range(3):
+        for block in range(3):
+            begin, end = pieces[slot, block].tolist()
+            rows = slice(block * 4, block * 4 + 4)
+            b[slot, rows, :begin] = 0
+            b[slot, rows, end:] = 0
+            if end == begin:
+                a[slot, rows] = 0
+    expected = reference(y, x, a, b, row_slots)
+    torch.ops.tandem.lora_add(y, x, a, b_everywhere, torch.tensor(row_slots), pieces)
+    torch.testing.assert_close(y.float(), expected, atol=TOL[dtype] * 40, rtol=TOL[dtype])
