@@ -156,6 +156,19 @@ def test_one_class_per_protocol_concept(concept):
     assert len(defining) == 1 and defining[0].startswith("engine_core/protocol/"), defining
 
 
+REFERENCE_NAME = re.compile(r"reference\w*|ref_\w*|\w*_reference")
+
+
+def test_every_kernels_reference_lives_in_kernels_reference():
+    """The plain-torch reference of every kernel is in one place, kernels/reference/: a test under tests/kernels
+    imports it from there and writes none of its own (no `reference*`, `ref_*` or `*_reference` function)."""
+    for path in sorted((ROOT / "tests" / "kernels").rglob("*.py")):
+        own = sorted(node.name for node in ast.walk(ast.parse(path.read_text(), str(path)))
+                     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                     and REFERENCE_NAME.fullmatch(node.name) and not node.name.startswith("test_"))
+        assert not own, f"{path.relative_to(ROOT)} defines {own}: put it in kernels/reference/ and import it"
+
+
 def test_the_frontend_messages_hold_only_frontend_classes():
     classes = re.findall(r"^class (\w+)", (ROOT / "services/frontend/messages.py").read_text(), re.MULTILINE)
     assert classes and not set(classes) & set(engine_core.protocol.__all__), classes
