@@ -1,7 +1,9 @@
 """The plain-torch reference of every kernel Tandem has, in one place: what each kernel computes,
 written the obvious way. Tests check each kernel against its reference (tests/kernels); where a
-kernel falls back to torch, the fallback calls its reference. Nothing else defines a reference
-(tests/test_layering.py checks that no test under tests/kernels writes its own).
+kernel falls back to torch with the same arithmetic (attention, the layer ops, argmax), the fallback
+calls its reference. Nothing else defines a reference (tests/test_layering.py checks that no test
+under tests/kernels writes its own); tests/kernels/paged_batch.py's dense attention, from the
+definition on unpaged K/V, is the check of the attention reference itself.
 
 One module per family, each kernel (module under kernels/) -> its reference:
 
