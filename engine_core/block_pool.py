@@ -6,13 +6,15 @@ A free block keeps its cached hash until it is evicted (reused for new tokens), 
 a later request with the same prefix can take it back out of the free queue.
 
 With `record_events()` the pool also notes which hashes it indexed and evicted (vLLM's KV
-events), for whoever routes requests by prefix: `take_events()` hands them over once a step.
+events, engine_core/kv_events.py), for whoever routes requests by prefix: `take_events()` hands
+them over once a step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from engine_core.kv_events import KVEventLog
 from engine_core.protocol import KVCacheEvents
 from engine_core.protocol.block_hash import BlockHash
 
@@ -89,9 +91,7 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
-        # hash -> cached (True) or evicted (False), last change wins; None: not recording
-        self._changes: dict[BlockHash, bool] | None = None
-        self._cleared = False
+        self.events: KVEventLog | None = None  # None: not recording
 
     @property
     def num_free_blocks(self) -> int:
@@ -160,9 +160,8 @@ class BlockPool:
         for block in self.cached_blocks.values():
             block.block_hash, block.token_ids = None, ()
         self.cached_blocks.clear()
-        if self._changes is not None:
-            self._changes.clear()
-            self._cleared = True
+        if self.events is not None:
+            self.events.clear()
         return True
 
     def _evict(self, block: KVCacheBlock) -> None:
@@ -175,29 +174,17 @@ class BlockPool:
     # ---- KV events ------------------------------------------------------------
     def record_events(self) -> None:
         """From now on note the hashes indexed and evicted, for `take_events()`."""
-        if self._changes is None:
-            self._changes = {}
+        if self.events is None:
+            self.events = KVEventLog()
 
     def take_events(self) -> KVCacheEvents | None:
-        """The net changes since the last call (None when there are none or nothing is recorded).
-
-        A hash indexed and evicted within one report shows only as removed, and the reverse only
-        as stored, so a reader may apply `removed` and `stored` in either order.
-        """
-        if not self._changes and not self._cleared:
-            return None
-        events = KVCacheEvents(stored=[h for h, cached in self._changes.items() if cached],
-                               removed=[h for h, cached in self._changes.items() if not cached],
-                               cleared=self._cleared)
-        self._changes.clear()
-        self._cleared = False
-        return events
+        """The net changes since the last call (None when there are none or nothing is recorded)."""
+        return None if self.events is None else self.events.take()
 
     def snapshot(self) -> KVCacheEvents:
         """Every hash indexed now, as a report that replaces whatever a reader knew."""
         return KVCacheEvents(stored=list(self.cached_blocks), cleared=True)
 
     def _note(self, block_hash: BlockHash, cached: bool) -> None:
-        if self._changes is not None:
-            self._changes.pop(block_hash, None)  # re-insert: the order follows the last change
-            self._changes[block_hash] = cached
+        if self.events is not None:
+            self.events.note(block_hash, cached)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from engine_core.config import ModelArchConfig
 from engine_core.cuda_graphs import DecodeGraphRunner
 from engine_core.host_to_device import to_device
+from engine_core.kv_cache_tensors import allocate_kv_caches
 from engine_core.lora.runtime import LoraRuntime
 from engine_core.protocol import PoolingType
 from engine_core.request import Request
@@ -32,13 +33,6 @@ from engine_core.structured.bitmask import apply_token_mask
 from engine_core.structured.masks import StepMasks, StructuredOutputs
 from engine_core.types import ModelRunnerOutput, SchedulerOutput
 from kernels import AttentionBackend, AttentionMetadata
-
-
-def kv_cache_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of every layer for one block of tokens."""
-    element_size = torch.empty((), dtype=dtype).element_size()
-    per_token = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * element_size
-    return per_token * block_size
 
 
 class ModelRunner:
@@ -85,15 +79,8 @@ class ModelRunner:
 
     # ---- KV cache -------------------------------------------------------------
     def allocate_kv_cache(self) -> None:
-        # one (key, value) pair per layer: [num_blocks, num_kv_heads, block_size, head_dim]
-        shape = (self.num_blocks, self.arch.num_key_value_heads, self.block_size, self.arch.head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(self.arch.num_hidden_layers)
-        ]
+        """One (key, value) pair per layer (engine_core/kv_cache_tensors.py), at start-up and on wake-up."""
+        self.kv_caches = allocate_kv_caches(self.arch, self.num_blocks, self.block_size, self.dtype, self.device)
         if self.decode_graphs is not None:  # (re)capture over the new cache and current weights
             self.decode_graphs.bind(self.kv_caches)
 

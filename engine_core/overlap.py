@@ -37,11 +37,6 @@ from engine_core.step_output import StepOutput
 from engine_core.types import ModelRunnerOutput, SchedulerOutput
 
 
-def resolve_overlap(name: str, device: torch.device) -> bool:
-    """auto: on for CUDA; off on CPU, where the forward already keeps every core busy (docs/gpu.md)."""
-    return device.type == "cuda" if name == "auto" else name == "on"
-
-
 class InlineQueue:
     """Runs the work at once: right for CUDA, whose kernel launches return before the kernels run."""
 

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 from engine_core.protocol import (
     EngineCoreEvent,
     EngineCoreEventType,
-    EngineCoreRequest,
     FinishReason,
     PoolingParams,
     SamplingParams,
@@ -91,24 +90,6 @@ class Request:
             room = self.max_model_len - self.num_prompt_tokens
             limit = room if limit is None else min(limit, room)
         self.max_output_tokens: int | None = limit
-
-    @classmethod
-    def from_engine_core_request(
-        cls, req: EngineCoreRequest, *, block_size: int,
-        eos_token_ids: frozenset[int] = frozenset(), max_model_len: int | None = None,
-    ) -> "Request":
-        return cls(
-            request_id=req.request_id,
-            prompt_token_ids=list(req.prompt_token_ids),
-            sampling_params=req.sampling_params,
-            block_size=block_size,
-            eos_token_ids=eos_token_ids,
-            arrival_time=req.arrival_time,
-            priority=req.priority,
-            max_model_len=max_model_len,
-            pooling=req.pooling,
-            lora_name=req.lora_name,
-        )
 
     # ---- sizes ----------------------------------------------------------------
     @property

@@ -14,8 +14,6 @@ share the default generator.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from engine_core.protocol import TokenLogprobs
@@ -30,7 +28,6 @@ from kernels import argmax
 
 __all__ = [
     "Sampler",
-    "SamplerOutput",
     "SamplingMetadata",
     "build_sampling_metadata",
     "compute_prompt_logprobs",
@@ -38,24 +35,8 @@ __all__ = [
 ]
 
 
-@dataclass
-class SamplerOutput:
-    """Plain lists for the model runner; `logprobs` is None when no row asked for them.
-
-    When some row asked, `logprobs` has one entry per row: that row's chosen token and
-    top-N (its own N), or None for a row that did not ask.
-    """
-
-    sampled_token_ids: list[int]
-    logprobs: list[TokenLogprobs | None] | None = None
-
-
 class Sampler:
-    """Stateless; call once per step with the rows' logits and their metadata."""
-
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        sampled, logprobs = self.sample(logits, metadata)
-        return SamplerOutput(sampled.tolist(), logprobs)
+    """Stateless; call `sample` once per step with the rows' logits and their metadata."""
 
     def sample(
         self, logits: torch.Tensor, metadata: SamplingMetadata

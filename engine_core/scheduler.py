@@ -25,6 +25,7 @@ from engine_core.lora.admission import LoraAdmission
 from engine_core.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from engine_core.request import Request, RequestStatus
 from engine_core.request_queue import FcfsQueue, PriorityQueue
+from engine_core.scheduler_stats import scheduler_stats
 from engine_core.types import ModelRunnerOutput, SchedulerOutput
 
 
@@ -55,11 +56,11 @@ class Scheduler:
         self.finished_request_ids: set[str] = set()  # for the next SchedulerOutput
         self._finished_since_update: set[str] = set()  # aborts, for the next EngineCoreOutputs
         self._num_prompt_logprobs_sent: dict[str, int] = {}  # survives preemption
-        self._num_preemptions = 0  # in the last schedule()
-        self._num_scheduled_tokens = 0  # in the last schedule()
-        self._num_prompt_tokens = 0  # in the last update_from_output()
-        self._num_generation_tokens = 0  # in the last update_from_output()
-        self._prefix_cache_queries = self._prefix_cache_hits = 0  # tokens, in the last schedule()
+        self.num_preemptions = 0  # in the last schedule()
+        self.num_scheduled_tokens = 0  # in the last schedule()
+        self.num_prompt_tokens = 0  # in the last update_from_output()
+        self.num_generation_tokens = 0  # in the last update_from_output()
+        self.prefix_cache_queries = self.prefix_cache_hits = 0  # tokens, in the last schedule()
 
     # ---- requests in and out -----------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -122,8 +123,8 @@ class Scheduler:
             request.num_computed_tokens += num_scheduled[request.request_id]
         finished, self.finished_request_ids = self.finished_request_ids, set()
         total = sum(num_scheduled.values())
-        self._num_preemptions = len(preempted)
-        self._num_scheduled_tokens = total
+        self.num_preemptions = len(preempted)
+        self.num_scheduled_tokens = total
         return SchedulerOutput(
             scheduled_requests=scheduled,
             num_scheduled_tokens=num_scheduled,
@@ -277,9 +278,9 @@ class Scheduler:
                 events=request.take_events() if self.log_stats else None,
                 embedding=embedding,
             ))
-        self._num_prompt_tokens = num_prompt_tokens
-        self._num_generation_tokens = num_generation_tokens
-        self._prefix_cache_queries, self._prefix_cache_hits = self.kv_cache_manager.take_prefix_cache_stats()
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_generation_tokens = num_generation_tokens
+        self.prefix_cache_queries, self.prefix_cache_hits = self.kv_cache_manager.take_prefix_cache_stats()
 
         if stopped:
             self.running = [r for r in self.running if r.request_id not in stopped]
@@ -321,29 +322,8 @@ class Scheduler:
         return True
 
     def make_stats(self) -> SchedulerStats:
-        """Gauges now; counters (prefix cache, preemptions, tokens) for the last step.
-
-        A pure read: utility calls may ask between steps without taking counts from the step's metrics.
-        """
-        manager = self.kv_cache_manager
-        running_loras, waiting_loras = self.lora.request_counts(self.requests.values()) if self.lora else ({}, {})
-        return SchedulerStats(
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=manager.usage,
-            num_free_blocks=manager.num_free_blocks,
-            num_total_blocks=manager.num_blocks - 1,  # usable: the null block is not counted
-            prefix_cache_queries=self._prefix_cache_queries,
-            prefix_cache_hits=self._prefix_cache_hits,
-            num_preemptions=self._num_preemptions,
-            num_scheduled_tokens=self._num_scheduled_tokens,
-            num_prompt_tokens=self._num_prompt_tokens,
-            num_generation_tokens=self._num_generation_tokens,
-            running_lora_adapters=running_loras,
-            waiting_lora_adapters=waiting_loras,
-            max_lora=0 if self.lora is None else self.lora.max_loras,
-        )
-
+        """Gauges now, counters of the last step (engine_core/scheduler_stats.py); a pure read."""
+        return scheduler_stats(self)
 
 def _is_decode(request: Request) -> bool:
     """One token left to compute: its next sampled token's input (not yet counted as computed)."""

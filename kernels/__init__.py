@@ -6,7 +6,8 @@ shrink/expand products (`select_lora_ops`: Triton on CUDA, the kernel measured f
 CPU; `LoraStepIndex` maps a step's rows to adapter slots), and the CPU
 linears: every kernel that can take a layer, timed per batch bucket on this machine (`use_measured_linears`,
 with the model's `LinearRole`s) and the pieces the one-op CPU decode layers reuse. Which layer gets which
-kernel is decided by the engine (engine_core/models): the kernels only offer, check and time.
+kernel is decided by the engine (engine_core/models): the kernels only offer, check and time. Every
+kernel's plain-torch reference is in `reference` (kernels/reference/), which the torch paths call.
 
 Paged attention behind one dispatch point:
 
@@ -22,8 +23,9 @@ have the same signature on every backend:
 
     paged_attention(query, key_cache, value_cache, metadata, scale) -> [T, num_heads, head_dim]
 
-"torch" is the pure-torch reference (any device); "cpp" is the C++ CPU kernel that reads
-K/V blocks in place (kernels/cpu_attention.py, built on first use by kernels/cpu_extension.py);
+"torch" is the pure-torch reference (any device, kernels/reference/attention.py); "cpp" is the
+C++ CPU kernel that reads K/V blocks in place (kernels/cpu_attention.py, built on first use by
+kernels/cpu_extension.py);
 "triton" runs the Triton kernels (CUDA, or the CPU interpreter under TRITON_INTERPRET=1).
 
 `supports_cuda_graphs` says a backend may be captured in a CUDA graph: it reads every
@@ -79,6 +81,7 @@ def select_backend(device: str, name: str = "auto") -> AttentionBackend:
 
 
 # ---- the rest of the front door (imported after AttentionBackend: these modules import this package)
+from kernels import reference  # noqa: E402
 from kernels.cpu_linear import (  # noqa: E402
     BUCKETS,
     LinearRole,
@@ -99,7 +102,7 @@ __all__ = [
     "AttentionBackend", "AttentionMetadata", "BUCKETS", "FusedOps", "LORA_KERNELS", "LinearRole", "LoraOps",
     "LoraPlan", "LoraStepIndex", "Timer", "allowed_kernels",
     "argmax", "fastest_float_dtype", "fastest_uncontended", "int4_allowed", "kernel_fits", "one_thread",
-    "prepare_int4_gemv", "prepare_int8_gemv", "select_backend", "select_fused_ops", "select_lora_ops",
+    "prepare_int4_gemv", "prepare_int8_gemv", "reference", "select_backend", "select_fused_ops", "select_lora_ops",
     "use_measured_linears",
     "wall_timer",
 ]

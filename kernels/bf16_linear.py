@@ -3,6 +3,7 @@ vdpbf16ps's operand order (kernels/csrc/bf16_packed.cpp), where the CPU has AVX5
 
 A float kernel like the others in kernels/cpu_linear.py: prepare(weight, bias) -> state,
 run(state, x [N, in]) -> [N, out]; bf16 weights and activations, fp32 sums rounded once.
+Reference: `bf16_linear` in kernels/reference/linear.py.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Paged attention on the CPU through Tandem's C++ kernels (kernels/csrc/paged_attention.cpp).
 
-Same signatures as kernels/reference.py. The kernel walks each request's block table and
-reads K/V blocks where they lie in the cache, with an online softmax in fp32, so no layer
-gathers a request's context into a dense copy. It handles fp32 and bf16; other dtypes (and
+Same signatures as its reference, kernels/reference/attention.py. The kernel walks each request's
+block table and reads K/V blocks where they lie in the cache, with an online softmax in fp32, so no
+layer gathers a request's context into a dense copy. It handles fp32 and bf16; other dtypes (and
 tensors off the CPU) take the reference path.
 """
 

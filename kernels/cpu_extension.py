@@ -8,7 +8,7 @@ it runs on (`-march=native`, or `TANDEM_CPU_ARCH`), which is why the CPU's featu
 part of the cache key.
 
 Nothing requires it: `load()` returns False and logs why when there is no C++ compiler or the
-build fails, and callers keep the pure-torch path (kernels/reference.py, the torch layers).
+build fails, and callers keep the pure-torch path (kernels/reference/).
 """
 
 from __future__ import annotations

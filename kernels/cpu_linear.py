@@ -14,7 +14,8 @@ and swaps every `nn.Linear` for a `CpuLinear` that dispatches on the number of r
 (`use_measured_linears`).
 
 Quantized weights are made on load from the float ones: int8 in kernels/int8_linear.py, int4 in
-kernels/int4_linear.py (tests/kernels/test_cpu_linear.py states the tolerances and why).
+kernels/int4_linear.py (tests/kernels/test_cpu_linear.py states the tolerances and why). Each kernel's
+reference, the exact product of the weight it holds, is in kernels/reference/linear.py.
 """
 
 from __future__ import annotations

@@ -8,10 +8,13 @@ rows, in place where the inputs are the step's own temporaries.
 `select_fused_ops(device, dtype)` returns them for CPU fp32 / bf16 models when the C++
 kernels are built (kernels/cpu_extension.py), their Triton twins for CUDA models
 (kernels/triton_fused_ops.py), else None: the model's layers then run their plain torch
-code (engine_core/models/layers.py), which stays the reference.
+code (engine_core/models/layers.py), which calls the reference.
 
 `argmax` is greedy sampling's pick, exactly torch.argmax's answer, several times faster on
-CPU fp32 logits (kernels/csrc/argmax.cpp) and torch.argmax everywhere else.
+CPU fp32 logits (kernels/csrc/argmax.cpp) and the reference everywhere else.
+
+Reference: kernels/reference/layer_ops.py (`rms_norm`, `fused_add_rms_norm`, `apply_rotary`,
+`silu_and_mul`, `argmax`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from kernels import cpu_extension
+from kernels.reference import layer_ops as reference
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -73,4 +77,4 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
         out = torch.empty(logits.shape[0], dtype=torch.int64)
         torch.ops.tandem.argmax_rows(out, logits)
         return out
-    return logits.argmax(dim=-1)
+    return reference.argmax(logits)

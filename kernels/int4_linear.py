@@ -16,6 +16,8 @@ one): loading such a file as int4 reproduces its weights up to the bf16 rounding
 scales, the same rounding as running the dequantized model in bf16. Quantizing a float
 checkpoint this way is lossy (~8-10 % relative error per weight): that is the user's
 `--quantization int4`, never picked silently.
+
+Reference (both kernels): `int4_weight_only` in kernels/reference/linear.py.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ Tandem's C++ GEMV (`int8_gemv`, where the C++ kernels are built) and dynamic W8A
 rounded to int8 per token, int8 x int8 -> int32 through `torch._int_mm` on VNNI/AMX;
 compute-bound batches).
 Each kernel is prepare(weight, bias) -> state, run(state, x [N, in]) -> [N, out].
+References (kernels/reference/linear.py): `int8_weight_only` for the weight-only kernels,
+`int8_per_token` for W8A8 (`int8_dynamic`, `int8_vnni`), `int8_grouped` for `int8_grouped`.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ instead reorders once at compile time (`torch.ops.mkldnn._reorder_linear_weight`
 calls `torch.ops.mkldnn._linear_pointwise` on the packed weight. This module does the
 same without compiling. The packed weight is an opaque mkldnn tensor: it works for any
 number of rows, the batch size given when packing only tunes the layout.
+Reference: `float_linear` in kernels/reference/linear.py.
 """
 
 from __future__ import annotations

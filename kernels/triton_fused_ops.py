@@ -6,7 +6,7 @@ and SiLU * mul. In eager torch these are some 20 small kernels per layer; at dec
 sizes a step is bound by how many kernels it launches (inside a CUDA graph each still costs
 a few microseconds), so each becomes one kernel here.
 
-Arithmetic follows the torch layers (engine_core/models/layers.py), the reference: fp32
+Arithmetic follows the reference (kernels/reference/layer_ops.py, which the torch layers call): fp32
 inside, the residual sum rounded to the activations' dtype before the norm reads it, the
 normalized row rounded before the weight multiplies it. Rotary keeps its products in fp32
 where torch rounds each one, so bf16 results may differ by one ulp.

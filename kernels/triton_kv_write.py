@@ -1,6 +1,6 @@
 """Triton kernel that scatters one step's keys and values into the paged KV cache.
 
-Same contract as `kernels.reference.write_kv_cache`: token t goes to flat slot
+Same contract as its reference, `kernels.reference.write_kv_cache`: token t goes to flat slot
 `slot_mapping[t]` = block_id * block_size + offset; slot -1 is padding (CUDA
 graph buckets) and is skipped, so padded tokens never touch the cache.
 """

@@ -4,7 +4,7 @@ BGMV-style, as in Punica and vLLM's `lora/ops/triton_ops`: one program per row f
 (u = x A_s^T, every rank at once) and one per row and block of outputs for the expand
 (y += u B_s), each program reading its row's slot; rows of slot -1 (the base model) load and store
 nothing. The slot tensors: A [S, R, in], B [S, R, out] (the scaling folded in), as in
-kernels/cpu_lora.py. u is kept in fp32.
+kernels/cpu_lora.py. u is kept in fp32. Reference: `add_lora` in kernels/reference/lora.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Unified Triton paged attention over one flattened ragged batch.
 
 One launch serves decode tokens and prefill chunks alike (the shape of vLLM's
-triton `unified_attention`):
+triton `unified_attention`); its reference is `kernels.reference.paged_attention`:
 
 - grid = (query blocks, kv heads, context splits). A query block holds up to
   BLOCK_Q consecutive tokens of one request times the `num_heads // num_kv_heads`

@@ -3,7 +3,7 @@
 One run, two tables and one JSON file:
 
 1. attention per layer, SmolLM2's shapes (9 query / 3 kv heads, dim 64, blocks of 16): the
-   torch reference (kernels/reference.py: gathers each request's rows with index_select,
+   torch reference (kernels/reference/attention.py: gathers each request's rows with index_select,
    then matmuls) against the C++ kernel (kernels/cpu_attention.py: reads blocks in place),
    decodes at batch 1 / 32 x context 128 / 1k / 3k, plus prefill chunks over a prefix. Each
    case cycles through 30 layers' caches, as a step does, so K/V come from memory, not cache;

@@ -122,8 +122,8 @@ def build_engine(batch: int, overlap: str) -> EngineCore:
     if overlap != "default":
         config.device.overlap = overlap  # type: ignore[attr-defined]
     model = NoOpModel(SMOLLM2_SHAPES, max_tokens=batch * PROMPT_LEN + batch, max_rows=batch)
-    with mock.patch("engine_core.engine_core.load_model", return_value=(model, SMOLLM2_SHAPES)), \
-            mock.patch("engine_core.engine_core.prepare_for_cpu"):  # no layers to choose kernels for
+    with mock.patch("engine_core.startup.load_model", return_value=(model, SMOLLM2_SHAPES)), \
+            mock.patch("engine_core.startup.prepare_for_cpu"):  # no layers to choose kernels for
         return EngineCore(config)
 
 

@@ -193,8 +193,8 @@ def engine_for(shape: Shape, plan: Plan, weights, *, cuda_graphs: bool, overlap:
                             attention_backend="auto" if plan.device == "cuda" else "torch"),
     )
     # on CPU (the --cpu mode) the plain torch layers: prepare_for_cpu's kernel races are not what it checks
-    with mock.patch("engine_core.engine_core.load_model", load), \
-            mock.patch("engine_core.engine_core.prepare_for_cpu", lambda *args, **kwargs: None):
+    with mock.patch("engine_core.startup.load_model", load), \
+            mock.patch("engine_core.startup.prepare_for_cpu", lambda *args, **kwargs: None):
         return EngineCore(config)
 
 

@@ -4,9 +4,9 @@ Every layer works on one flattened ragged batch: tensors are [T, ...] with no ba
 dimension, and token t's position comes from a flat `positions` tensor. The rotary
 cos/sin are looked up once per step and shared by every layer.
 
-The torch code here is the reference. Given `fused` (kernels.fused_ops.FusedOps), RMSNorm,
-SiluAndMul and `apply_rotary` run as single C++ passes instead, with the same results
-within rounding.
+Their torch path is the kernels' reference (kernels/reference/layer_ops.py, called here). Given
+`fused` (kernels.fused_ops.FusedOps), RMSNorm, SiluAndMul and `apply_rotary` run as single C++
+passes instead, with the same results within rounding.
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kernels import FusedOps, LinearRole
+from kernels import FusedOps, LinearRole, reference
 
 # What the kernels must know of these layers' linears, by attribute name (the CPU linears' choice,
 # kernels/cpu_linear.py): the LM head sees decode-sized batches and loses most to int4; the MLP's down
@@ -45,16 +44,8 @@ class RMSNorm(nn.Module):
         if self.fused is not None:
             return self.fused.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op, the same math
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+            return reference.layer_ops.rms_norm(x, self.weight, self.eps)
+        return reference.layer_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class SiluAndMul(nn.Module):
@@ -67,16 +58,14 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:
             return self.fused.silu_and_mul(x)
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return reference.layer_ops.silu_and_mul(x)
 
 
 class GeluAndMul(nn.Module):
     """gelu_tanh(gate) * up (Gemma's GeGLU): [T, 2I] -> [T, I]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.gelu(gate, approximate="tanh") * up
+        return reference.layer_ops.gelu_and_mul(x)
 
 
 class RotaryEmbedding(nn.Module):
@@ -105,10 +94,8 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] by per-token angles (rotate_half layout); returns a new tensor."""
-    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+# Rotate x [T, H, D] by per-token angles (rotate_half layout), a new tensor: the torch path of rotary.
+apply_rotary = reference.layer_ops.apply_rotary
 
 
 def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 
-from engine_core.protocol import SamplingParams
+from engine_core.protocol import SamplingParams, TokenLogprobs
 from engine_core.request import Request
-from engine_core.sampler import Sampler, build_sampling_metadata
+from engine_core.sampler import Sampler, SamplingMetadata, build_sampling_metadata
 
 _ids = itertools.count()
 
@@ -28,9 +29,27 @@ def make_request(
     return req
 
 
-def run(requests: list[Request], logits: torch.Tensor, generators: dict | None = None):
+@dataclass
+class SamplerOutput:
+    """One sampler call as plain lists; `logprobs` is None when no row asked for them.
+
+    When some row asked, `logprobs` has one entry per row: that row's chosen token and
+    top-N (its own N), or None for a row that did not ask.
+    """
+
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None
+
+
+def sample_lists(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+    """`Sampler.sample` with its answer brought back to the host as lists."""
+    sampled, logprobs = Sampler().sample(logits, metadata)
+    return SamplerOutput(sampled.tolist(), logprobs)
+
+
+def run(requests: list[Request], logits: torch.Tensor, generators: dict | None = None) -> SamplerOutput:
     metadata = build_sampling_metadata(requests, {} if generators is None else generators, "cpu")
-    return Sampler()(logits, metadata)
+    return sample_lists(logits, metadata)
 
 
 def counts(token_ids: list[int], vocab_size: int) -> torch.Tensor:

@@ -20,8 +20,9 @@ from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelCon
 from engine_core.engine_core import EngineCore
 from engine_core.llm_engine import LLMEngine
 from engine_core.loader import default_model_path
-from engine_core.overlap import ThreadQueue, resolve_overlap
+from engine_core.overlap import ThreadQueue
 from engine_core.protocol import EngineCoreRequest, FinishReason, SamplingParams, StructuredOutput
+from engine_core.startup import resolve_overlap
 from tests.engine_core.tiny_models import write_tiny_model
 
 VOCAB = 49152  # SmolLM2's: its tokenizer compiles the grammars

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine_core.config import ModelConfig
-from engine_core.engine_core import resolve_quantization
+from engine_core.startup import resolve_quantization
 from services.engine.__main__ import build_parser, config_from_args
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

@@ -12,13 +12,12 @@ from hypothesis import strategies as st
 
 from engine_core.request import Request
 from engine_core.sampler import (
-    Sampler,
     apply_logit_changes,
     apply_top_k_top_p,
     build_sampling_metadata,
     sample,
 )
-from tests.engine_core.sampler_harness import counts, make_request, run
+from tests.engine_core.sampler_harness import counts, make_request, run, sample_lists
 
 
 # ---- greedy ---------------------------------------------------------------------------
@@ -28,7 +27,7 @@ def test_greedy_is_argmax_and_builds_no_tensors():
     metadata = build_sampling_metadata(requests, {}, "cpu")
     assert metadata.all_greedy and metadata.no_logit_changes and metadata.max_num_logprobs is None
     assert metadata.temperature is None and metadata.top_k is None and metadata.top_p is None
-    out = Sampler()(logits, metadata)
+    out = sample_lists(logits, metadata)
     assert out.sampled_token_ids == logits.argmax(-1).tolist()
     assert out.logprobs is None
 
@@ -39,7 +38,7 @@ def test_greedy_fast_path_matches_general_path():
     metadata = build_sampling_metadata(requests, {}, "cpu")
     assert metadata.generators == {}  # seeds do not matter to greedy rows
     general = sample(apply_logit_changes(logits, metadata), metadata).tolist()
-    assert Sampler()(logits, metadata).sampled_token_ids == general == logits.argmax(-1).tolist()
+    assert sample_lists(logits, metadata).sampled_token_ids == general == logits.argmax(-1).tolist()
 
 
 def test_greedy_rows_in_a_mixed_batch_take_the_argmax():
@@ -235,7 +234,7 @@ def test_logit_changes_match_reference(batch, seed):
     expected = torch.tensor([reference_processed_logits(row, req) for req, row in zip(requests, logits.tolist())])
     torch.testing.assert_close(apply_logit_changes(logits, metadata), expected.float(), rtol=1e-5, atol=1e-4)
     greedy_rows = [i for i, req in enumerate(requests) if req.sampling_params.is_greedy]
-    sampled = Sampler()(logits, metadata).sampled_token_ids
+    sampled = sample_lists(logits, metadata).sampled_token_ids
     for i in greedy_rows:
         assert expected[i].max() - expected[i, sampled[i]] <= 1e-4
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engine_core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine_core.engine_core import EngineCore, resolve_scheduler
+from engine_core.engine_core import EngineCore
+from engine_core.startup import resolve_scheduler
 from services.engine.__main__ import build_parser, config_from_args
 from tests.engine_core.tiny_models import write_tiny_model
 

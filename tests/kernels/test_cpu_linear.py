@@ -1,5 +1,6 @@
-"""CPU linear kernels (kernels/cpu_linear.py): each kernel against F.linear, the int8 round
-trip, selection by measurement with a fake timer, and int8 models against their dequantized twin."""
+"""CPU linear kernels (kernels/cpu_linear.py): each kernel against the float product of the weight it
+holds (kernels/reference/linear.py), the int8 round trip, selection by measurement with a fake timer,
+and int8 models against their dequantized twin."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from kernels.cpu_linear import (
 from kernels.float_dtype import fastest_float_dtype
 from kernels.int4_linear import dequantize_int4, quantize_int4
 from kernels.linear_timing import fastest
+from kernels.reference.linear import float_linear
 from tests.engine_core.tiny_models import PagedBatch, run_step, write_tiny_model
 
 
@@ -69,7 +71,7 @@ def test_kernel_matches_linear_on_its_own_weights(kernel, rows, dtype):
     if not kernel_fits(kernel, w):
         pytest.skip(f"{kernel} does not take {dtype} weights on this machine")
     y = KERNELS[kernel][1](KERNELS[kernel][0](w, b), x)
-    expected = F.linear(x.float(), w.float(), b.float())
+    expected = float_linear(x, w, b)
     assert y.shape == (rows, 96) and y.dtype == dtype
     # fp32: summation order only. bf16: bf16 rounding of inputs/outputs (8 bits of mantissa).
     # W8A8 (int8_dynamic, int8_vnni) also rounds each activation row to 8 bits: up to half a step

@@ -1,5 +1,6 @@
-"""The C++ fused layer ops (kernels/fused_ops.py) against the torch layers they replace
-(engine_core/models/layers.py, the reference), and the C++ argmax against torch.argmax.
+"""The C++ fused layer ops (kernels/fused_ops.py) against their reference (kernels/reference/layer_ops.py,
+which the torch layers of engine_core/models/layers.py call), and the C++ argmax against its
+reference, torch.argmax.
 
 Skipped only where no C++ compiler exists. Tolerances: fp32 atol = rtol = 1e-5 (fused
 multiply-adds and another summation order); bf16 rtol = 2^-7 (one bf16 ulp: the torch layers
@@ -14,6 +15,7 @@ import torch
 
 from kernels import cpu_extension
 from kernels.fused_ops import FusedOps, argmax, select_fused_ops
+from kernels.reference import layer_ops as reference
 from tests.kernels.fused_op_checks import check_rms_norm, check_rotary, check_silu_and_mul, randn
 
 pytestmark = pytest.mark.skipif(cpu_extension.compiler() is None, reason="needs a C++ compiler for the CPU kernels")
@@ -68,7 +70,7 @@ def test_selection():
 @pytest.mark.parametrize("shape", [(1, 49152), (33, 1000), (2, 17), (3, 8)])
 def test_argmax_is_torch_argmax(fused, shape):
     logits = randn(*shape, dtype=torch.float32, seed=7)
-    assert torch.equal(argmax(logits), logits.argmax(dim=-1))
+    assert torch.equal(argmax(logits), reference.argmax(logits))
 
 
 def test_argmax_ties_and_nans_follow_torch(fused):
@@ -76,4 +78,4 @@ def test_argmax_ties_and_nans_follow_torch(fused):
     logits[1, [5, 40]] = float("nan")  # the first NaN wins
     logits[2, [3, 19, 63]] = 7.0  # ties: the first index
     logits[3, [50, 20]] = float("inf")
-    assert argmax(logits).tolist() == logits.argmax(dim=-1).tolist() == [0, 5, 3, 20]
+    assert argmax(logits).tolist() == reference.argmax(logits).tolist() == [0, 5, 3, 20]

@@ -1,4 +1,5 @@
-"""The C++ int4 GEMV (kernels/csrc/int4_gemv.cpp) against the dequantized weight's product.
+"""The C++ int4 GEMV (kernels/csrc/int4_gemv.cpp) against the dequantized weight's product (its
+reference, `int4_weight_only` in kernels/reference/linear.py).
 
 Its weight is `quantize_int4`'s (kernels/int4_linear.py) with each group's scale and min kept in
 fp16: each moves by at most 2^-11 of itself, so an output moves by at most 2^-11 times
@@ -17,6 +18,7 @@ import torch
 from kernels import cpu_extension
 from kernels.int4_linear import dequantize_int4, prepare_int4_gemv, quantize_int4, run_int4_gemv
 from kernels.int8_linear import int8_vnni_supported
+from kernels.reference.linear import int4_weight_only
 
 pytestmark = pytest.mark.skipif(not (cpu_extension.load() and int8_vnni_supported()),
                                 reason="int4_gemv needs the C++ kernels built for AVX512-VNNI")
@@ -46,7 +48,7 @@ def test_int4_gemv_matches_the_dequantized_product(dtype, rows, out_features, in
     x = torch.randn(rows, in_features).to(dtype)
     state = prepare_int4_gemv(weight, bias.to(dtype))
     got = run_int4_gemv(state, x)
-    want = x.double() @ dequantize_int4(*quantize_int4(weight)).double().t() + bias.to(dtype).double()
+    want = int4_weight_only(x, weight, bias.to(dtype))
     assert got.shape == (rows, out_features) and got.dtype == dtype
     rounding = 1e-5 if dtype == torch.float32 else 2**-8  # fp32 sums / bf16 outputs, of the largest output
     assert ((got.double() - want).abs() <= rounding * want.abs().max() + bound(x, weight)).all()
@@ -64,7 +66,7 @@ def test_the_packing_puts_each_code_where_the_kernel_reads_it():
     assert pairs[0, :, 0].abs().min() > 0  # the real columns' scales
     x = torch.eye(64)
     got = run_int4_gemv(state, x)  # [64 rows, 20]: row k is column k of the weight
-    want = dequantize_int4(*quantize_int4(weight)).t().double()
+    want = int4_weight_only(x, weight)
     assert ((got.double() - want).abs() <= 1e-6 * want.abs().max() + bound(x, weight)).all()
 
 
@@ -73,7 +75,7 @@ def test_int4_gemv_reads_strided_rows():
     wide = torch.randn(3, 200)
     x = wide[:, :96]  # row stride 200
     got = run_int4_gemv(prepare_int4_gemv(weight, None), x)
-    want = x.double() @ dequantize_int4(*quantize_int4(weight)).double().t()
+    want = int4_weight_only(x, weight)
     assert ((got.double() - want).abs() <= 1e-5 * want.abs().max() + bound(x, weight)).all()
 
 

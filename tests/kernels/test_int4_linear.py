@@ -1,18 +1,19 @@
 """Int4 linear weights (kernels/int4_linear.py): GGUF Q4_0 / Q4_1 blocks come back exactly,
-float weights round to their group's grid, and the kernel matches F.linear on its own weights."""
+float weights round to their group's grid, and the kernel matches its reference (`int4_weight_only`,
+kernels/reference/linear.py) on its own weights."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from kernels.int4_linear import (
     GROUP_SIZE, dequantize_int4, int4_supported, prepare_int4, quantize_int4, run_int4,
 )
+from kernels.reference.linear import int4_weight_only
 
 Q4_0, Q4_1 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1
 
@@ -84,8 +85,7 @@ def test_kernel_matches_linear_on_its_own_weights(dtype, rows, bias):
     weight, x = torch.randn(64, 96, dtype=dtype), torch.randn(rows, 96, dtype=dtype)
     b = torch.randn(64, dtype=dtype) if bias else None
     y = run_int4(prepare_int4(weight, b), x)
-    codes, scales, zeros = quantize_int4(weight)
-    expected = F.linear(x.float(), dequantize_int4(codes, scales, zeros), None if b is None else b.float())
+    expected = int4_weight_only(x, weight, b)
     assert y.shape == (rows, 64) and y.dtype == dtype
     # The kernel takes bf16 activations and bf16 scales and zeros (8-bit mantissas): each
     # product is off by up to ~2 x 2^-9 relatively, so a 96-term dot product of random signs

@@ -1,4 +1,5 @@
-"""The C++ int8 GEMV (kernels/csrc/int8_gemv.cpp) against the dequantized weight's product.
+"""The C++ int8 GEMV (kernels/csrc/int8_gemv.cpp) against the dequantized weight's product (its
+reference, `int8_weight_only` in kernels/reference/linear.py).
 
 Two paths: fp32 sums in another order than torch's, so within fp32 rounding of the sums; and,
 with AVX512-VNNI where K is a multiple of 4, exact integer sums over each row of x rounded to
@@ -16,6 +17,7 @@ import torch
 
 from kernels import cpu_extension
 from kernels.int8_linear import dequantize_int8, prepare_int8_gemv, quantize_int8, run_int8_gemv
+from kernels.reference.linear import int8_weight_only
 
 pytestmark = pytest.mark.skipif(not cpu_extension.load(), reason="the C++ CPU kernels need a C++ compiler")
 
@@ -32,7 +34,7 @@ def test_int8_gemv_matches_the_dequantized_product(dtype, rows, out_features, in
     q, scale = quantize_int8(weight.to(dtype))
     w = dequantize_int8(q, scale).double()
     xd = x.to(dtype).double()
-    want = xd @ w.t() + bias.to(dtype).double()
+    want = int8_weight_only(x.to(dtype), weight.to(dtype), bias.to(dtype))
     assert got.shape == (rows, out_features) and got.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # of the outputs' largest magnitude
     sixteen_bits = (xd.abs().amax(dim=1, keepdim=True) / 65024) * w.abs().sum(dim=1)  # [rows, out]
@@ -48,7 +50,7 @@ def test_int8_gemv_keeps_small_activations_beside_an_outlier(dtype):
     x[:, 7] = 1000.0
     state = prepare_int8_gemv(weight.to(dtype), None)
     got = run_int8_gemv(state, x.to(dtype)).double()
-    want = x.to(dtype).double() @ dequantize_int8(*quantize_int8(weight.to(dtype))).double().t()
+    want = int8_weight_only(x.to(dtype), weight.to(dtype))
     without_outlier = want - x[:, 7:8].double() * dequantize_int8(*quantize_int8(weight.to(dtype)))[:, 7].double()
     # well within what the rest of the row contributes, and bf16's rounding of the result
     assert (got - want).abs().max() <= 0.02 * without_outlier.abs().max() + (0 if dtype == torch.float32 else
@@ -63,6 +65,6 @@ def test_int8_gemv_reads_strided_rows_and_pads_no_output():
     # 20 columns -> two blocks of 16, the last zero-padded: [2, 48, 16] int8 or, VNNI, [2, 12, 16, 4] uint8
     assert state[0].shape in ((2, 48, 16), (2, 12, 16, 4))
     got = run_int8_gemv(state, x)
-    want = x @ dequantize_int8(*quantize_int8(weight)).t()
+    want = int8_weight_only(x, weight).float()
     assert got.shape == (2, 20)
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)  # 16-bit x: up to ~3e-4 here

@@ -1,8 +1,9 @@
 """down_proj's W8A8 GEMM (kernels/csrc/int8_grouped.cpp): activations rounded to int8 per token and
 group of ACTIVATION_GROUP k, each group's exact int32 sums added in fp32 with its scale.
 
-Against `reference_int8_grouped`, the same rounding in float64: the int32 sums are exact, so what
-differs is the fp32 adding of the groups (a few ulp of fp32) and the output's own rounding.
+Against its reference (`int8_grouped`, kernels/reference/linear.py), the same rounding in float64:
+the int32 sums are exact, so what differs is the fp32 adding of the groups (a few ulp of fp32) and
+the output's own rounding.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kernels.int8_linear import (
     run_int8_grouped,
     run_int8_vnni,
 )
+from kernels.reference.linear import int8_grouped
 
 pytestmark = pytest.mark.skipif(not int8_vnni_supported(),
                                 reason="int8_grouped needs the C++ kernels built for a CPU with AVX512-VNNI")
@@ -28,17 +30,6 @@ pytestmark = pytest.mark.skipif(not int8_vnni_supported(),
 # (rows, in, out): register tiles of 4 rows inside 8-row tiles and 128-row blocks, with tails;
 # column groups of 48 with whole and partial 16-column blocks; one group of k and several
 SHAPES = [(1, 128, 16), (3, 256, 100), (8, 1536, 576), (13, 384, 3072), (40, 128, 17), (131, 256, 200), (600, 512, 48)]
-
-
-def reference_int8_grouped(w: torch.Tensor, x: torch.Tensor, group: int = ACTIVATION_GROUP) -> torch.Tensor:
-    """The kernel's arithmetic in torch: x rounded in fp32 per row and group of k, as the kernel
-    rounds it, w per output channel; the products and sums in float64."""
-    q, scale = quantize_int8(w)
-    rows, in_f = x.shape
-    xg = x.float().reshape(rows, in_f // group, group)
-    x_scale = (xg.abs().amax(-1, keepdim=True) / 127.0).clamp(min=1e-12)
-    xq = torch.round(xg / x_scale).double() * x_scale.double()
-    return xq.reshape(rows, in_f) @ (q.double() * scale.double()[:, None]).t()
 
 
 def within_rounding(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -58,7 +49,7 @@ def test_grouped_gemm_rounds_each_group_of_k_on_its_own(dtype, rows, k, n):
     x[0, : k // 2] = 0  # a row with zero groups: their scale is the floor, their sums 0
     got = run_int8_grouped(prepare_int8_grouped(w, None), x)
     assert got.shape == (rows, n) and got.dtype == dtype
-    assert within_rounding(got, reference_int8_grouped(w.float(), x.float()))
+    assert within_rounding(got, int8_grouped(x.float(), w.float()))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -68,7 +59,7 @@ def test_grouped_gemm_adds_the_bias_and_reads_strided_rows(dtype):
     wide = torch.randn(9, 512, generator=g).to(dtype)
     for x in (wide[:, :256], wide[:, ::2]):  # a row stride of 512; a column stride of 2
         got = run_int8_grouped(prepare_int8_grouped(w, b), x)
-        want = reference_int8_grouped(w.float(), x.float()) + b.double()
+        want = int8_grouped(x.float(), w.float(), b)
         assert within_rounding(got, want)
 
 

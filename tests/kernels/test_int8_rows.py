@@ -1,4 +1,6 @@
-"""W8A8's C++ passes (kernels/csrc/int8_rows.cpp) against the torch ops they replace.
+"""W8A8's C++ passes (kernels/csrc/int8_rows.cpp) against the torch ops they replace: the rounding of
+each row against its reference (`quantize_rows_int8`, kernels/reference/linear.py), the whole product
+against int8_dynamic's torch path.
 
 Both compute the same arithmetic in the same order (x / scale rounded half to even, then
 acc * (row scale * column scale)), so without a bias the outputs are the same bits; a bias add
@@ -13,16 +15,11 @@ import torch
 
 from kernels import cpu_extension
 from kernels.int8_linear import _run_int8_dynamic_torch, int_mm_is_exact, prepare_int8_dynamic, run_int8_dynamic
+from kernels.reference.linear import quantize_rows_int8
 
 pytestmark = pytest.mark.skipif(not cpu_extension.load(), reason="the C++ CPU kernels need a C++ compiler")
 
 SHAPES = [(1, 576, 960), (3, 37, 100), (8, 1536, 576), (33, 64, 3072)]  # (rows, in, out): tails of 16 lanes too
-
-
-def torch_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    xf = x.float()
-    scale = (xf.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12)
-    return torch.round(xf / scale).to(torch.int8), scale.squeeze(1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -33,7 +30,7 @@ def test_quantize_rows_matches_torch(dtype, rows, k, _):
     x[-1, :4] = torch.tensor([127.0, 2.5, -3.5, 0.5])  # scale 1: ties that round to even (2, -4, 0)
     q, scale = torch.empty(rows, k, dtype=torch.int8), torch.empty(rows)
     torch.ops.tandem.quantize_rows_int8(q, scale, x)
-    expected_q, expected_scale = torch_quantize(x)
+    expected_q, expected_scale = quantize_rows_int8(x)
     assert torch.equal(scale, expected_scale)
     assert torch.equal(q, expected_q)
     if rows > 1:
@@ -45,7 +42,7 @@ def test_quantize_rows_reads_strided_rows():
     x = wide[:, :130]  # row stride 200
     q, scale = torch.empty(4, 130, dtype=torch.int8), torch.empty(4)
     torch.ops.tandem.quantize_rows_int8(q, scale, x)
-    expected_q, expected_scale = torch_quantize(x.contiguous())
+    expected_q, expected_scale = quantize_rows_int8(x.contiguous())
     assert torch.equal(q, expected_q) and torch.equal(scale, expected_scale)
 
 

@@ -1,5 +1,5 @@
 """The VNNI W8A8 GEMM (kernels/csrc/int8_vnni.cpp) against int8_dynamic, the same arithmetic
-through torch._int_mm.
+through torch._int_mm, and against their reference (`int8_per_token`, kernels/reference/linear.py).
 
 Both round the activations with the same op, sum int8 products exactly in int32 and rescale with
 acc * (row scale * column scale), so without a bias the outputs are the same bits; a bias add may
@@ -19,6 +19,7 @@ from kernels.int8_linear import (
     run_int8_dynamic,
     run_int8_vnni,
 )
+from kernels.reference.linear import int8_per_token
 
 pytestmark = pytest.mark.skipif(not int8_vnni_supported(),
                                 reason="int8_vnni needs the C++ kernels built for a CPU with AVX512-VNNI")
@@ -58,6 +59,19 @@ def test_vnni_gemm_adds_the_bias_and_reads_strided_rows(dtype):
     want = run_int8_dynamic(prepare_int8_dynamic(w, b), x)
     ulp = torch.finfo(dtype).eps * want.abs().float()
     assert ((got.float() - want.float()).abs() <= ulp).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vnni_gemm_is_its_reference_within_rounding(dtype):
+    """The reference rounds the rows as the kernel does and sums in float64: the kernel's int32 sums
+    are exact, so what differs is its fp32 rescale (two roundings) and the output's own rounding."""
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(100, 256, generator=g) * 0.05).to(dtype)
+    x = (torch.randn(13, 256, generator=g) * 3).to(dtype)
+    got = run_int8_vnni(prepare_int8_vnni(w, None), x).double()
+    want = int8_per_token(x, w)
+    output_rounding = 0.0 if dtype == torch.float32 else torch.finfo(dtype).eps / 2
+    assert ((got - want).abs() <= (2 * torch.finfo(torch.float32).eps + output_rounding) * want.abs()).all()
 
 
 def test_vnni_gemm_sums_full_scale_products_exactly():

@@ -14,18 +14,11 @@ from hypothesis import strategies as st
 from kernels import LoraStepIndex, select_lora_ops
 from kernels.cpu_lora import CPU_LORA_KERNELS, NEEDS_EXTENSION, cpu_lora_kernel_available
 from kernels.lora_ops import LoraPlan, choose_lora_plan
+from kernels.reference.lora import add_lora as reference
 from kernels.triton_lora import add_lora_triton
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs on CPU tensors
-
-
-def reference(y, x, a, b, row_slots):
-    out = y.clone().float()
-    for row, slot in enumerate(row_slots):
-        if slot >= 0:
-            out[row] += (x[row].float() @ a[slot].float().t()) @ b[slot].float()
-    return out
 
 
 def make_case(rows, num_slots, rank, in_f, out_f, dtype, seed, row_slots=None):

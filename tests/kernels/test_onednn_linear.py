@@ -1,12 +1,13 @@
-"""Float linears on oneDNN-prepacked weights (kernels/onednn_linear.py) against F.linear."""
+"""Float linears on oneDNN-prepacked weights (kernels/onednn_linear.py) against their reference, the
+float product (`float_linear`, kernels/reference/linear.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kernels.onednn_linear import onednn_supported, prepare_onednn, run_onednn
+from kernels.reference.linear import float_linear
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -20,7 +21,7 @@ def test_prepacked_weight_matches_linear_for_any_rows(dtype, rows_hint, rows, bi
     weight, x = torch.randn(96, 80, dtype=dtype), torch.randn(rows, 80, dtype=dtype)
     b = torch.randn(96, dtype=dtype) if bias else None
     y = run_onednn(prepare_onednn(weight, b, rows_hint), x)
-    expected = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    expected = float_linear(x, weight, b)
     assert y.shape == (rows, 96) and y.dtype == dtype
     # the same values in another layout: fp32 differs by summation order only; bf16 by the
     # rounding of the bf16 output (8-bit mantissa: 2^-9 relative) and of partial sums

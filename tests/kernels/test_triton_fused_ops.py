@@ -1,5 +1,5 @@
 """The Triton fused layer ops (kernels/triton_fused_ops.py) against the torch layers they
-replace (engine_core/models/layers.py, the reference).
+replace, whose torch path is the reference (kernels/reference/layer_ops.py).
 
 On a CUDA GPU they run there; without one, in Triton's CPU interpreter (tests/conftest.py).
 Tolerances as for the C++ ops (tests/kernels/test_fused_ops.py): fp32 atol = rtol = 1e-5;

@@ -1,6 +1,6 @@
-"""Pure-torch paged attention: the reference every kernel is checked against, and
-the CPU path. It reads keys and values from the paged cache through block
-tables (never from a dense per-request copy kept on the side).
+"""Pure-torch paged attention and KV-cache write: the reference the C++ and Triton attention
+kernels are checked against, and the "torch" backend (any device). It reads keys and values
+from the paged cache through block tables (never from a dense per-request copy kept on the side).
 
 Cache layout: [num_blocks, num_kv_heads, block_size, head_dim] ("head-major", as
 vLLM's CPU backend), so gathering one (block, kv head) row at a time yields each

@@ -1,0 +1,209 @@
+"""EngineCore's start-up, done once before its first step (EngineStartup, which EngineCore inherits its
+constructor from): load the model, then make the structured-output grammars, the model runner, the scheduler
+and, when steps overlap, the device queue. On the way it decides the device and dtype, the quantization, the
+step's token budget, max_model_len, the KV cache's size, the decode batch sizes to capture as CUDA graphs and
+the vocabulary for structured output: each "auto" in EngineConfig is resolved here. The step never reads this
+file.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from engine_core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, ModelArchConfig, SchedulerConfig
+from engine_core.cuda_graphs import capture_sizes
+from engine_core.kv_cache_tensors import kv_cache_bytes_per_block
+from engine_core.loader.registry import default_model_path, load_model, prepare_for_cpu
+from engine_core.lora.admission import LoraAdmission
+from engine_core.lora.runtime import LoraRuntime
+from engine_core.model_runner import ModelRunner
+from engine_core.overlap import InlineQueue, OverlappedSteps, ThreadQueue
+from engine_core.profiler import Profiler
+from engine_core.protocol import EngineInfo
+from engine_core.scheduler import Scheduler
+from engine_core.structured.masks import StructuredOutputs
+from kernels import AttentionBackend, fastest_float_dtype, select_backend, select_fused_ops
+
+logger = logging.getLogger(__name__)
+
+# hidden x intermediate of the MLP the dtype race multiplies: the default model's (SmolLM2-135M), since the race
+# picks the dtype the weights load in, before any model is read
+_DTYPE_RACE_SHAPE = (576, 1536)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineStartup:
+    """EngineCore's constructor. What its step reads is made here: `scheduler`, `runner`, `overlapped` (None
+    unless steps overlap), `_block_pool` (for the step's KV events) and `last_mask_timing`."""
+
+    def __init__(self, config: EngineConfig, *, log_stats: bool = False, kv_events: bool = False) -> None:
+        """log_stats: outputs carry per-request events (queued, scheduled, preempted) as in vLLM v1.
+        kv_events: each step's outputs carry the prefix-cache hashes indexed and evicted (for routers)."""
+        self.config = config
+        if config.device.num_threads is not None:
+            torch.set_num_threads(config.device.num_threads)
+        torch.manual_seed(config.model.seed)
+        device = resolve_device(config.device.device)
+        dtype = resolve_dtype(config.model.dtype, device)
+        self.attention = select_backend(device.type, config.device.attention_backend)
+        fused = None if config.device.enforce_eager else select_fused_ops(device.type, dtype)
+        logger.info("attention backend %s, fused layer ops %s", self.attention.name, fused.name if fused else "off")
+
+        started = time.perf_counter()
+        quantization = resolve_quantization(config.model.quantization, config.model.dtype, device)
+        self.model, self.arch = load_model(config.model.model, dtype, device, self.attention, fused)
+        if device.type == "cpu":
+            prepare_for_cpu(self.model, quantization)
+        self.model_path = str(Path(config.model.model) if config.model.model else default_model_path())
+        logger.info("loaded %s in %.1f s", self.model_path, time.perf_counter() - started)
+
+        self.max_model_len = resolve_max_model_len(config.model.max_model_len, self.arch)
+        # the config as run: the defaults that depend on the device and model filled in
+        scheduler_config = resolve_scheduler(config.scheduler, device, self.max_model_len)
+        self.config = config = replace(config, scheduler=scheduler_config)
+        logger.info("step token budget %d", config.scheduler.max_num_batched_tokens)
+        block_size = config.cache.block_size
+        num_blocks = config.cache.num_blocks or num_blocks_for_memory(config, self.arch, self.max_model_len, dtype)
+        self.lora = None  # the adapters (engine_core/lora), when the engine serves LoRA
+        if config.lora.enable:
+            self.lora = LoraRuntime.attach(self.model, config.lora, device, dtype, self.attention.name)
+        self.structured = StructuredOutputs(tokenizer_path(config, self.model_path), vocab_size=self.arch.vocab_size,
+                                            eos_token_ids=list(self.arch.eos_token_ids))
+        self.last_mask_timing = None  # the last step's structured-output mask timing (metrics only)
+        self.runner = ModelRunner(
+            self.model, self.arch, self.attention,
+            num_blocks=num_blocks, block_size=block_size, device=device, dtype=dtype,
+            max_model_len=self.max_model_len, cuda_graph_sizes=cuda_graph_sizes(config, device, self.attention),
+            structured=self.structured, lora=self.lora,
+        )
+        every_layer_slides = all(self.arch.is_sliding(i) for i in range(self.arch.num_hidden_layers))
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len, log_stats=log_stats,
+                                   sliding_window=self.arch.sliding_window if every_layer_slides else None,
+                                   lora=LoraAdmission(config.lora.max_loras, config.lora.max_wait_steps)
+                                   if self.lora is not None else None)
+        self._block_pool = self.scheduler.kv_cache_manager.block_pool
+        self.overlapped: OverlappedSteps | None = None  # None: each step() runs its step to the end
+        if resolve_overlap(config.device.overlap, device):
+            queue = InlineQueue() if device.type == "cuda" else ThreadQueue()
+            self.overlapped = OverlappedSteps(self.scheduler, self.runner, queue)
+        self.records_kv_events = kv_events
+        if kv_events:
+            self._block_pool.record_events()
+        self.eos_token_ids = frozenset(self.arch.eos_token_ids)
+        self.asleep = False  # the KV cache is freed (sleep / wake_up)
+        self._profiler = Profiler(device)
+        self.info = engine_info(self.model_path, self.arch, self.max_model_len, block_size, num_blocks, dtype, device,
+                                self.attention.name)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA GPU; use device='cpu'")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 on CUDA; on CPU whichever of bf16 / fp32 multiplies faster here, measured."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16
+    return fastest_float_dtype(*_DTYPE_RACE_SHAPE)
+
+
+def resolve_quantization(name: str, dtype_name: str, device: torch.device) -> str:
+    """auto -> none on CUDA and when float32 was asked for explicitly (the exact path); int8 and
+    int4 need CPU."""
+    if device.type != "cpu":
+        if name in ("int8", "int4"):
+            raise ValueError(f"quantization {name!r} runs on CPU only; use quantization='none' on CUDA")
+        return "none"
+    return "none" if name == "auto" and dtype_name == "float32" else name
+
+
+def resolve_scheduler(config: SchedulerConfig, device: torch.device, max_model_len: int) -> SchedulerConfig:
+    """The step's token budget, when none was given: the device's default (DEFAULT_MAX_NUM_BATCHED_TOKENS),
+    and without chunked prefill at least max_model_len (a prompt is prefilled in one step)."""
+    if config.max_num_batched_tokens is not None:
+        return config
+    budget = DEFAULT_MAX_NUM_BATCHED_TOKENS.get(device.type, DEFAULT_MAX_NUM_BATCHED_TOKENS["cuda"])
+    if not config.enable_chunked_prefill:
+        budget = max(budget, max_model_len)
+    return replace(config, max_num_batched_tokens=budget)
+
+
+def resolve_overlap(name: str, device: torch.device) -> bool:
+    """Whether steps overlap (engine_core/overlap.py). auto: on for CUDA; off on CPU, where the forward already
+    keeps every core busy (docs/gpu.md)."""
+    return device.type == "cuda" if name == "auto" else name == "on"
+
+
+def resolve_max_model_len(wanted: int | None, arch: ModelArchConfig) -> int:
+    """The model's context, or the shorter max_model_len asked for."""
+    if wanted is None:
+        return arch.max_position_embeddings
+    if wanted > arch.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {wanted} is longer than the model's context "
+            f"({arch.max_position_embeddings} tokens)"
+        )
+    return wanted
+
+
+def tokenizer_path(config: EngineConfig, model_path: str) -> str | None:
+    """The vocabulary for structured output: --tokenizer, else the model's own if it has one."""
+    if config.model.tokenizer is not None:
+        return config.model.tokenizer
+    path = Path(model_path)
+    return str(path) if path.suffix == ".gguf" or (path / "tokenizer.json").is_file() else None
+
+
+def cuda_graph_sizes(config: EngineConfig, device: torch.device, attention: AttentionBackend) -> list[int]:
+    """Decode batch sizes to capture: none off CUDA, with enforce_eager, or for a backend
+    that cannot be captured."""
+    device_config = config.device
+    if device.type != "cuda" or device_config.enforce_eager:
+        return []
+    if not attention.supports_cuda_graphs:
+        logger.info("attention backend %r cannot run in CUDA graphs: decode runs eagerly", attention.name)
+        return []
+    return capture_sizes(min(config.scheduler.max_num_seqs, device_config.cuda_graph_max_batch_size))
+
+
+def num_blocks_for_memory(config: EngineConfig, arch: ModelArchConfig, max_model_len: int, dtype: torch.dtype) -> int:
+    """The KV cache's blocks in kv_cache_memory_gib; ValueError when they cannot hold one max_model_len request."""
+    per_block = kv_cache_bytes_per_block(arch, config.cache.block_size, dtype)
+    num_blocks = int(config.cache.kv_cache_memory_gib * 2**30) // per_block
+    blocks_for_one_full_request = -(-max_model_len // config.cache.block_size) + 1
+    if num_blocks < blocks_for_one_full_request:
+        raise ValueError(
+            f"kv_cache_memory_gib={config.cache.kv_cache_memory_gib} holds {num_blocks} blocks, "
+            f"fewer than the {blocks_for_one_full_request} one max_model_len={max_model_len} "
+            "request needs; raise kv_cache_memory_gib or lower max_model_len"
+        )
+    return num_blocks
+
+
+def engine_info(model_path: str, arch: ModelArchConfig, max_model_len: int, block_size: int, num_blocks: int,
+                dtype: torch.dtype, device: torch.device, attention_backend: str) -> EngineInfo:
+    """What the engine tells its callers about itself (GetEngineInfo), as resolved above."""
+    return EngineInfo(
+        model_name=Path(model_path).stem if model_path.endswith(".gguf") else Path(model_path).name,
+        model_path=model_path,
+        max_model_len=max_model_len,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        vocab_size=arch.vocab_size,
+        eos_token_ids=tuple(arch.eos_token_ids),
+        bos_token_id=arch.bos_token_id,
+        dtype=str(dtype).removeprefix("torch."),
+        device=str(device),
+        attention_backend=attention_backend,
+    )
