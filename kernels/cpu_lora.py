@@ -18,7 +18,8 @@ fp32's on CPUs without native bf16: docs/lora.md), x cast to it and the sum cast
   one-op decoder layers run it inside the op (engine_core/models/cpu_decode_layers.py).
 
 Which wins depends on the CPU, the rows and the number of adapters in the step: the engine times
-them at load (kernels/lora_ops.py) and takes the fastest per bucket.
+them at load (kernels/lora_ops.py) and takes the fastest per bucket. Their reference:
+kernels/reference/lora.py.
 """
 
 from __future__ import annotations
