@@ -22,13 +22,14 @@ from engine_core.protocol.block_hash import BlockHash
 class KVCacheBlock:
     """One block of KV slots. `token_ids` confirms a prefix-cache hit."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "lora_name", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
         self.token_ids: tuple[int, ...] = ()
+        self.lora_name: str | None = None  # the LoRA adapter it was cached under (None: the base model)
         # Links of the free queue; None while the block is not in it.
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
@@ -138,11 +139,13 @@ class BlockPool:
                 self.free_queue.append(block)
 
     # ---- prefix cache ---------------------------------------------------------
-    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
-        """Index a full block by hash. A block already cached, or a hash already taken, is left as is."""
+    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: tuple[int, ...],
+                         lora_name: str | None = None) -> None:
+        """Index a full block by hash, under the LoRA adapter its request uses (None: the base model; the
+        KV events name it). A block already cached, or a hash already taken, is left as is."""
         if not self.enable_caching or block.block_hash is not None or block_hash in self.cached_blocks:
             return
-        block.block_hash, block.token_ids = block_hash, token_ids
+        block.block_hash, block.token_ids, block.lora_name = block_hash, token_ids, lora_name
         self.cached_blocks[block_hash] = block
         self._note(block_hash, cached=True)
 
@@ -158,7 +161,7 @@ class BlockPool:
         if self.num_free_blocks != self.num_blocks - 1:
             return False
         for block in self.cached_blocks.values():
-            block.block_hash, block.token_ids = None, ()
+            block.block_hash, block.token_ids, block.lora_name = None, (), None
         self.cached_blocks.clear()
         if self.events is not None:
             self.events.clear()
@@ -169,7 +172,7 @@ class BlockPool:
             return
         del self.cached_blocks[block.block_hash]
         self._note(block.block_hash, cached=False)
-        block.block_hash, block.token_ids = None, ()
+        block.block_hash, block.token_ids, block.lora_name = None, (), None
 
     # ---- KV events ------------------------------------------------------------
     def record_events(self) -> None:
@@ -178,12 +181,23 @@ class BlockPool:
             self.events = KVEventLog()
 
     def take_events(self) -> KVCacheEvents | None:
-        """The net changes since the last call (None when there are none or nothing is recorded)."""
-        return None if self.events is None else self.events.take()
+        """The net changes since the last call (None when there are none or nothing is recorded); adapter
+        blocks among the stored are also grouped by adapter (`stored_lora`)."""
+        return None if self.events is None else self.events.take(self._by_lora)
 
     def snapshot(self) -> KVCacheEvents:
         """Every hash indexed now, as a report that replaces whatever a reader knew."""
-        return KVCacheEvents(stored=list(self.cached_blocks), cleared=True)
+        stored = list(self.cached_blocks)
+        return KVCacheEvents(stored=stored, cleared=True, stored_lora=self._by_lora(stored))
+
+    def _by_lora(self, stored: list[BlockHash]) -> dict[str, list[BlockHash]]:
+        """The adapter blocks among these cached hashes, grouped by adapter."""
+        groups: dict[str, list[BlockHash]] = {}
+        for block_hash in stored:
+            lora_name = self.cached_blocks[block_hash].lora_name
+            if lora_name is not None:
+                groups.setdefault(lora_name, []).append(block_hash)
+        return groups
 
     def _note(self, block_hash: BlockHash, cached: bool) -> None:
         if self.events is not None:

@@ -155,7 +155,7 @@ class KVCacheManager:
         end = min(num_tokens // size, len(request.block_hashes))
         for i in range(start, end):
             token_ids = tuple(request.all_token_ids[i * size:(i + 1) * size])
-            self.block_pool.cache_full_block(blocks[i], request.block_hashes[i], token_ids)
+            self.block_pool.cache_full_block(blocks[i], request.block_hashes[i], token_ids, request.lora_name)
         self.num_cached_blocks[request.request_id] = max(start, end)
 
     def free(self, request: Request) -> None:

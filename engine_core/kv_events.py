@@ -4,6 +4,8 @@ hands the net changes over with its outputs."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from engine_core.protocol import KVCacheEvents
 from engine_core.protocol.block_hash import BlockHash
 
@@ -22,17 +24,18 @@ class KVEventLog:
         self._changes.clear()
         self._cleared = True
 
-    def take(self) -> KVCacheEvents | None:
-        """The net changes since the last call (None when there are none).
+    def take(self, by_lora: Callable[[list[BlockHash]], dict[str, list[BlockHash]]]) -> KVCacheEvents | None:
+        """The net changes since the last call (None when there are none); `by_lora` groups the stored
+        hashes that belong to an adapter by its name (the pool knows each cached block's adapter).
 
         A hash indexed and evicted within one report shows only as removed, and the reverse only
         as stored, so a reader may apply `removed` and `stored` in either order.
         """
         if not self._changes and not self._cleared:
             return None
-        events = KVCacheEvents(stored=[h for h, cached in self._changes.items() if cached],
-                               removed=[h for h, cached in self._changes.items() if not cached],
-                               cleared=self._cleared)
+        stored = [h for h, cached in self._changes.items() if cached]  # each still cached in the pool
+        events = KVCacheEvents(stored=stored, removed=[h for h, cached in self._changes.items() if not cached],
+                               cleared=self._cleared, stored_lora=by_lora(stored))
         self._changes.clear()
         self._cleared = False
         return events

@@ -1,6 +1,7 @@
 """LoRA adapters through both services as real processes: an adapter named at start (--lora), loaded,
 listed, pinned and unloaded over AdminService, used per request by Generate, Chat and Embed, with the
-statuses of docs/lora.md (NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION)."""
+statuses of docs/lora.md (NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION); a gateway's KV events name the
+adapter of its blocks."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import json
 
 import grpc
 import pytest
+from smg_grpc_proto.generated import common_pb2 as smg_common_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 from tandem.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
 
 from engine_core.config import CacheConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
@@ -155,3 +158,37 @@ def test_python_client_and_cli(lora_services, tiny_model_dir, adapters):
     assert unloaded.returncode == 0 and unloaded.stdout.startswith("unloaded cli-y"), unloaded.stderr
     refused = run_cli("admin", "lora", "load", "wide", str(adapters["wide"]), "--address", address)
     assert refused.returncode != 0 and "max_lora_rank" in refused.stderr
+
+
+def test_a_gateways_kv_events_name_the_adapter_of_its_blocks(lora_services, adapters):
+    """SubscribeKvEvents (the worker protocol smg reads) on the frontend: the blocks of a tandem.v1 request under
+    an adapter are announced with its lora_name (smg folds it into its hashes), the same prompt's base blocks
+    with none."""
+    prompt = list(range(1000, 1040))  # two full 16-token blocks
+
+    async def run():
+        async with grpc.aio.insecure_channel(lora_services.frontend_address) as channel:
+            admin = admin_pb2_grpc.AdminServiceStub(channel)
+            generation = generation_pb2_grpc.GenerationServiceStub(channel)
+            await admin.LoadLoraAdapter(admin_pb2.LoadLoraAdapterRequest(lora_name="kv", lora_path=str(adapters["x"])))
+            events = vllm_engine_pb2_grpc.VllmEngineStub(channel).SubscribeKvEvents(
+                smg_common_pb2.SubscribeKvEventsRequest())
+            await events.read()  # the snapshot
+            stored = {}  # (lora_name or None, token ids) -> has a parent
+            for lora_name in ("kv", ""):
+                await stream_tokens(generation, generation_pb2.GenerateRequest(
+                    token_ids=generation_pb2.TokenIds(ids=prompt), sampling_params=greedy(2), lora_name=lora_name))
+            while len(stored) < 4:
+                batch = await asyncio.wait_for(events.read(), 10)
+                for event in batch.events:
+                    if event.WhichOneof("data") == "stored":
+                        name = event.stored.lora_name if event.stored.HasField("lora_name") else None
+                        for block in event.stored.blocks:
+                            stored[name, tuple(block.token_ids)] = event.stored.HasField("parent_block_hash")
+            events.cancel()
+            await admin.UnloadLoraAdapter(admin_pb2.UnloadLoraAdapterRequest(lora_name="kv"))
+            return stored
+
+    first, second = tuple(prompt[:16]), tuple(prompt[16:32])
+    assert asyncio.run(run()) == {("kv", first): False, ("kv", second): True, (None, first): False,
+                                  (None, second): True}

@@ -9,18 +9,17 @@
 //   node chat.js --json-schema ../../docs/examples/person.schema.json "Describe a person as JSON."
 //   node chat.js --choice yes --choice no "Is water wet?"
 //   node chat.js --tools ../../docs/examples/tools.json --tool-choice required "Weather in Paris?"
+//   node chat.js admin lora load sql /adapters/sql     # LoRA adapters: load, list, pin, unload (admin.js)
 'use strict';
 
-const path = require('path');
-const fs = require('fs');
-const grpc = require('@grpc/grpc-js');
-const protoLoader = require('@grpc/proto-loader');
+const { adminMain } = require('./admin.js');
+const { bearer, connect, fail, loadService, readText, statusName, tokenFrom } = require('./connection.js');
 
-const PROTOS = path.resolve(__dirname, '..', '..', 'protos');
 const DEFAULT_MAX_TOKENS = 128;
 
 function usage(exitCode) {
   const text = `usage: node chat.js [options] MESSAGE
+       node chat.js admin lora load NAME PATH | list | pin NAME | unload NAME  (see: node chat.js admin --help)
 
 Stream the assistant's answer to MESSAGE from a Tandem frontend (tandem.v1.GenerationService/Chat).
 
@@ -92,7 +91,7 @@ function parseArgs(argv) {
       case '--timeout': args.timeout = number(value(++i, flag), flag); break;
       case '--tls-ca': args.tlsCa = readText(value(++i, flag), flag); break;
       case '--tls-server-name': args.tlsServerName = value(++i, flag); break;
-      case '--token-file': args.token = readText(value(++i, flag), flag).split('\n')[0].trim(); break;
+      case '--token-file': args.tokenFile = readText(value(++i, flag), flag); break;
       default:
         if (flag.startsWith('--')) fail(`unknown flag ${flag} (see --help)`);
         args.messages.push(flag);
@@ -108,16 +107,6 @@ function constrain(args, kind, value) {
   if (args.constraint && args.constraint !== kind) fail(`give at most one of --json-schema, --json-object, --regex, --choice, --grammar`);
   args.constraint = kind;
   args[kind] = value;
-}
-
-// A file a flag names, or a one-line error (not a stack trace) and exit 2.
-function readText(file, flag) {
-  try {
-    return fs.readFileSync(file, 'utf8');
-  } catch (error) {
-    const reason = error.message.replace(/^[A-Z]+: /, '').replace(/, \w+ '.*'$/, '');  // "no such file or directory"
-    return fail(`${flag}: cannot read ${file} (${reason})`);
-  }
 }
 
 function readJson(file, flag) {
@@ -144,28 +133,11 @@ function toolChoiceToProto(choice) {
   return modes[choice] ? { mode: modes[choice] } : { function_name: choice };
 }
 
-function fail(message) {
-  process.stderr.write(`tandem-node: ${message}\n`);
-  process.exit(2);
-}
-
-function loadGenerationService() {
-  const definition = protoLoader.loadSync('tandem/v1/generation.proto', {
-    includeDirs: [PROTOS], keepCase: true, longs: String, enums: String, defaults: false, oneofs: true,
-  });
-  return grpc.loadPackageDefinition(definition).tandem.v1.GenerationService;
-}
-
 function main() {
-  const args = parseArgs(process.argv.slice(2));
-  const GenerationService = loadGenerationService();
-  // As the Python CLI: any TLS flag turns TLS on; without --tls-ca the system's CAs verify the server.
-  const tls = args.tlsCa !== undefined || args.tlsServerName !== undefined;
-  const credentials = tls
-    ? grpc.credentials.createSsl(args.tlsCa === undefined ? null : Buffer.from(args.tlsCa))
-    : grpc.credentials.createInsecure();
-  const options = args.tlsServerName ? { 'grpc.ssl_target_name_override': args.tlsServerName } : {};
-  const client = new GenerationService(args.address, credentials, options);
+  const argv = process.argv.slice(2);
+  if (argv[0] === 'admin') return adminMain(argv.slice(1));
+  const args = parseArgs(argv);
+  const client = connect(loadService('generation.proto', 'GenerationService'), args.address, args);
 
   const messages = [];
   if (args.system) messages.push({ role: 'system', content: args.system });
@@ -181,9 +153,7 @@ function main() {
     sampling.structured = { [args.constraint]: args[args.constraint], whitespace_flexible: !!args.whitespaceFlexible };
   }
 
-  const metadata = new grpc.Metadata();
-  const token = args.token !== undefined ? args.token : (process.env.TANDEM_API_TOKEN || '').trim();
-  if (token) metadata.set('authorization', `Bearer ${token}`);
+  const metadata = bearer(tokenFrom(args.tokenFile, ['TANDEM_API_TOKEN']));
 
   const deadline = new Date(Date.now() + args.timeout * 1000);
   const request = { messages, sampling_params: sampling };
@@ -204,8 +174,7 @@ function main() {
     }
   });
   call.on('error', (error) => {
-    const code = Object.keys(grpc.status).find((name) => grpc.status[name] === error.code) || error.code;
-    process.stderr.write(`${answered ? '\n' : ''}tandem-node: ${code}: ${error.details}\n`);
+    process.stderr.write(`${answered ? '\n' : ''}tandem-node: ${statusName(error.code)}: ${error.details}\n`);
     process.exitCode = 1;
     client.close();
   });

@@ -107,7 +107,9 @@ def outputs_to_proto(message: EngineCoreOutputs) -> engine_core_pb2.EngineCoreOu
     if message.kv_events is not None:
         events = message.kv_events
         proto.kv_events.CopyFrom(engine_core_pb2.KVCacheEvents(
-            cleared=events.cleared, stored_block_hashes=events.stored, removed_block_hashes=events.removed))
+            cleared=events.cleared, stored_block_hashes=events.stored, removed_block_hashes=events.removed,
+            stored_lora_blocks=[engine_core_pb2.LoraBlockHashes(lora_name=name, block_hashes=hashes)
+                                for name, hashes in events.stored_lora.items()]))
     if message.engine_state is not None:
         proto.engine_state.CopyFrom(engine_state_to_proto(message.engine_state))
     return proto

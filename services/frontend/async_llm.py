@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 
 from engine_core.protocol import (
@@ -60,6 +60,8 @@ class AsyncLLM(ChangeListeners):
         self.model_info: EngineInfo | None = None  # the last model an engine reported
         self.draining = False  # set by drain(): no new requests are admitted
         self._output_handler: asyncio.Task | None = None
+        # called with each admitted request's prompt token ids and LoRA adapter (the gateway's KV event feed)
+        self.prompt_listeners: list[Callable[[Sequence[int], str | None], None]] = []
         ChangeListeners.__init__(self)  # notified when `serving` may have changed: engines, their states, a drain
         engine_client.add_listener(self._on_engines_changed)
         self._on_engines_changed()
@@ -176,6 +178,8 @@ class AsyncLLM(ChangeListeners):
             raise TooManyRequests(f"the server is full: {in_flight} requests in flight, the limit is "
                                   f"{self.max_waiting_requests} (--max-waiting-requests); retry later")
         request, stats = self.telemetry.start_request(request)  # its span's context goes into the trace headers
+        for listener in self.prompt_listeners:
+            listener(request.prompt_token_ids, request.lora_name)
         children = request.fan_out()
         collector = RequestOutputCollector(request.sampling_params.output_kind)
         self.output_processor.add_request(request.request_id, children, collector, stats, tool_plan)

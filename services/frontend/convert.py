@@ -221,7 +221,9 @@ def message_from_proto(batch: engine_core_pb2.EngineCoreOutputs) -> EngineCoreOu
     if batch.HasField("kv_events"):
         events = batch.kv_events
         message.kv_events = KVCacheEvents(stored=list(events.stored_block_hashes),
-                                          removed=list(events.removed_block_hashes), cleared=events.cleared)
+                                          removed=list(events.removed_block_hashes), cleared=events.cleared,
+                                          stored_lora={group.lora_name: list(group.block_hashes)
+                                                       for group in events.stored_lora_blocks})
     if batch.HasField("engine_state"):
         state = batch.engine_state
         mode = PauseMode(state.pause_mode) if state.paused and state.pause_mode in (*PauseMode,) else None

@@ -169,7 +169,7 @@ class GrpcEngineClient(EngineClient):
         for engine in self._engines.values():
             if engine.connected:
                 listener(engine.address, engine.load.block_size, self._last_stats.get(engine.address),
-                         KVCacheEvents(stored=list(engine.load.prefix.cached), cleared=True))
+                         engine.load.prefix.snapshot())
         super().add_report_listener(listener)
 
     # ---- requests -------------------------------------------------------------------

@@ -3,10 +3,13 @@
 Engines report the chained hashes of the blocks they index and evict (engine_core/block_hash.py) and their
 load, on every frontend's Connect stream; the engine client hands each report here. A gateway such as
 smg keeps its own radix tree of token ids per worker, so a stored block must carry its token ids: the
-feed learns them from the prompts and finished sequences that pass through the frontend
-(`learn_tokens`) and announces a block once both the engine holds it and its tokens are known (a block
-another frontend's request filled stays unannounced). Several engines behind this frontend look like
-one worker: a hash is stored while any engine holds it and removed when the last one drops it.
+feed learns them from the prompts that pass through the frontend (every request's, through either API)
+and the gateway's finished sequences (`learn_tokens`), and announces a block once both the engine holds
+it and its tokens are known (a block another frontend's request filled stays unannounced). A block of a
+LoRA adapter's request is hashed under the adapter (engine_core/protocol/block_hash.py) and announced with
+its name (`KvBlocksStored.lora_name`, which smg folds into its own hashes); its chain's first block has
+no parent. Several engines behind this frontend look like one worker: a hash is stored while any engine
+holds it and removed when the last one drops it.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine_core.protocol import KVCacheEvents, SchedulerStats
-from engine_core.protocol.block_hash import BlockHash, hash_block_tokens
+from engine_core.protocol.block_hash import BlockHash, hash_block_tokens, root_hash
 
 MAX_KNOWN_BLOCKS = 1 << 16  # token ids remembered per block hash (~20 MB at 16 tokens a block; oldest go first)
 MAX_QUEUED_BATCHES = 1024  # a subscriber further behind than this is dropped (it resubscribes)
@@ -26,8 +29,9 @@ MAX_QUEUED_BATCHES = 1024  # a subscriber further behind than this is dropped (i
 @dataclass(frozen=True)
 class StoredBlock:
     block_hash: BlockHash
-    parent_hash: BlockHash | None
+    parent_hash: BlockHash | None  # None: the first block of its chain
     token_ids: tuple[int, ...]
+    lora_name: str | None = None  # the LoRA adapter it was stored under; None: the base model
 
 
 @dataclass
@@ -66,16 +70,17 @@ class KVEventFeed:
         self._subscribers: set[asyncio.Queue] = set()
 
     # ---- what passes through the frontend ---------------------------------------------
-    def learn_tokens(self, token_ids: Sequence[int]) -> None:
-        """Remember the full blocks of this sequence; announce the ones engines already hold."""
+    def learn_tokens(self, token_ids: Sequence[int], lora_name: str | None = None) -> None:
+        """Remember the full blocks of this sequence under the LoRA adapter `lora_name` (None: the base
+        model); announce the ones engines already hold."""
         if self.block_size <= 0:
             return
-        parent, fresh = None, []
+        chain, parent, fresh = root_hash(lora_name), None, []
         for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
             tokens = tuple(token_ids[start:start + self.block_size])
-            block_hash = hash_block_tokens(parent, tokens)
+            block_hash = hash_block_tokens(chain if parent is None else parent, tokens)
             if block_hash not in self._known:
-                self._known[block_hash] = StoredBlock(block_hash, parent, tokens)
+                self._known[block_hash] = StoredBlock(block_hash, parent, tokens, lora_name)
                 if block_hash in self._holders:
                     fresh.append(block_hash)
             self._known.move_to_end(block_hash)

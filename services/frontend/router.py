@@ -38,10 +38,13 @@ class RoutingPolicy(enum.Enum):
 
 class PrefixIndex:
     """One engine's prefix-cache hashes as it reported them, plus those of requests routed there and
-    not yet finished (expected soon: a burst of one prompt stays on one engine before it reports)."""
+    not yet finished (expected soon: a burst of one prompt stays on one engine before it reports).
+    `lora_of` names the adapter of each cached adapter block (matching needs only the hashes: an
+    adapter's chain is rooted in its name)."""
 
     def __init__(self) -> None:
         self.cached: set[BlockHash] = set()
+        self.lora_of: dict[BlockHash, str] = {}
         self.expected: Counter[BlockHash] = Counter()
 
     def __len__(self) -> int:
@@ -51,8 +54,23 @@ class PrefixIndex:
         """One KVCacheEvents report (removed and stored never share a hash, so the order is free)."""
         if events.cleared:
             self.cached.clear()
+            self.lora_of.clear()
         self.cached.difference_update(events.removed)
+        for block_hash in events.removed:
+            self.lora_of.pop(block_hash, None)
         self.cached.update(events.stored)
+        self.lora_of.update(events.lora_of())
+
+    def cached_loras(self) -> Counter[str]:
+        """Cached blocks per LoRA adapter: which adapters have prefixes cached on this engine."""
+        return Counter(self.lora_of.values())
+
+    def snapshot(self) -> KVCacheEvents:
+        """The cached hashes as one report that replaces whatever a reader knew (adapters named)."""
+        stored_lora: dict[str, list[BlockHash]] = {}
+        for block_hash, lora_name in self.lora_of.items():
+            stored_lora.setdefault(lora_name, []).append(block_hash)
+        return KVCacheEvents(stored=list(self.cached), cleared=True, stored_lora=stored_lora)
 
     def expect(self, hashes: Iterable[BlockHash]) -> None:
         self.expected.update(hashes)
@@ -68,6 +86,7 @@ class PrefixIndex:
     def clear(self) -> None:
         """The engine went away: its cache and whatever was routed there are gone."""
         self.cached.clear()
+        self.lora_of.clear()
         self.expected.clear()
 
     def match(self, hashes: Sequence[BlockHash]) -> int:

@@ -260,6 +260,8 @@ def kv_event_batch(batch: KVFeedBatch, sequence_number: int, first_event_id: int
             block_hash=_int64(block.block_hash), token_ids=block.token_ids, block_size=batch.block_size)])
         if block.parent_hash is not None:
             stored.parent_block_hash = _int64(block.parent_hash)
+        if block.lora_name is not None:
+            stored.lora_name = block.lora_name
         proto.events.add(event_id=next(event_ids), stored=stored)
     return proto
 

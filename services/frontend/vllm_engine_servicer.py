@@ -42,6 +42,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._status_for = status_for  # server.status_for: FrontendError -> grpc.StatusCode
         self.feed = KVEventFeed()
         llm.engine_client.add_report_listener(self.feed.on_engine_report)
+        llm.prompt_listeners.append(self.feed.learn_tokens)  # every request's prompt, this API's or tandem.v1's
         self._started = time.time()
         self._last_receive = 0.0
         self._archive: tuple[object, TokenizerArchive] | None = None  # (engine info it was built for, archive)
@@ -56,8 +57,6 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         except FrontendError as e:
             await self._abort(context, e)
         prompt_ids = getattr(prompt, "token_ids", None)
-        if prompt_ids:
-            self.feed.learn_tokens(prompt_ids)
         responses = convert.GenerateResponses(stream=request.stream, num_logprobs=params.logprobs,
                                               num_prompt_logprobs=params.prompt_logprobs, prompt_token_ids=prompt_ids)
         try:

@@ -132,3 +132,23 @@ def test_reset_reports_cleared_and_snapshot_lists_every_cached_hash():
     events = pool.take_events()
     assert events.cleared and events.stored == [] and events.removed == []
     assert pool.snapshot().stored == []
+
+
+def test_events_and_snapshot_name_the_adapter_of_each_adapter_block():
+    pool = BlockPool(num_blocks=6)
+    pool.record_events()
+    base, x1, x2, y1, reused = pool.get_new_blocks(5)
+    pool.cache_full_block(base, 10, (1,))
+    pool.cache_full_block(x1, 21, (1,), lora_name="x")
+    pool.cache_full_block(x2, 22, (2,), lora_name="x")
+    pool.cache_full_block(y1, 31, (1,), lora_name="y")
+    events = pool.take_events()
+    assert events.stored == [10, 21, 22, 31]  # every stored hash, the base's and the adapters'
+    assert events.stored_lora == {"x": [21, 22], "y": [31]}  # the base block is in no group
+    assert pool.snapshot().stored_lora == {"x": [21, 22], "y": [31]}
+    pool.free_blocks([x2, reused])
+    pool.get_new_blocks(2)  # evicts x2 (22); the block that held it forgets its adapter
+    pool.cache_full_block(x2, 40, (3,))  # now a base block
+    events = pool.take_events()
+    assert events.removed == [22] and events.stored == [40] and events.stored_lora == {}
+    assert pool.snapshot().stored_lora == {"x": [21], "y": [31]}

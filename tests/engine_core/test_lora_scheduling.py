@@ -21,7 +21,7 @@ from engine_core.protocol import EngineCoreRequest, SamplingParams, hash_prompt_
 from engine_core.request import Request
 from tests.engine_core.fake_runner import FakeRunner
 from tests.engine_core.scheduler_harness import BLOCK, check_accounting, make_scheduler
-from tests.engine_core.test_lora import lora_config
+from tests.engine_core.test_lora import BLOCK_SIZE, lora_config
 from tests.engine_core.tiny_lora import write_tiny_adapter
 from tests.engine_core.tiny_models import write_tiny_model
 
@@ -165,6 +165,26 @@ def test_five_adapters_over_four_slots_with_a_pinned_one(five_adapters):
         assert all(tokens[f"{name}-{k}"] == alone for k in range(3)), name
     distinct = {tuple(tokens[f"{name}-0"]) for name in [None, *NAMES]}
     assert len(distinct) == 6, "every adapter changes the output"
+
+
+def test_kv_events_name_the_adapter_of_each_stored_block(five_adapters):
+    """What a router hears: the blocks of two adapters' requests grouped by adapter, the base's in no group."""
+    base, folders = five_adapters
+    core = EngineCore(lora_config(base, {"a": folders["a"], "b": folders["b"]}, max_loras=2), kv_events=True)
+    prompt = list(range(30, 30 + 2 * BLOCK_SIZE + 1))  # two full blocks
+    for name in (None, "a", "b"):
+        core.add_request(greedy(f"{name}-1", prompt, name, max_tokens=1))
+    stored, stored_lora = [], {}
+    while core.has_unfinished_requests():
+        events = core.step().kv_events
+        if events is not None:
+            stored += events.stored
+            for name, hashes in events.stored_lora.items():
+                stored_lora.setdefault(name, []).extend(hashes)
+    hashes = {name: hash_prompt_blocks(prompt, BLOCK_SIZE, lora_name=name) for name in (None, "a", "b")}
+    assert stored_lora == {"a": hashes["a"], "b": hashes["b"]}
+    assert sorted(stored) == sorted(hashes[None] + hashes["a"] + hashes["b"])  # the base's blocks: in no group
+    assert core.kv_cache_snapshot().stored_lora == {"a": hashes["a"], "b": hashes["b"]}
 
 
 def test_unload_and_errors(five_adapters, tmp_path):

@@ -89,3 +89,23 @@ def test_the_protocol_batch_carries_int64_hashes_and_a_parent():
     assert stored.blocks[0].block_hash == -5 and stored.parent_block_hash == 7
     assert list(stored.blocks[0].token_ids) == [1, 2, 3, 4] and stored.blocks[0].block_size == BLOCK
     assert list(proto.events[1].removed.block_hashes) == [-5] and proto.load.running_requests == 2
+
+
+def test_an_adapters_blocks_are_announced_under_its_name_and_the_base_blocks_under_none():
+    feed = feed_with_block_size()
+    base, x = hash_prompt_blocks(PROMPT, BLOCK), hash_prompt_blocks(PROMPT, BLOCK, lora_name="x")
+    feed.on_engine_report("a", BLOCK, None, KVCacheEvents(stored=base + x, stored_lora={"x": x}))
+    queue = feed.subscribe()
+    drain(queue)
+    feed.learn_tokens(PROMPT, "x")  # an adapter's request: its chain is rooted in the adapter's name
+    [batch] = drain(queue)
+    assert batch.stored == [StoredBlock(x[0], None, tuple(PROMPT[:4]), "x"),  # the first block has no parent
+                            StoredBlock(x[1], x[0], tuple(PROMPT[4:8]), "x")]
+    feed.learn_tokens(PROMPT)
+    [base_batch] = drain(queue)
+    assert [(b.block_hash, b.lora_name) for b in base_batch.stored] == [(base[0], None), (base[1], None)]
+    proto = convert.kv_event_batch(KVFeedBatch(stored=batch.stored + base_batch.stored, block_size=BLOCK), 1, 1,
+                                   0.0, common_pb2.EngineLoad())
+    stored = [e.stored for e in proto.events]
+    assert [s.lora_name if s.HasField("lora_name") else None for s in stored] == ["x", "x", None, None]
+    assert [s.HasField("parent_block_hash") for s in stored] == [False, True, False, True]

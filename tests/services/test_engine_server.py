@@ -8,8 +8,10 @@ from __future__ import annotations
 import pytest
 from tandem.v1 import common_pb2, engine_core_pb2
 
+from engine_core.protocol import EngineCoreOutputs, KVCacheEvents
 from services.engine import convert
 from services.engine.__main__ import main as engine_main
+from services.frontend import convert as frontend_convert
 from tests.services.conftest import MAX_MODEL_LEN
 from tests.services.engine_server_harness import (
     LONG,
@@ -133,6 +135,19 @@ def test_sampling_params_take_dataclass_defaults_for_unset_fields():
     assert (params.top_k, params.seed, params.max_tokens) == (5, 7, None)
     assert (params.temperature, params.top_p, params.repetition_penalty) == (1.0, 1.0, 1.0)
     assert params_of(common_pb2.SamplingParams(temperature=0.0)).is_greedy
+
+
+def test_kv_events_keep_each_adapters_blocks_across_the_wire():
+    events = KVCacheEvents(stored=[1, 2, 3, 2**64 - 1], removed=[9], cleared=True,
+                           stored_lora={"x": [2, 2**64 - 1], "y": [3]})
+    proto = convert.outputs_to_proto(EngineCoreOutputs(kv_events=events))
+    assert [(g.lora_name, list(g.block_hashes)) for g in proto.kv_events.stored_lora_blocks] == [
+        ("x", [2, 2**64 - 1]), ("y", [3])]
+    wire = engine_core_pb2.EngineCoreOutputs.FromString(proto.SerializeToString())
+    assert frontend_convert.message_from_proto(wire).kv_events == events
+    base_only = convert.outputs_to_proto(EngineCoreOutputs(kv_events=KVCacheEvents(stored=[1])))
+    assert not base_only.kv_events.stored_lora_blocks
+    assert frontend_convert.message_from_proto(base_only).kv_events == KVCacheEvents(stored=[1])
 
 
 def test_cli_reports_bad_config_in_one_line(capsys, tiny_model_dir):

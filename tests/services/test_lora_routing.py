@@ -1,6 +1,6 @@
 """Adapter-aware routing over real engine servers (tiny model): an adapter's requests go only to the engines
 that announced it (EngineState), and among those to the one holding the prompt's blocks under that adapter;
-the same prompt under another adapter or none starts cold."""
+the same prompt under another adapter or none starts cold. The engines' KV events name each block's adapter."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import dataclasses
 import pytest
 
 from engine_core.config import LoraConfig
-from engine_core.protocol import EngineCoreRequest, SamplingParams
+from engine_core.protocol import EngineCoreRequest, SamplingParams, hash_prompt_blocks
 from services.frontend.engine_client import GrpcEngineClient
 from services.frontend.errors import NotFound
 from services.frontend.router import Router, RoutingPolicy
 from tests.engine_core.tiny_lora import write_tiny_adapter
-from tests.services.conftest import ServerThread, tiny_engine_config
+from tests.services.conftest import BLOCK_SIZE, ServerThread, tiny_engine_config
 from tests.services.test_prefix_routing import wait_until
 
 PROMPT = list(range(3, 20))  # 4 full blocks of 4, and one token
@@ -63,6 +63,18 @@ def test_adapter_requests_go_to_engines_that_have_it_and_hit_its_prefix(engines)
             other = await run_one("y-1", "y")
             assert first == (with_adapters, 0) and again == (with_adapters, 16)  # routed by the adapter's hashes
             assert other == (with_adapters, 0)  # the same prompt under another adapter shares no block
+            base_engine, _ = await run_one("base-1", None)
+            # the engine's KV events named each block's adapter; the frontend's view of the engine keeps them
+            prefixes = {e.address: e.load.prefix for e in client._engines.values()}
+            hashes = {name: hash_prompt_blocks(PROMPT, BLOCK_SIZE, lora_name=name) for name in (None, "x", "y")}
+            await wait_until(lambda: set(hashes[None]) <= prefixes[base_engine].cached)
+            assert prefixes[with_adapters].cached_loras() == {"x": 4, "y": 4}
+            assert {h: prefixes[with_adapters].lora_of[h] for h in hashes["x"] + hashes["y"]} == {
+                **dict.fromkeys(hashes["x"], "x"), **dict.fromkeys(hashes["y"], "y")}
+            assert not set(hashes[None]) & set(prefixes[base_engine].lora_of)  # base blocks name no adapter
+            snapshot = prefixes[with_adapters].snapshot()  # what a report listener added now starts from
+            assert {name: sorted(h) for name, h in snapshot.stored_lora.items()} == {
+                "x": sorted(hashes["x"]), "y": sorted(hashes["y"])}
             with pytest.raises(NotFound, match="'z'"):
                 client.add_request(EngineCoreRequest("z-1", PROMPT, SamplingParams(max_tokens=2), 0.0, lora_name="z"))
         finally:
