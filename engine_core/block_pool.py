@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from engine_core.kv_events import KVEventLog
 from engine_core.protocol import KVCacheEvents
 from engine_core.protocol.block_hash import BlockHash
+from engine_core.protocol.kv_events import group_by_lora
 
 
 class KVCacheBlock:
@@ -192,12 +193,7 @@ class BlockPool:
 
     def _by_lora(self, stored: list[BlockHash]) -> dict[str, list[BlockHash]]:
         """The adapter blocks among these cached hashes, grouped by adapter."""
-        groups: dict[str, list[BlockHash]] = {}
-        for block_hash in stored:
-            lora_name = self.cached_blocks[block_hash].lora_name
-            if lora_name is not None:
-                groups.setdefault(lora_name, []).append(block_hash)
-        return groups
+        return group_by_lora((block_hash, self.cached_blocks[block_hash].lora_name) for block_hash in stored)
 
     def _note(self, block_hash: BlockHash, cached: bool) -> None:
         if self.events is not None:

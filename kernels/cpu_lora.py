@@ -1,4 +1,4 @@
-"""LoRA's shrink and expand on CPU: y += (x A_s^T) B_s for each row's slot s, four ways.
+"""LoRA's shrink and expand on CPU: y += (x A_s^T) B_s for each row's slot s, five ways.
 
 Each kernel adds into y [T, out] in place from x [T, in], the slot tensors A [S, R, in] and
 B [S, R, out] and the step's `LoraStepIndex`; rows of slot -1 (the base model) are untouched. The
@@ -13,7 +13,7 @@ fp32's on CPUs without native bf16: docs/lora.md), x cast to it and the sum cast
   every row at once; the gathered weights grow with the rows, so it is timed up to 32 rows only.
 - `stacked`: every slot at once: x times all the A's ([T, S*R]), the other slots' columns zeroed
   by the row mask, times all the B's; S times the arithmetic, two GEMMs whatever the mix.
-- `cpp`: BGMV in C++ (kernels/csrc/lora.cpp): each row's shrink and expand in one pass, rows over
+- `cpp`: BGMV in C++ (kernels/csrc/lora.cpp): up to four rows of one adapter per pass, rows over
   the threads, the ranks an adapter leaves empty skipped; one call whatever the mix. The CPU's
   one-op decoder layers run it inside the op (engine_core/models/cpu_decode_layers.py).
 
@@ -71,8 +71,7 @@ _EVERY_OUTPUT = torch.empty(0, dtype=torch.int64)  # no pieces: every rank reach
 
 def add_lora_cpp(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                  index: LoraStepIndex) -> None:
-    if not cpu_extension.load():  # cached: after the first call, a lookup
-        raise RuntimeError("the cpp LoRA kernel needs Tandem's C++ CPU kernels, which could not be built here")
+    """Only where `cpu_lora_kernel_available("cpp")` (kernels/lora_ops.py asks before planning it)."""
     torch.ops.tandem.lora_add(y, x, a, b, index.slots, _EVERY_OUTPUT)
 
 
@@ -83,9 +82,9 @@ CPU_LORA_KERNELS = {
     "stacked": add_lora_stacked,
     "cpp": add_lora_cpp,
 }
+MAX_ROWS = {"gather_bmm": 32}  # per-row gathered weights: [T, R, in] + [T, R, out]
 NEEDS_EXTENSION = {"cpp"}  # kernels of the C++ extension (kernels/cpu_extension.py): none without a compiler
 
 
 def cpu_lora_kernel_available(name: str) -> bool:
     return name not in NEEDS_EXTENSION or cpu_extension.load()
-MAX_ROWS = {"gather_bmm": 32}  # per-row gathered weights: [T, R, in] + [T, R, out]

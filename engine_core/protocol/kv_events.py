@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -19,3 +20,13 @@ class KVCacheEvents:
     def lora_of(self) -> dict[int, str]:
         """Each adapter block's hash -> its adapter's name."""
         return {h: name for name, hashes in self.stored_lora.items() for h in hashes}
+
+
+def group_by_lora(adapters: Iterable[tuple[int, str | None]]) -> dict[str, list[int]]:
+    """(block hash, its LoRA adapter or None) pairs -> each adapter's hashes by its name, base blocks
+    left out: `KVCacheEvents.stored_lora`."""
+    groups: dict[str, list[int]] = {}
+    for block_hash, lora_name in adapters:
+        if lora_name is not None:
+            groups.setdefault(lora_name, []).append(block_hash)
+    return groups

@@ -4,11 +4,12 @@
 //
 // A [S, R, in] and B [S, R, out] are fp32 (the CPU keeps the slots in fp32: docs/lora.md); x and y
 // are fp32 or bf16. A row's R shrunk values are fp32 dot products; the expand adds them times B's
-// rows to y's row in fp32 and rounds once. A fused module's slot (qkv: q, k and v side by side) says
-// which outputs each block of ranks reaches, and each block's expand covers those outputs only. Up to four consecutive rows of one adapter go through
+// rows to y's row in fp32 and rounds once. Up to four consecutive rows of one adapter go through
 // together, so each vector of A and B loaded serves all of them (the products are bound by loads,
 // not arithmetic, one row at a time). Ranks an adapter leaves empty (a piece it does not train, a
-// rank below the slot's) shrink to exactly 0 and are skipped in the expand.
+// rank below the slot's) shrink to exactly 0 and are skipped in the expand. A fused module's slot
+// (qkv: q, k and v side by side) may say which outputs each block of ranks reaches (`pieces`), and
+// each block's expand then covers those outputs only.
 //
 // decode_layer.cpp calls it after each linear of a decoder layer, so a decode step with adapter
 // rows stays one op per layer; registered alone it is kernels/cpu_lora.py's "cpp" kernel.

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from engine_core.protocol import KVCacheEvents
 from engine_core.protocol.block_hash import BlockHash, hash_prompt_blocks
+from engine_core.protocol.kv_events import group_by_lora
 
 DEFAULT_BALANCE_ABS = 8
 DEFAULT_BALANCE_REL = 1.0
@@ -67,10 +68,7 @@ class PrefixIndex:
 
     def snapshot(self) -> KVCacheEvents:
         """The cached hashes as one report that replaces whatever a reader knew (adapters named)."""
-        stored_lora: dict[str, list[BlockHash]] = {}
-        for block_hash, lora_name in self.lora_of.items():
-            stored_lora.setdefault(lora_name, []).append(block_hash)
-        return KVCacheEvents(stored=list(self.cached), cleared=True, stored_lora=stored_lora)
+        return KVCacheEvents(stored=list(self.cached), cleared=True, stored_lora=group_by_lora(self.lora_of.items()))
 
     def expect(self, hashes: Iterable[BlockHash]) -> None:
         self.expected.update(hashes)
