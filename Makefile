@@ -8,7 +8,7 @@ GENERATED := build/generated/.stamp
 
 PYTEST := $(PY) -m pytest -q
 
-.PHONY: install protos proto-check proto-baseline ts-stubs api-docs run run-gateway test test-slow test-install test-compose test-faults test-faults-long \
+.PHONY: install lint protos proto-check proto-baseline ts-stubs api-docs run run-gateway test test-slow test-install test-compose test-faults test-faults-long \
 	test-all test-portability bench bench-host gpu-check gpu-wheels clean
 
 # The virtualenv with everything: the project (editable) with the engine (torch==2.13.0, CPU) and the
@@ -42,6 +42,9 @@ protos: $(GENERATED)
 NODE_BIN := clients/node/node_modules/.bin
 PROTO_BASELINE := protos/baseline/tandem-v1.binpb
 NEED_BUF = @test -x $(NODE_BIN)/buf || { echo "buf is not installed: make install runs npm ci in clients/node (needs npm)"; exit 1; }
+
+lint: install  ## ruff check over the whole tree (rules in pyproject.toml's [tool.ruff])
+	$(VENV)/bin/ruff check .
 
 proto-check: $(NODE_CLIENT)  ## buf lint (STANDARD + COMMENTS, protos/buf.yaml) and buf breaking against the committed baseline
 	$(NEED_BUF)

@@ -19,7 +19,12 @@ from clients import messages as wire
 from clients.admin import AdminResult
 from clients.client import Metadata
 from clients.connection import (
-    DEFAULT_ADDRESS, RetryPolicy, TlsConfig, bearer_metadata, call_metadata, open_aio_channel,
+    DEFAULT_ADDRESS,
+    RetryPolicy,
+    TlsConfig,
+    bearer_metadata,
+    call_metadata,
+    open_aio_channel,
 )
 from clients.errors import TandemError
 from clients.messages import GenerateChunk, Tokens

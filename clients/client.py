@@ -29,7 +29,12 @@ from clients import admin
 from clients import messages as wire
 from clients.admin import AdminResult
 from clients.connection import (
-    DEFAULT_ADDRESS, RetryPolicy, TlsConfig, bearer_metadata, call_metadata, open_channel,
+    DEFAULT_ADDRESS,
+    RetryPolicy,
+    TlsConfig,
+    bearer_metadata,
+    call_metadata,
+    open_channel,
 )
 from clients.errors import TandemError
 from clients.messages import GenerateChunk, Tokens

@@ -63,7 +63,8 @@ def select_fused_ops(device: str, dtype: torch.dtype):
     """FusedOps for a CPU model in fp32 / bf16 when the C++ kernels load, TritonFusedOps for
     a CUDA model, else None."""
     if device.startswith("cuda"):
-        from kernels.triton_fused_ops import DTYPES as TRITON_DTYPES, TritonFusedOps
+        from kernels.triton_fused_ops import DTYPES as TRITON_DTYPES
+        from kernels.triton_fused_ops import TritonFusedOps
 
         return TritonFusedOps() if dtype in TRITON_DTYPES else None
     if device != "cpu" or dtype not in DTYPES or not cpu_extension.load():

@@ -102,7 +102,8 @@ def bench_attention(dtype: torch.dtype) -> list[dict]:
     cases = [("decode", b, ctx, [1] * b, [ctx] * b) for b, ctx in DECODES]
     cases += [("prefill", 1, chunk + prefix, [chunk], [chunk + prefix]) for chunk, prefix in PREFILLS]
     rows = []
-    print(f"{'attention per layer':<20} | {'batch':>5} | {'context':>7} | {'torch us':>9} | {'C++ us':>8} | {'speedup':>7}")
+    print(f"{'attention per layer':<20} | {'batch':>5} | {'context':>7} | {'torch us':>9} | "
+          f"{'C++ us':>8} | {'speedup':>7}")
     for kind, batch, context, query_lens, seq_lens in cases:
         layers, md = make_layers(query_lens, seq_lens, dtype)
         old, new = time_layers(torch_backend, layers, md), time_layers(cpp_backend, layers, md)

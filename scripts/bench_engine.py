@@ -46,7 +46,13 @@ limit_openmp_spinning()  # as tandem-engine does, before torch loads: the in-pro
 from clients.bench.prompts import synthetic_prompts  # noqa: E402
 from scripts.bench_peers import SHARED_TOOLS, build_llama, floor_ms, floor_of_plans, run_floor, run_llama  # noqa: E402
 from scripts.bench_sides import (  # noqa: E402
-    WARM_UP, WARM_UP_TOKENS, GrpcSide, combine, in_process_round, transport_round, with_steal,
+    WARM_UP,
+    WARM_UP_TOKENS,
+    GrpcSide,
+    combine,
+    in_process_round,
+    transport_round,
+    with_steal,
 )
 
 

@@ -35,7 +35,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per stream")
     parser.add_argument("--tokens-per-step", type=int, default=1, help="tokens per request per fake-engine step")
     parser.add_argument("--step-ms", type=float, default=0.0,
-                        help="the fake engine's pause after each step (default: none; ~10 paces it like a real decode step)")
+                        help="the fake engine's pause after each step "
+                             "(default: none; ~10 paces it like a real decode step)")
     parser.add_argument("--output", default="bench_results/frontend.json")
     return parser.parse_args()
 
@@ -107,7 +108,8 @@ def main() -> None:
         )
         address = f"127.0.0.1:{frontend_port}"
         wait_until_serving(address, 60, frontend)
-        print(f"{'streams':>7} | {'tokens':>8} | {'seconds':>7} | {'tok/s':>8} | {'frontend CPU s':>14} | {'tok per CPU s':>13}")
+        print(f"{'streams':>7} | {'tokens':>8} | {'seconds':>7} | {'tok/s':>8} | "
+              f"{'frontend CPU s':>14} | {'tok per CPU s':>13}")
         print("-" * 72)
         for streams in args.streams:
             cpu_before = cpu_seconds(frontend.pid)

@@ -105,13 +105,16 @@ def main() -> None:
 
 def print_row(row: dict) -> None:
     if not hasattr(print_row, "header"):
-        print(f"{'concurrency':>11} | {'tandem tok/s':>12} | {'TTFT p50 s':>10} | {'transformers tok/s':>18} | {'ratio':>6}")
+        print(f"{'concurrency':>11} | {'tandem tok/s':>12} | {'TTFT p50 s':>10} | "
+              f"{'transformers tok/s':>18} | {'ratio':>6}")
         print("-" * 70)
         print_row.header = True
     hf = row.get("transformers", {}).get("tok_per_s")
     hf_text = f"{hf:18.1f}" if hf else f"{'-':>18}"
     ratio = f"{row['ratio']:6.2f}" if "ratio" in row else f"{'-':>6}"
-    print(f"{row['concurrency']:>11} | {row['tandem']['tok_per_s']:12.1f} | {row['tandem']['ttft_p50_s']:10.3f} | {hf_text} | {ratio}", flush=True)
+    tandem = row['tandem']
+    print(f"{row['concurrency']:>11} | {tandem['tok_per_s']:12.1f} | {tandem['ttft_p50_s']:10.3f} | "
+          f"{hf_text} | {ratio}", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ and, for the LM head, the slots of the rows whose logits are computed (`head_ind
 
 Slot tensors per module: A [S, R, in] and B [S, R, out], R = max_lora_rank x the module's pieces
 (q, k, v for qkv_proj), zero where an adapter has no piece; an embedding keeps A as [S, vocab, R]
-(a row per token id). `lora_pieces` [S, pieces, 2]: the outputs each block of ranks reaches. Written by engine_core/lora/manager.py when an adapter takes a slot.
+(a row per token id). `lora_pieces` [S, pieces, 2]: the outputs each block of ranks reaches.
+Written by engine_core/lora/manager.py when an adapter takes a slot.
 """
 
 from __future__ import annotations

@@ -81,7 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="this process's CPU priority; low (nice 19) when it shares cores with a CPU engine, as "
                              "under `tandem serve`: its wake-ups for every token then mostly wait for a core the "
                              "engine's OpenMP team leaves free instead of stalling the engine's step; idle (Linux "
-                             "SCHED_IDLE) waits for one always, about a decode step per output; normal keeps the priority it "
+                             "SCHED_IDLE) waits for one always, about a decode step per output; "
+                             "normal keeps the priority it "
                              "was started with (default: %(default)s)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="log level (default: %(default)s)")

@@ -143,7 +143,8 @@ def test_preemption_gives_identical_output(tiny_model_dir):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     free_run, free_preemptions = run_engine(engine_config(tiny_model_dir, budget=64), prompts, params)
     # about two requests' worth of KV: (10+21+24)/4 ≈ 14 blocks each
-    tight_run, tight_preemptions = run_engine(engine_config(tiny_model_dir, num_blocks=30, budget=64, max_model_len=64), prompts, params)
+    tight = engine_config(tiny_model_dir, num_blocks=30, budget=64, max_model_len=64)
+    tight_run, tight_preemptions = run_engine(tight, prompts, params)
     assert free_preemptions == 0
     assert tight_preemptions > 0
     assert tight_run == free_run

@@ -136,7 +136,8 @@ def test_sliding_window_models_free_the_blocks_behind_the_window(tmp_path):
                 tokens += output.completions[0].token_ids  # DELTA: this step's new tokens
             held.append(core.info.num_blocks - 1 - core.scheduler.kv_cache_manager.num_free_blocks)
         assert (max(held) <= (WINDOW + 16) // 4 + 2) == bounded, held
-        ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+        ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                                attn_implementation="eager")
         with torch.no_grad():
             expected = ref.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, pad_token_id=0,
                                     eos_token_id=None, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))

@@ -88,7 +88,8 @@ def test_hf_config_v5_layout_and_qwen2(tmp_path):
 
 
 def test_hf_config_unsupported_architecture(tmp_path):
-    with pytest.raises(ValueError, match=r"'gpt2'.*'GPT2LMHeadModel'.*not supported.*Qwen3ForCausalLM.*Phi3ForCausalLM"):
+    message = r"'gpt2'.*'GPT2LMHeadModel'.*not supported.*Qwen3ForCausalLM.*Phi3ForCausalLM"
+    with pytest.raises(ValueError, match=message):
         read_hf_config(_write_config(tmp_path, model_type="gpt2", architectures=["GPT2LMHeadModel"]))
 
 

@@ -11,7 +11,12 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from kernels.int4_linear import (
-    GROUP_SIZE, dequantize_int4, int4_supported, prepare_int4, quantize_int4, run_int4,
+    GROUP_SIZE,
+    dequantize_int4,
+    int4_supported,
+    prepare_int4,
+    quantize_int4,
+    run_int4,
 )
 from kernels.reference.linear import int4_weight_only
 
