@@ -70,7 +70,9 @@ def cache_root() -> Path:
 
 
 def cache_dir() -> Path:
-    return cache_root() / "torch_extensions"
+    """Where the library is built; a link is followed, so a folder reached by two paths is one build folder
+    (torch writes the path into build.ninja, and a changed path rebuilds and reloads the library)."""
+    return (cache_root() / "torch_extensions").resolve()
 
 
 @functools.cache

@@ -13,9 +13,8 @@ from kernels.cpu_linear import CpuLinear, use_measured_linears
 
 
 @pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("TANDEM_REMEASURE", raising=False)
+def empty_cache(private_cache):
+    return private_cache
 
 
 def tiny_mlp() -> nn.Module:

@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from services.telemetry.request_log import TEXT_FORMAT, JsonFormatter, RequestRecord, request_logger
+from tests.held_steps import abort, steps_held_until
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 TRACEPARENT = f"00-{TRACE_ID}-b7ad6b7169203331-01"
@@ -51,13 +52,14 @@ def test_a_cancelled_stream_logs_an_abort(make_stack, request_lines):
     stack = make_stack()
 
     async def cancel_after_first_token():
-        call = stack.stub.Generate(stack.generate_request([5, 6, 7], 80, request_id="cancelled-1"))
-        await call.read()
-        call.cancel()
-        for _ in range(500):
-            if request_lines():
-                return
-            await asyncio.sleep(0.01)
+        with steps_held_until(stack.engine.server.busy_loop, abort):  # the engine hears the cancel first
+            call = stack.stub.Generate(stack.generate_request([5, 6, 7], 80, request_id="cancelled-1"))
+            await call.read()
+            call.cancel()
+            for _ in range(500):
+                if request_lines():
+                    return
+                await asyncio.sleep(0.01)
 
     stack.run(cancel_after_first_token())
     [line] = request_lines()

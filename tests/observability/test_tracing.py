@@ -10,8 +10,10 @@ import pytest
 from opentelemetry.trace import SpanKind, StatusCode
 from tandem.v1 import admin_pb2, common_pb2
 
+from engine_core.protocol import UtilityMethod
 from services.frontend.telemetry import FrontendTelemetry
 from services.telemetry.tracing import TracingSettings, otlp_exporter, trace_id_from_headers
+from tests.held_steps import steps_held_until, utility_call
 from tests.observability.conftest import metric
 
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -125,10 +127,11 @@ def test_an_engine_lost_mid_request_ends_both_spans(make_stack):
     stack = make_stack(tracing=True, metrics=True)
 
     async def lose_the_engine() -> grpc.StatusCode:
-        call = stack.stub.Generate(stack.generate_request(PROMPT, 80, "lost-1"),
-                                   metadata=(("traceparent", TRACEPARENT),))
-        await call.read()  # the first token
-        await stack.admin.Pause(admin_pb2.PauseRequest(mode=common_pb2.PAUSE_MODE_KEEP))  # it cannot finish now
+        with steps_held_until(stack.engine.server.busy_loop, utility_call(UtilityMethod.PAUSE)):
+            call = stack.stub.Generate(stack.generate_request(PROMPT, 80, "lost-1"),
+                                       metadata=(("traceparent", TRACEPARENT),))
+            await call.read()  # the first token
+            await stack.admin.Pause(admin_pb2.PauseRequest(mode=common_pb2.PAUSE_MODE_KEEP))  # it cannot finish now
         await asyncio.to_thread(stack.engine.shutdown)
         with pytest.raises(grpc.aio.AioRpcError) as error:
             while await call.read() != grpc.aio.EOF:

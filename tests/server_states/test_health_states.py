@@ -14,6 +14,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.v1 import admin_pb2, common_pb2, generation_pb2
 
+from engine_core.protocol import UtilityMethod
+from tests.held_steps import steps_held_until, utility_call
+
 READINESS = ("", "tandem.v1.GenerationService")
 ADMIN = "tandem.v1.AdminService"
 PROMPT = [5, 6, 7, 8]
@@ -45,6 +48,22 @@ async def refusal(call) -> tuple[grpc.StatusCode, str]:
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await call
     return refused.value.code(), refused.value.details()
+
+
+async def until(condition, timeout_s: float = 10.0) -> None:
+    """Wait for `condition()` (state another thread changes), failing after `timeout_s`."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "the state never came"
+        await asyncio.sleep(0.01)
+
+
+async def read_to_end(call) -> list:
+    """The responses left on a streaming call that was read with `read()` before (grpc forbids mixing iteration)."""
+    responses = []
+    while (response := await call.read()) is not grpc.aio.EOF:
+        responses.append(response)
+    return responses
 
 
 async def server_info(stack) -> generation_pb2.GetServerInfoResponse:
@@ -83,7 +102,8 @@ def test_pause_keep_holds_new_requests_until_resume_while_readiness_says_not_ser
         (engine,) = (await server_info(stack)).engines
         assert (engine.paused, engine.pause_mode, engine.asleep) == (True, common_pb2.PAUSE_MODE_KEEP, False)
         held = asyncio.ensure_future(stack.generate(PROMPT, 3))  # waits in the engine, as vLLM and SGLang do
-        await asyncio.sleep(0.3)
+        pause = stack.engine.server.busy_loop._pause
+        await until(lambda: len(pause.held) == 1)  # the engine has it, and holds it
         assert not held.done()
 
         assert (await stack.admin.Resume(admin_pb2.ResumeRequest(), timeout=10)).ok
@@ -129,11 +149,12 @@ def test_bad_admin_input_gets_invalid_argument_naming_the_fix_and_the_server_sta
         code, details = await refusal(stack.admin.StartProfile(admin_pb2.StartProfileRequest(), timeout=10))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "output_dir" in details
 
-        running = asyncio.ensure_future(stack.generate(PROMPT, 60))
-        await asyncio.sleep(0.1)
-        refused = await stack.admin.Sleep(admin_pb2.SleepRequest(), timeout=30)  # an engine's refusal: ok = false
+        with steps_held_until(stack.engine.server.busy_loop, utility_call(UtilityMethod.SLEEP)):
+            running = stack.stub.Generate(stack.generate_request(PROMPT, 60))
+            await running.read()  # it runs, and cannot finish before the Sleep call reaches the engine
+            refused = await stack.admin.Sleep(admin_pb2.SleepRequest(), timeout=30)  # an engine's refusal: ok = false
         assert not refused.ok and "in flight" in refused.detail
-        await running
+        assert (await asyncio.wait_for(read_to_end(running), 30))[-1].usage.completion_tokens == 60
         assert await statuses(stack) == readiness("SERVING")  # nothing above changed the server's state
         assert (await stack.generate(PROMPT, 2))[-1].usage.completion_tokens == 2
 

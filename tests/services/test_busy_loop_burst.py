@@ -45,39 +45,53 @@ class StepRecorder:
         return []
 
 
-def run_burst(count: int, spacing_s: float, **loop_args) -> list[list[str]]:
-    """Submit `count` requests `spacing_s` apart to an idle loop; the engine ids of each step's requests."""
+def add(loop: EngineBusyLoop, connection: int, i: int) -> None:
+    loop.submit(connection, Add(EngineCoreRequest(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=1))))
+
+
+def steps_of_queued_burst(count: int, **loop_args) -> list[list[str]]:
+    """Queue `count` requests, then start an idle loop on them; each step's requests (engine ids). The
+    whole burst is queued when the loop takes its first request, so no timing decides what it finds."""
     engine = StepRecorder()
     loop = EngineBusyLoop(engine, **loop_args)
+    connection = loop.open(lambda item: None)
+    for i in range(count):
+        add(loop, connection, i)
     loop.start()
     try:
-        connection = loop.open(lambda item: None)
-        for i in range(count):
-            if i:
-                time.sleep(spacing_s)
-            loop.submit(connection, Add(EngineCoreRequest(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=1))))
         deadline = time.monotonic() + WAIT_S
-        while sum(map(len, engine.steps)) < count and time.monotonic() < deadline:
-            time.sleep(0.01)
+        while sum(map(len, engine.steps)) < count:
+            assert time.monotonic() < deadline, engine.steps
+            engine.stepped.wait(0.01)
     finally:
         loop.stop()
-    assert sum(map(len, engine.steps)) == count
     return engine.steps
 
 
 def test_a_burst_that_wakes_an_idle_loop_starts_in_one_step():
-    steps = run_burst(6, 0.02, burst_window_s=WAIT_S, burst_gap_s=0.5)
-    assert len(steps) == 1 and len(steps[0]) == 6
+    assert list(map(len, steps_of_queued_burst(6, burst_window_s=WAIT_S, burst_gap_s=0.05))) == [6]
 
 
 def test_without_a_window_the_first_request_steps_at_once():
-    steps = run_burst(3, 0.2, burst_window_s=0)
-    assert len(steps[0]) == 1
+    assert len(steps_of_queued_burst(3, burst_window_s=0)[0]) == 1
 
 
 def test_the_window_bounds_the_wait_for_a_steady_trickle():
-    steps = run_burst(10, 0.05, burst_window_s=0.1, burst_gap_s=0.5)
-    assert 1 <= len(steps[0]) < 10  # the first step went at the window's end, the trickle still coming
+    """Requests keep coming, each well within the gap: only the window can end the wait, and it does."""
+    engine = StepRecorder()
+    loop = EngineBusyLoop(engine, burst_window_s=0.1, burst_gap_s=WAIT_S)
+    loop.start()
+    try:
+        connection = loop.open(lambda item: None)
+        sent = 0
+        while not engine.stepped.is_set():
+            assert sent < 10_000, "the loop never stepped while the trickle went on"
+            add(loop, connection, sent)
+            sent += 1
+            engine.stepped.wait(0.01)
+    finally:
+        loop.stop()
+    assert 1 <= len(engine.steps[0]) <= sent
 
 
 def test_bad_windows_are_refused():

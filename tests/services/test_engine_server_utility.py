@@ -3,11 +3,11 @@ wake up, profiling, stats and engine info."""
 
 from __future__ import annotations
 
-import time
-
 import grpc
 from tandem.v1 import common_pb2, engine_core_pb2, engine_core_pb2_grpc
 
+from engine_core.protocol import UtilityMethod
+from tests.held_steps import abort, steps_held_until, utility_call
 from tests.services.conftest import MAX_MODEL_LEN
 from tests.services.engine_server_harness import (
     LONG,
@@ -16,19 +16,27 @@ from tests.services.engine_server_harness import (
 )
 
 
+def after_a_loop(stream) -> None:
+    """Return once the busy loop has gone round at least once after everything sent so far: two stats calls
+    in turn, and a loop that steps runs its step between them (it handles inputs only between steps)."""
+    stream.stats()
+    stream.stats()
+
+
 # ---- utility calls --------------------------------------------------------------------
 def test_pause_abort_aborts_everything_and_holds_new_adds_until_resume(engine_server, connect):
     stream, other = connect(engine_server.target), connect(engine_server.target)
-    stream.add("a", [7, 8, 9], **LONG)
-    other.add("b", [7, 8], **LONG)
-    other.wait(lambda: other.tokens.get("b"))
-    result = stream.call(M.UTILITY_METHOD_PAUSE, pause_mode=common_pb2.PAUSE_MODE_ABORT)
+    with steps_held_until(engine_server.server.busy_loop, utility_call(UtilityMethod.PAUSE)):
+        stream.add("a", [7, 8, 9], **LONG)
+        other.add("b", [7, 8], **LONG)
+        other.wait(lambda: other.tokens.get("b"))
+        result = stream.call(M.UTILITY_METHOD_PAUSE, pause_mode=common_pb2.PAUSE_MODE_ABORT)
     assert result.ok and result.stats.num_free_blocks == result.stats.num_total_blocks
     other.wait(lambda: other.finish.get("b") == common_pb2.FINISH_REASON_ABORT)
     assert stream.finish["a"] == common_pb2.FINISH_REASON_ABORT
     stream.add("held", [7, 8, 9], temperature=0.0, max_tokens=4)
-    time.sleep(0.2)
-    assert "held" not in stream.tokens
+    after_a_loop(stream)
+    assert "held" not in stream.tokens and stream.stats().num_waiting_reqs == 0
     assert stream.call(M.UTILITY_METHOD_RESUME).ok
     assert len(stream.wait_finished("held")["held"]) == 4
 
@@ -46,9 +54,10 @@ def test_pause_wait_lets_running_requests_finish(engine_server, connect):
     assert stream.call(M.UTILITY_METHOD_RESUME).ok
     assert len(stream.wait_finished("queued")["queued"]) == 4
 
-    stream.add("aborted", [7, 8, 9], **LONG)  # a drain also ends when the last request is aborted
-    call_id = stream.utility(M.UTILITY_METHOD_PAUSE, pause_mode=common_pb2.PAUSE_MODE_WAIT)
-    stream.abort("aborted")
+    with steps_held_until(engine_server.server.busy_loop, abort):
+        stream.add("aborted", [7, 8, 9], **LONG)  # a drain also ends when the last request is aborted
+        call_id = stream.utility(M.UTILITY_METHOD_PAUSE, pause_mode=common_pb2.PAUSE_MODE_WAIT)
+        stream.abort("aborted")
     assert stream.wait(lambda: stream.results.get(call_id)).ok
     assert "aborted" not in stream.finish
     assert stream.call(M.UTILITY_METHOD_RESUME).ok
@@ -56,11 +65,12 @@ def test_pause_wait_lets_running_requests_finish(engine_server, connect):
 
 def test_pause_keep_freezes_and_resume_continues(engine_server, connect, offline):
     stream = connect(engine_server.target)
-    stream.add("kept", [7, 8, 9], **LONG)
-    stream.wait(lambda: stream.tokens.get("kept"))
-    assert stream.call(M.UTILITY_METHOD_PAUSE, pause_mode=common_pb2.PAUSE_MODE_KEEP).ok
+    with steps_held_until(engine_server.server.busy_loop, utility_call(UtilityMethod.PAUSE)):
+        stream.add("kept", [7, 8, 9], **LONG)
+        stream.wait(lambda: stream.tokens.get("kept"))
+        assert stream.call(M.UTILITY_METHOD_PAUSE, pause_mode=common_pb2.PAUSE_MODE_KEEP).ok
     frozen = len(stream.tokens["kept"])
-    time.sleep(0.2)
+    after_a_loop(stream)
     assert len(stream.tokens["kept"]) == frozen < MAX_MODEL_LEN - 3
     assert stream.stats().num_running_reqs == 1
     assert stream.call(M.UTILITY_METHOD_RESUME).ok
@@ -69,9 +79,10 @@ def test_pause_keep_freezes_and_resume_continues(engine_server, connect, offline
 
 def test_reset_prefix_cache_is_refused_while_blocks_are_in_use(engine_server, connect):
     stream = connect(engine_server.target)
-    stream.add("busy", [7, 8, 9, 10, 11], **LONG)
-    stream.wait(lambda: stream.tokens.get("busy"))
-    result = stream.call(M.UTILITY_METHOD_RESET_PREFIX_CACHE)
+    with steps_held_until(engine_server.server.busy_loop, utility_call(UtilityMethod.RESET_PREFIX_CACHE)):
+        stream.add("busy", [7, 8, 9, 10, 11], **LONG)
+        stream.wait(lambda: stream.tokens.get("busy"))
+        result = stream.call(M.UTILITY_METHOD_RESET_PREFIX_CACHE)
     assert not result.ok and "in use" in result.error
     stream.wait_finished("busy")
     assert stream.call(M.UTILITY_METHOD_RESET_PREFIX_CACHE).ok
@@ -83,9 +94,10 @@ def test_sleep_and_wake_up_give_identical_greedy_output(engine_server, connect):
     stream.add("before", prompt, temperature=0.0, max_tokens=8)
     before = stream.wait_finished("before")["before"]
 
-    stream.add("running", prompt, **LONG)
-    stream.wait(lambda: stream.tokens.get("running"))
-    refused = stream.call(M.UTILITY_METHOD_SLEEP)
+    with steps_held_until(engine_server.server.busy_loop, utility_call(UtilityMethod.SLEEP)):
+        stream.add("running", prompt, **LONG)
+        stream.wait(lambda: stream.tokens.get("running"))
+        refused = stream.call(M.UTILITY_METHOD_SLEEP)
     assert not refused.ok and "in flight" in refused.error
     stream.abort("running")
 
