@@ -8,7 +8,7 @@ GENERATED := build/generated/.stamp
 
 PYTEST := $(PY) -m pytest -q
 
-.PHONY: install lint protos proto-check proto-baseline ts-stubs api-docs run run-gateway test test-slow test-install test-compose test-faults test-faults-long \
+.PHONY: install lint protos proto-check proto-baseline ts-stubs api-docs run run-gateway test test-slow test-install test-compose test-faults test-faults-long test-shake \
 	test-all test-portability bench bench-host gpu-check gpu-wheels clean
 
 # The virtualenv with everything: the project (editable) with the engine (torch==2.13.0, CPU) and the
@@ -90,6 +90,9 @@ test-faults: install  ## the quick fault probes: fuzzing, cancels, kills, drains
 
 test-faults-long: install  ## the long fault suite (>= 1,000 cancelled streams, a 3-minute soak); writes bench_results/faults.json
 	TANDEM_FAULTS=long $(PYTEST) tests/faults
+
+test-shake: install  ## the server, client, routing, gateway and fault tests 3x in random order with every core kept busy (SHAKE_ROUNDS=N)
+	bash scripts/test_shake.sh
 
 test-all: test test-slow test-install test-compose test-faults  ## what CI runs (.ci/run)
 

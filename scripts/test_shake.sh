@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# make test-shake: the tests that start servers, cancel, pause, kill and route (stack, server states,
+# services, clients, frontend, routing, gateway, observability, faults) run SHAKE_ROUNDS times each
+# (pytest-repeat), in random order within each module (pytest-random-order), while another process keeps
+# every core busy (stress-ng where installed, else one Python spinner per core). A test that races the clock
+# fails here rather than at random in CI. Not part of `make test`: see docs/testing.md for when to run it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+ROUNDS=${SHAKE_ROUNDS:-3}
+TESTS=(tests/test_stack.py tests/test_lora_stack.py tests/server_states tests/services tests/clients
+       tests/frontend tests/gateway tests/observability tests/deploy/test_k8s_health.py tests/faults)
+
+if command -v stress-ng >/dev/null 2>&1; then
+  stress-ng --cpu 0 --timeout 3h --quiet &
+else
+  for _ in $(seq "$(nproc)"); do "$PY" -c 'while True: pass' & done
+fi
+trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
+echo "test-shake: $ROUNDS rounds, random order (seed printed below), $(nproc) cores kept busy"
+"$PY" -m pytest -q -p no:cacheprovider --random-order-bucket=module --count="$ROUNDS" \
+  -m "not slow and not install and not compose" "${TESTS[@]}" "$@"
