@@ -36,7 +36,8 @@ from services.telemetry.tracing import setup_tracing, shutdown_tracing
 log = logging.getLogger("tandem.frontend")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """tandem-frontend's flags (`tandem serve` reads them to say where a flag it does not take belongs)."""
     parser = argparse.ArgumentParser(prog="tandem-frontend", description=__doc__.splitlines()[0])
     parser.add_argument("--engine", action="append", metavar="TARGET",
                         help="engine core address host:port, or dns:///NAME:PORT for every address behind a DNS "
@@ -92,6 +93,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     RequestLimits.add_flags(parser)
     security_flags.add_server_flags(parser, max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES, tokens=True)
     security_flags.add_engine_link_flags(parser)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.max_unsent_tokens < 1:
         parser.error(f"--max-unsent-tokens must be >= 1, got {args.max_unsent_tokens}")
