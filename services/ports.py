@@ -31,13 +31,19 @@ def ensure_can_listen(host: str, port: int | None, flag: str = "--port") -> None
         addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         raise PortUnavailable(f"cannot listen on {format_address(host, port)}: {exc.strerror}") from None
+    failures = []
     for family, kind, proto, _, sockaddr in addresses:
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 probe.bind(sockaddr)
-            except OSError as exc:
-                raise port_unavailable(host, port, flag, exc) from None
+        except OSError as exc:
+            failures.append(exc)
+    # as gRPC: a name with several addresses (localhost: ::1 and 127.0.0.1) is served if one binds,
+    # but one of them taken by another server is refused
+    taken = [exc for exc in failures if exc.errno == errno.EADDRINUSE]
+    if taken or (failures and len(failures) == len(addresses)):
+        raise port_unavailable(host, port, flag, (taken or failures)[0])
 
 
 def explain_bind_failure(host: str, port: int, flag: str, failure: object) -> PortUnavailable:
