@@ -13,3 +13,16 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from tests.tandem_cache import private_cache_root  # noqa: E402
+
+_SESSION_CACHE = private_cache_root(Path(tempfile.mkdtemp(prefix="tandem-test-cache-")))
+os.environ["TANDEM_CACHE_DIR"] = str(_SESSION_CACHE)  # see tests/tandem_cache.py
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_SESSION_CACHE, ignore_errors=True)  # the link goes, the kernels it points at stay
