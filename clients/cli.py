@@ -7,6 +7,7 @@
     tandem embed "first text" "second text" --pooling mean
     tandem admin pause --mode keep            # operator calls: pause, resume, sleep, wake, drain, profile, ...
     tandem bench --concurrency 1 4 16 --num-requests 64 --plot sweep.png
+    tandem plans                              # the CPU kernel plans cached on this machine; --clear deletes them
 
 Every command has --help with examples; `tandem --version` prints the installed version. Errors print
 "tandem: CODE: message" and exit 1.
@@ -18,7 +19,7 @@ import argparse
 import importlib.metadata
 import sys
 
-from clients import admin_command, chat_session, commands, serve_command
+from clients import admin_command, chat_session, commands, plans_command, serve_command
 from clients.bench import command as bench_command
 from clients.cli_options import HelpFormatter, connection_parent, sampling_parent
 from clients.errors import TandemError
@@ -117,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     admin_command.add_parser(subcommands)
     bench_command.add_parser(subcommands, connection)
+    plans_command.add_parser(subcommands)
     return parser
 
 

@@ -58,7 +58,7 @@ from kernels.int8_linear import (  # noqa: F401 (quantize_int8 / dequantize_int8
     run_int8_vnni,
     run_int8_weight_only,
 )
-from kernels.linear_timing import Timer, fastest_uncontended, one_thread, rotating
+from kernels.linear_timing import Race, Timer, one_thread, rotating, settled_race
 from kernels.linear_timing import wall_timer as _wall_timer  # a module global: tests swap the clock here
 from kernels.onednn_linear import onednn_supported, prepare_onednn, run_onednn
 
@@ -314,28 +314,32 @@ def float_kernel_is_accurate(name: str, state, weight: tuple[torch.Tensor, torch
 
 def choose_plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], kernels: tuple[str, ...],
                 buckets: tuple[int, ...] = BUCKETS, timer: Timer = _wall_timer,
-                states: dict[str, list] | None = None) -> tuple[Plan, dict]:
+                states: dict[str, list] | None = None) -> tuple[Plan, dict, dict[int, Race]]:
     """Time each kernel on `weights` (same-shape layers, taken in turn) at each bucket, a float
     kernel only where it is accurate here (`float_kernel_is_accurate`); `states`: each kernel's
-    prepared state per weight, when the caller made them already.
+    prepared state per weight, when the caller made them already. A noisy bucket is retaken
+    (`settled_race`) until one stays noisy: the plan cannot be kept then, and the rest time once.
 
-    Returns the plan (fastest kernel per bucket) and the timings {rows: {kernel: seconds per layer}}.
+    Returns the plan (fastest kernel per bucket), the timings {rows: {kernel: seconds per layer}}
+    and each bucket's race (how noisy).
     """
     in_features, dtype = weights[0][0].shape[1], weights[0][0].dtype
     if states is None:
         states = {name: [KERNELS[name][0](w, b) for w, b in weights] for name in kernels}
-    timings: dict[int, dict[str, float]] = {}
+    races: dict[int, Race] = {}
     for rows in buckets:
         x = torch.randn(rows, in_features, dtype=dtype)
         fit = [name for name in kernels if rows <= MAX_ROWS.get(name, rows)] or list(kernels)
         fit = [name for name in fit if float_kernel_is_accurate(name, states[name][0], weights[0], x)] or fit
         candidates = {name: rotating(KERNELS[name][1], states[name], x) for name in fit}
-        timings[rows], contended = fastest_uncontended(candidates, rows, timer, min_rounds=_MIN_CALLS,
-                                                       max_rounds=4 * _MIN_CALLS, budget_s=_BUDGET_S)
-        if contended:
+        retakes = 0 if any(race.noisy for race in races.values()) else linear_timing.RETAKES
+        races[rows] = settled_race(candidates, rows, timer, retakes, min_rounds=_MIN_CALLS,
+                                   max_rounds=4 * _MIN_CALLS, budget_s=_BUDGET_S)
+        if races[rows].contended:
             logger.info("%d rows: the machine is oversubscribed, kernels ranked by one-thread times", rows)
+    timings = {rows: race.timings for rows, race in races.items()}
     plan = [(rows, min(timings[rows], key=timings[rows].get)) for rows in buckets]
-    return plan, timings
+    return plan, timings, races
 
 
 @torch.no_grad()
@@ -378,10 +382,10 @@ def use_measured_linears(model: nn.Module, quantization: str = "none", buckets: 
         else:
             with one_thread():
                 states = {name: [KERNELS[name][0](w, b) for w, b in sample] for name in kernels}
-            plan, timings = choose_plan(sample, kernels, group_buckets, timer or _wall_timer, states)
+            plan, timings, races = choose_plan(sample, kernels, group_buckets, timer or _wall_timer, states)
             best = ", ".join(f"{rows}:{name}({timings[rows][name] * 1e6:.0f}us)" for rows, name in plan)
             if cached:
-                linear_plan_cache.store(entry, plan)
+                linear_plan_cache.keep(entry, plan, races.values())
         with one_thread():
             for i, (parent, child_name, child) in enumerate(members):
                 prepared = {name: states[name][i] for name in states} if i < count else None

@@ -13,8 +13,8 @@ import torch
 
 from kernels import linear_plan_cache, linear_timing
 from kernels.cpu_linear import _BUDGET_S, _MIN_CALLS, _TIMING_BYTES, FLOAT_KERNELS, KERNELS, kernel_fits
-from kernels.linear_timing import Timer, fastest_uncontended, one_thread, rotating
-from kernels.linear_timing import wall_timer as _wall_timer
+from kernels.linear_timing import RETAKES, Timer, one_thread, rotating, settled_race
+from kernels.linear_timing import wall_timer as _wall_timer  # a module global: tests swap the clock here
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ def _native_bf16() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
-def fastest_float_dtype(hidden: int, intermediate: int, timer: Timer = _wall_timer,
+def fastest_float_dtype(hidden: int, intermediate: int, timer: Timer | None = None,
                         native_bf16: bool | None = None) -> torch.dtype:
     """bfloat16 or float32, whichever multiplies an MLP-shaped weight faster here at 1 and 32 rows,
     each dtype through its fastest float kernel (row-major F.linear is not always it: on an AMD
@@ -39,6 +39,7 @@ def fastest_float_dtype(hidden: int, intermediate: int, timer: Timer = _wall_tim
     """
     if native_bf16 is None:
         native_bf16 = _native_bf16()
+    timer = timer or _wall_timer  # a module global, like cpu_linear's: tests swap the clock here
     cached = timer is linear_timing.wall_timer
     entry = f"dtype {hidden}x{intermediate} native_bf16={native_bf16}"
     stored = linear_plan_cache.lookup(entry) if cached else None
@@ -47,6 +48,7 @@ def fastest_float_dtype(hidden: int, intermediate: int, timer: Timer = _wall_tim
         return getattr(torch, stored)
     count = max(1, _TIMING_BYTES // (hidden * intermediate * 4))
     totals = {torch.bfloat16: 0.0, torch.float32: 0.0}
+    races = []
     for dtype in totals:
         name = str(dtype).removeprefix("torch.")
         with one_thread():
@@ -56,14 +58,15 @@ def fastest_float_dtype(hidden: int, intermediate: int, timer: Timer = _wall_tim
         for rows in (1, 32):
             x = torch.randn(rows, hidden, dtype=dtype)
             candidates = {f"{k}/{name}": rotating(KERNELS[k][1], states[k], x) for k in kernels}
-            timings, _ = fastest_uncontended(candidates, rows, timer, min_rounds=2 * _MIN_CALLS,
-                                             max_rounds=8 * _MIN_CALLS, budget_s=_BUDGET_S)
-            totals[dtype] += min(timings.values())
+            retakes = 0 if any(race.noisy for race in races) else RETAKES  # one stayed noisy: not kept anyway
+            races.append(settled_race(candidates, rows, timer, retakes, min_rounds=2 * _MIN_CALLS,
+                                      max_rounds=8 * _MIN_CALLS, budget_s=_BUDGET_S))
+            totals[dtype] += min(races[-1].timings.values())
     expected, other = (torch.bfloat16, torch.float32) if native_bf16 else (torch.float32, torch.bfloat16)
     choice = other if totals[other] * _DTYPE_MARGIN < totals[expected] else expected
     logger.info("dtype auto -> %s (CPU flags expect %s; best float kernel on one of %d weights, at 1 + 32 rows: "
                 "bf16 %.0f us, fp32 %.0f us)", str(choice).removeprefix("torch."),
                 str(expected).removeprefix("torch."), count, totals[torch.bfloat16] * 1e6, totals[torch.float32] * 1e6)
     if cached:
-        linear_plan_cache.store(entry, str(choice).removeprefix("torch."))
+        linear_plan_cache.keep(entry, str(choice).removeprefix("torch."), races)
     return choice

@@ -13,7 +13,7 @@ from clients.local_stack import free_port
 from tests.clients.conftest import run_cli
 from tests.test_stack import MAX_MODEL_LEN
 
-COMMANDS = ("serve", "generate", "chat", "tokenize", "info", "health", "admin", "bench")
+COMMANDS = ("serve", "generate", "chat", "tokenize", "info", "health", "admin", "bench", "plans")
 
 
 @pytest.fixture(scope="module")

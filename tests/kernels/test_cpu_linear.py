@@ -117,7 +117,7 @@ def test_choose_plan_keeps_the_fastest_kernel_per_bucket(monkeypatch):
     def timer(kernel, rows, fn):
         fn()
         return 3.0 if kernel == "int8_dynamic" else costs[kernel] * rows
-    plan, timings = choose_plan(weights, kernels, buckets=(1, 8, 32), timer=timer)
+    plan, timings, _ = choose_plan(weights, kernels, buckets=(1, 8, 32), timer=timer)
     assert plan == [(1, "int8_weight_only"), (8, "int8_dynamic"), (32, "int8_dynamic")]
     assert set(timings) == {1, 8, 32} and set(timings[1]) == set(kernels)
 
@@ -137,7 +137,7 @@ def test_a_float_kernel_that_rounds_below_the_weights_dtype_is_never_timed(monke
     def timer(kernel, rows, fn):
         fn()
         return 1.0 if kernel == "linear_colmajor" else 2.0
-    plan, timings = choose_plan(weights, ("linear", "linear_colmajor"), buckets=(1, 32), timer=timer)
+    plan, timings, _ = choose_plan(weights, ("linear", "linear_colmajor"), buckets=(1, 32), timer=timer)
     assert plan == [(1, "linear"), (32, "linear")]
     assert set(timings[1]) == set(timings[32]) == {"linear"}
 
@@ -153,7 +153,7 @@ def test_a_small_batch_kernel_is_never_planned_above_its_rows(monkeypatch):
     def timer(kernel, rows, fn):
         fn()
         return 1.0 if kernel == "small_batch" else 2.0
-    plan, timings = choose_plan(weights, ("linear", "small_batch"), buckets=(1, 8, 32), timer=timer)
+    plan, timings, _ = choose_plan(weights, ("linear", "small_batch"), buckets=(1, 8, 32), timer=timer)
     assert plan == [(1, "small_batch"), (8, "small_batch"), (32, "linear")]
     assert set(timings[32]) == {"linear"}
 
