@@ -16,7 +16,7 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from tandem.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
 
 from clients.local_stack import free_port, wait_until_serving
 from engine_core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -168,18 +168,30 @@ def test_cancel_and_deadline_free_every_kv_block(services):
                                              sampling_params=greedy(MAX_MODEL_LEN - 41))
     with grpc.insecure_channel(services.frontend_address) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        admin = admin_pb2_grpc.AdminServiceStub(channel)
+        keep = admin_pb2.PauseRequest(mode=common_pb2.PAUSE_MODE_KEEP)
         call = stub.Generate(request)
-        next(call)  # the stream is running in the engine
-        assert engine_stats(services.engine_address).num_running_reqs == 1
-        call.cancel()
-        wait_for_all_blocks_free(services.engine_address)
+        next(call)  # the stream is running in the engine; frozen there, it cannot finish before the cancel
+        assert admin.Pause(keep, timeout=30).ok
+        try:
+            assert engine_stats(services.engine_address).num_running_reqs == 1
+            call.cancel()
+            wait_for_all_blocks_free(services.engine_address)
+        finally:
+            assert admin.Resume(admin_pb2.ResumeRequest(), timeout=30).ok
 
-        # the deadline must pass mid-stream: 215 tokens take about 0.25 s on a 2-core CPU
-        with pytest.raises(grpc.RpcError) as excinfo:
-            for _ in stub.Generate(request, timeout=0.1):
-                pass
-        assert excinfo.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        wait_for_all_blocks_free(services.engine_address)
+        # the deadline passes mid-stream while the engine holds the request: no CPU is fast enough to finish first
+        call = stub.Generate(request, timeout=3.0)
+        next(call)
+        assert admin.Pause(keep, timeout=30).ok
+        try:
+            with pytest.raises(grpc.RpcError) as excinfo:
+                for _ in call:
+                    pass
+            assert excinfo.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            wait_for_all_blocks_free(services.engine_address)
+        finally:
+            assert admin.Resume(admin_pb2.ResumeRequest(), timeout=30).ok
 
 
 # ---- 4. engine killed and restarted ------------------------------------------------------------------
