@@ -1,6 +1,6 @@
 """The `tandem` command line: run a local stack, talk to a frontend, benchmark it.
 
-    tandem serve                              # engine core + frontend on this machine (ports 50061, 50051)
+    tandem serve [MODEL]                      # engine core + frontend on this machine (ports 50061, 50051)
     tandem generate "Once upon a time" --max-tokens 32 --temperature 0
     tandem chat                               # interactive; streams tokens, keeps the history
     tandem tokenize "Hello world"             tandem info        tandem health
@@ -8,29 +8,22 @@
     tandem admin pause --mode keep            # operator calls: pause, resume, sleep, wake, drain, profile, ...
     tandem bench --concurrency 1 4 16 --num-requests 64 --plot sweep.png
 
-Every command has --help with examples. Errors print "tandem: CODE: message" and exit 1.
+Every command has --help with examples; `tandem --version` prints the installed version. Errors print
+"tandem: CODE: message" and exit 1.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import signal
+import importlib.metadata
 import sys
 
-from clients import admin_command, chat_session, commands
+from clients import admin_command, chat_session, commands, serve_command
 from clients.bench import command as bench_command
 from clients.cli_options import HelpFormatter, connection_parent, sampling_parent
 from clients.errors import TandemError
-from clients.local_stack import LocalStack, RestartPolicy
-
-ENGINE_EXTRA = "pip install 'tandem[engine]'"
-_RESTART = RestartPolicy()
 
 _EXAMPLES = {
-    "serve": """examples:
-  tandem serve                                  # the embedded SmolLM2; frontend :50051, engine :50061
-  tandem serve --model ./my-llama --port 8001 -- --max-num-seqs 64 --dtype float32""",
     "generate": """examples:
   tandem generate "The capital of France is" --max-tokens 16 --temperature 0
   tandem generate --token-ids 1,4093,198 --max-tokens 8 --json
@@ -64,33 +57,9 @@ _EXAMPLES = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"tandem {package_version()}")
     subcommands = parser.add_subparsers(dest="command", required=True)
-    serve = subcommands.add_parser(
-        "serve", help="start an engine core and a frontend locally",
-        description="Start tandem-engine and tandem-frontend as two processes and serve until "
-                    "SIGINT/SIGTERM (both then drain and stop; exit 0). A service that exits on its own is "
-                    f"restarted after a backoff ({_RESTART.backoff_initial_s:g} s, doubling up to "
-                    f"{_RESTART.backoff_max_s:g} s); {_RESTART.max_restarts} quick failures in a row (each within "
-                    f"{_RESTART.stable_s:g} s of starting) end the stack (exit 1). Needs the engine: {ENGINE_EXTRA}. "
-                    "Flags after `--` are passed to tandem-engine (see tandem-engine --help).",
-        epilog=_EXAMPLES["serve"], formatter_class=HelpFormatter,
-    )
-    serve.add_argument("--host", default="127.0.0.1", help="address both services listen on")
-    serve.add_argument("--port", type=int, default=50051, help="the frontend's (public API) port")
-    serve.add_argument("--engine-port", type=int, default=50061, help="the engine core's port")
-    serve.add_argument("--model", default=None, help="HF folder or .gguf file; unset: the embedded SmolLM2")
-    serve.add_argument("--api-token-file", metavar="PATH", default=argparse.SUPPRESS,
-                       help="the frontend requires 'authorization: Bearer <token>' with this token "
-                            "($TANDEM_API_TOKEN works too)")
-    serve.add_argument("--admin-token-file", metavar="PATH", default=argparse.SUPPRESS,
-                       help="a separate token for tandem.v1.AdminService calls")
-    serve.add_argument("--max-message-bytes", type=int, metavar="N", default=argparse.SUPPRESS,
-                       help="the frontend's largest message (default: tandem-frontend's)")
-    serve.add_argument("--chat-template", metavar="FILE", default=argparse.SUPPRESS,
-                       help="the frontend renders chats with this Jinja template (see tandem-frontend --help)")
-    serve.add_argument("--tool-parser", metavar="NAME", default=argparse.SUPPRESS,
-                       help="how the frontend reads tool calls: hermes, llama3_json, mistral or pythonic")
-    serve.add_argument("engine_args", nargs=argparse.REMAINDER, help="-- then flags for tandem-engine")
+    serve_command.add_parser(subcommands)
 
     connection, sampling = connection_parent(), sampling_parent()
     generate = _add(subcommands, "generate", "stream a completion of a prompt", [connection, sampling],
@@ -151,45 +120,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def package_version() -> str:
+    """The installed package's version (what pip shows), or why there is none."""
+    try:
+        return importlib.metadata.version("tandem")
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown: run from a source tree that is not installed)"
+
+
 def _add(subcommands, name: str, help_text: str, parents: list, description: str) -> argparse.ArgumentParser:
     return subcommands.add_parser(name, help=help_text, description=description, epilog=_EXAMPLES[name],
                                parents=parents, formatter_class=HelpFormatter)
 
 
-def serve(args: argparse.Namespace) -> int:
-    if importlib.util.find_spec("torch") is None:
-        print(f"tandem: serve runs an engine core, which needs torch; this install has the client and the frontend "
-              f"only. Install the engine with: {ENGINE_EXTRA}", file=sys.stderr)
-        return 1
-    engine_args = [a for a in args.engine_args if a != "--"]
-    if args.model:
-        engine_args = ["--model", args.model, *engine_args]
-    passed = ("api_token_file", "admin_token_file", "max_message_bytes",  # to tandem-frontend, when given
-              "chat_template", "tool_parser")
-    frontend_args = [arg for name in passed if name in args
-                     for arg in ("--" + name.replace("_", "-"), str(getattr(args, name)))]
-    stack = LocalStack(host=args.host, frontend_port=args.port, engine_port=args.engine_port,
-                       engine_args=engine_args, frontend_args=frontend_args)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop() runs in the finally below
-    try:
-        stack.start()
-        engine_pid, frontend_pid = stack.pids
-        print(f"tandem: serving on {stack.frontend_address} (engine core at {stack.engine_address}, pid {engine_pid}; "
-              f"frontend pid {frontend_pid}); a service that exits is restarted; Ctrl-C to stop", flush=True)
-        return stack.supervise()
-    except KeyboardInterrupt:
-        return 0
-    except (RuntimeError, TimeoutError) as e:
-        print(f"tandem: {e}", file=sys.stderr)
-        return 1
-    finally:
-        stack.stop()
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv, engine_args = serve_command.split_engine_args(sys.argv[1:] if argv is None else list(argv))
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
     if args.command == "serve":
-        return serve(args)
+        if unknown:
+            print(f"tandem serve: error: {serve_command.unknown_flags_message(unknown)}", file=sys.stderr)
+            return 2
+        args.engine_args = engine_args
+        return serve_command.run(args)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.run(args)
     except TandemError as e:

@@ -5,7 +5,8 @@
 Every EngineConfig field is a flag. The engine steps on the main thread, gRPC I/O runs on a
 background thread (services/engine/process.py). SIGTERM / SIGINT drain gracefully: health goes
 NOT_SERVING, new requests are held, requests in flight get --grace seconds to finish,
-then the streams close (held requests end UNAVAILABLE) and the process exits 0.
+then the streams close (held requests end UNAVAILABLE) and the process exits 0. A taken --port
+or --metrics-port ends it at once with one line and exit 1, before the model loads (services/ports.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from services.cpu_affinity import step_cpu_flag
 from services.cpu_priority import CPU_PRIORITIES
 from services.engine.busy_loop import DEFAULT_BURST_WINDOW_S
 from services.engine.outbox import DEFAULT_MAX_PENDING_OUTPUTS
+from services.ports import PortUnavailable, ensure_can_listen, explain_bind_failure
 from services.security import flags as security_flags
 from services.security.transport import ENGINE_LINK_MAX_MESSAGE_BYTES
 from services.telemetry import flags as telemetry_flags
@@ -199,6 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     if importlib.util.find_spec("torch") is None:
         parser.exit(2, "tandem-engine: error: the engine core needs torch, which this install lacks "
                        "(the client and frontend only); install the engine with: pip install 'tandem[engine]'\n")
+    try:  # before the model loads: a taken port is said at once, not after minutes of loading
+        ensure_can_listen(args.host, args.port)
+        ensure_can_listen(args.host, args.metrics_port, "--metrics-port")
+    except PortUnavailable as exc:
+        print(f"tandem-engine: {exc}", file=sys.stderr)
+        return 1
     configure_logging(args.log_level, args.log_format)
     limit_openmp_spinning()  # before torch loads: idle OpenMP workers must leave the cores to others
     tracer_provider = None
@@ -222,10 +230,13 @@ def main(argv: list[str] | None = None) -> int:
             status = serve_on_main_thread(server, sys.argv[1:] if argv is None else list(argv), announce,
                                           grace=args.grace, step_cpu=args.step_cpu)
         except RuntimeError as exc:  # the server process could not listen: "Failed to bind to address ..."
-            raise ValueError(f"cannot listen on {args.host}:{args.port}: {exc}") from None
+            raise explain_bind_failure(args.host, args.port, "--port", exc) from None
         if status != 0:
             logging.getLogger("tandem.engine").error("the gRPC server process exited with status %d", status)
             return 1
+    except PortUnavailable as exc:  # taken since the check above (or the metrics port)
+        print(f"tandem-engine: {exc}", file=sys.stderr)
+        return 1
     except (ValueError, FileNotFoundError, NotADirectoryError) as exc:
         parser.exit(2, f"tandem-engine: error: {exc}\n")
     finally:

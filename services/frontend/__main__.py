@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 from pathlib import Path
 
 from services.cpu_priority import CPU_PRIORITIES, lower_cpu_priority
@@ -24,6 +25,7 @@ from services.frontend.server import FrontendServer
 from services.frontend.telemetry import FrontendTelemetry
 from services.frontend.tokenizer import load_tokenizer
 from services.frontend.tool_parsers import PARSERS
+from services.ports import PortUnavailable, ensure_can_listen, explain_bind_failure
 from services.security import flags as security_flags
 from services.security.transport import DEFAULT_MAX_MESSAGE_BYTES
 from services.telemetry import flags as telemetry_flags
@@ -34,7 +36,8 @@ from services.telemetry.tracing import setup_tracing, shutdown_tracing
 log = logging.getLogger("tandem.frontend")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """tandem-frontend's flags (`tandem serve` reads them to say where a flag it does not take belongs)."""
     parser = argparse.ArgumentParser(prog="tandem-frontend", description=__doc__.splitlines()[0])
     parser.add_argument("--engine", action="append", metavar="TARGET",
                         help="engine core address host:port, or dns:///NAME:PORT for every address behind a DNS "
@@ -90,6 +93,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     RequestLimits.add_flags(parser)
     security_flags.add_server_flags(parser, max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES, tokens=True)
     security_flags.add_engine_link_flags(parser)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.max_unsent_tokens < 1:
         parser.error(f"--max-unsent-tokens must be >= 1, got {args.max_unsent_tokens}")
@@ -131,7 +139,10 @@ async def serve(args: argparse.Namespace) -> None:
         llm = AsyncLLM(client, tokenizer, max_waiting_requests=args.max_waiting_requests,
                        limits=RequestLimits.from_args(args), max_unsent_tokens=args.max_unsent_tokens,
                        telemetry=telemetry, chat_setup=chat_setup)
-        server = FrontendServer(llm, f"{args.host}:{args.port}", transport=args.transport)
+        try:
+            server = FrontendServer(llm, f"{args.host}:{args.port}", transport=args.transport)
+        except OSError as exc:  # taken since main() looked, while this waited for an engine
+            raise explain_bind_failure(args.host, args.port, "--port", exc) from None
         await server.start()
         log.info("frontend listening on %s:%d (tokenizer %s, chat template %s, tool parser %s)", args.host,
                  server.port, tokenizer_path, chat_setup.source, chat_setup.tool_parser)
@@ -173,12 +184,24 @@ async def _model_path_from_engine(client: GrpcEngineClient, stop: asyncio.Event,
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    try:  # before waiting for an engine, which can take minutes: a taken port is said at once
+        ensure_can_listen(args.host, args.port)
+        ensure_can_listen(args.host, args.metrics_port, "--metrics-port")
+    except PortUnavailable as exc:
+        _exit_unavailable(exc)
     configure_logging(args.log_level, args.log_format)
     lower_cpu_priority(args.cpu_priority)  # before gRPC starts its threads: they inherit it
     try:
         asyncio.run(serve(args))
-    except ValueError as exc:  # a metrics port that cannot be bound, an unknown OTLP protocol
+    except PortUnavailable as exc:
+        _exit_unavailable(exc)
+    except ValueError as exc:  # an unknown OTLP protocol
         raise SystemExit(f"tandem-frontend: error: {exc}") from None
+
+
+def _exit_unavailable(exc: PortUnavailable) -> None:
+    print(f"tandem-frontend: {exc}", file=sys.stderr)
+    raise SystemExit(1)
 
 
 if __name__ == "__main__":

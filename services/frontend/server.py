@@ -232,7 +232,10 @@ class FrontendServer:
         services = (GENERATION_SERVICE, ADMIN_SERVICE, VLLM_ENGINE_SERVICE,
                     health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(services, self.server)
-        self.port = transport.add_port(self.server, address)
+        try:
+            self.port = transport.add_port(self.server, address)
+        except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
+            raise OSError(f"cannot listen on {address}: {exc}") from None
         if not self.port:
             raise OSError(f"cannot listen on {address}")
 

@@ -1,5 +1,9 @@
 """How servers listen and channels connect: plaintext or TLS, interceptors, message size limits.
 
+A server's port is its own: SO_REUSEPORT, which gRPC's Python server sets by default, is off, so a
+second server on a taken port fails to bind instead of sharing the port's connections at random
+(services/ports.py turns that into one line naming the port).
+
 A message over the limit ends its call with RESOURCE_EXHAUSTED (gRPC's own check: "received
 message larger than max (N vs. M)") and the server keeps serving everyone else.
 """
@@ -12,6 +16,7 @@ import grpc
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20  # the public API's default: gRPC's own
 ENGINE_LINK_MAX_MESSAGE_BYTES = 64 << 20  # the engine link carries whole batches of outputs
+EXCLUSIVE_PORT_OPTION = ("grpc.so_reuseport", 0)  # a taken port fails the bind instead of being shared
 
 
 def message_size_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -35,10 +40,11 @@ class ServerTransport:
     def server(self, *interceptors: grpc.aio.ServerInterceptor) -> grpc.aio.Server:
         """A grpc.aio server with this transport's interceptors (then `interceptors`) and limits."""
         return grpc.aio.server(interceptors=[*self.interceptors, *interceptors],
-                               options=message_size_options(self.max_message_bytes))
+                               options=[*message_size_options(self.max_message_bytes), EXCLUSIVE_PORT_OPTION])
 
     def add_port(self, server: grpc.aio.Server, address: str) -> int:
-        """Bind `address` (TLS when there are credentials); the port, 0 when it could not bind."""
+        """Bind `address` (TLS when there are credentials); the port. gRPC raises RuntimeError ("Failed to
+        bind") or returns 0 when it could not bind."""
         if self.credentials is None:
             return server.add_insecure_port(address)
         return server.add_secure_port(address, self.credentials)

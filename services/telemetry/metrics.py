@@ -18,6 +18,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
 
+from services.ports import port_unavailable
+
 # ---- buckets (vLLM's, extended downwards for CPU-sized latencies) -------------------------
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -219,6 +221,7 @@ TEXT_FORMAT_0_0_4 = "text/plain; version=0.0.4; charset=utf-8"  # newer text for
 
 class _ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
     daemon_threads = True
+    allow_reuse_port = False  # the port is this server's alone, whatever a Python version's default
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -248,14 +251,15 @@ class MetricsServer:
         self.port: int | None = None
 
     def start(self) -> int:
-        """Bind (port 0 picks a free one) and serve; returns the port. ValueError if it cannot bind."""
+        """Bind (port 0 picks a free one) and serve; returns the port. PortUnavailable (a ValueError) if it
+        cannot bind (no SO_REUSEPORT: a taken port fails here)."""
         try:
             family = socket.getaddrinfo(self.host, self.requested_port, type=socket.SOCK_STREAM)[0][0]
             server_class = type("MetricsHTTPServer", (_ThreadingWSGIServer,), {"address_family": family})
             self._server = make_server(self.host, self.requested_port, text_format_only(make_wsgi_app(self.registry)),
                                        server_class, handler_class=_QuietHandler)
         except OSError as exc:
-            raise ValueError(f"cannot serve /metrics on {self.host}:{self.requested_port}: {exc}") from None
+            raise port_unavailable(self.host, self.requested_port, "--metrics-port", exc) from None
         self.port = self._server.server_port
         threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True).start()
         return self.port

@@ -97,8 +97,8 @@ def test_node_client_prints_the_same_call(node, tools_frontend):  # noqa: F811 -
     assert [(c["name"], c["arguments"]) for c in node_calls] == [(c.name, c.arguments) for c in chunks[-1].tool_calls]
 
 
-def test_serve_passes_the_template_and_parser_flags_to_the_frontend(monkeypatch):
-    from clients import cli
+def test_serve_passes_the_template_and_parser_flags_to_the_frontend(monkeypatch, tmp_path):
+    from clients import cli, serve_command
 
     started = {}
 
@@ -112,10 +112,13 @@ def test_serve_passes_the_template_and_parser_flags_to_the_frontend(monkeypatch)
         def stop(self, *args):
             pass
 
-    monkeypatch.setattr(cli, "LocalStack", Recorder)
-    monkeypatch.setattr(cli.signal, "signal", lambda *args: None)  # serve's SIGTERM handler stays out of pytest
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages }}")
+    monkeypatch.setattr(serve_command, "LocalStack", Recorder)
+    monkeypatch.setattr(serve_command.signal, "signal", lambda *args: None)  # serve's SIGTERM handler stays out
     try:
-        cli.main(["serve", "--chat-template", "t.jinja", "--tool-parser", "pythonic"])
+        cli.main(["serve", "--chat-template", str(template), "--tool-parser", "pythonic",
+                  "--port", str(free_port()), "--engine-port", str(free_port())])  # ports that are free here
     except (KeyboardInterrupt, SystemExit):
         pass
-    assert started["frontend_args"] == ["--chat-template", "t.jinja", "--tool-parser", "pythonic"]
+    assert started["frontend_args"] == ["--chat-template", str(template), "--tool-parser", "pythonic"]

@@ -149,6 +149,8 @@ def test_health_and_reflection_stay_open(locked):
 
 def test_tandem_serve_passes_the_token_flags_to_its_frontend(monkeypatch):
     import clients.cli as cli
+    from clients import serve_command
+    from clients.local_stack import free_port
 
     stacks = []
 
@@ -161,9 +163,10 @@ def test_tandem_serve_passes_the_token_flags_to_its_frontend(monkeypatch):
 
         def stop(self): ...
 
-    monkeypatch.setattr(cli, "LocalStack", RecordingStack)
-    monkeypatch.setattr(cli.signal, "signal", lambda *args: None)
-    assert cli.main(["serve", "--api-token-file", "api.token", "--max-message-bytes", "1024"]) == 1
-    assert cli.main(["serve"]) == 1
+    monkeypatch.setattr(serve_command, "LocalStack", RecordingStack)
+    monkeypatch.setattr(serve_command.signal, "signal", lambda *args: None)
+    ports = ["--port", str(free_port()), "--engine-port", str(free_port())]  # free here, whatever else runs
+    assert cli.main(["serve", "--api-token-file", "api.token", "--max-message-bytes", "1024", *ports]) == 1
+    assert cli.main(["serve", *ports]) == 1
     assert stacks[0]["frontend_args"] == ["--api-token-file", "api.token", "--max-message-bytes", "1024"]
     assert stacks[1]["frontend_args"] == []
