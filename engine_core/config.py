@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -159,11 +160,19 @@ class LoraConfig:
 
 @dataclass
 class EngineConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
+    # a ModelConfig, or only the model's path (a HF folder or a .gguf, as vLLM's LLM(model=...)), which
+    # becomes ModelConfig(model=PATH)
+    model: ModelConfig | str | os.PathLike = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, (str, os.PathLike)):
+            self.model = ModelConfig(model=os.fspath(self.model))
+        _require(isinstance(self.model, ModelConfig),
+                 f"model must be a ModelConfig or a model path (str), got {type(self.model).__name__}")
 
 
 @dataclass

@@ -1,92 +1,110 @@
 """The offline engine: vLLM's LLMEngine API over an in-process EngineCore.
 
-Token ids in, token ids out (no tokenizer: `text` stays empty). It yields the same RequestOutput as the
-frontend's AsyncLLM, per the request's output kind (DELTA: each step's new tokens, CUMULATIVE: all so far,
-FINAL_ONLY: one message at the end). `n > 1` fans out into child requests that share the prompt (and so its
-prefix-cache blocks), as the frontend does; their outputs come back under the parent's id, told apart by
-`index`.
+As vLLM's, it owns the model's tokenizer and an incremental detokenizer: prompts are text, token ids or
+vLLM's {"prompt": ...} / {"prompt_token_ids": [...]}; each completion's `text` is filled and stop strings end
+it. It yields the same RequestOutput as the frontend's AsyncLLM, per the request's output kind (CUMULATIVE
+unless asked, as vLLM's LLMEngine: all so far; DELTA: each step's news; FINAL_ONLY: one message at the end).
+`n > 1` fans out into child requests that share the prompt (and so its prefix-cache blocks), as the frontend
+does; their outputs come back under the parent's id, told apart by `index`. LLM (engine_core/llm.py) runs
+batches to completion over it.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine_core.config import EngineConfig
 from engine_core.engine_core import EngineCore
+from engine_core.offline_request import OfflineRequest
 from engine_core.protocol import (
-    CompletionOutput,
     EngineCoreOutput,
     EngineCoreRequest,
     LoraInfo,
     OutputKind,
     RequestOutput,
     SamplingParams,
-    TokenLogprobs,
-    Usage,
 )
+from engine_core.protocol.tokenizer import TokenizerBundle, load_tokenizer
+from engine_core.startup import tokenizer_path
 
+if TYPE_CHECKING:
+    from engine_core.engine_args import EngineArgs
 
-@dataclass
-class _Completion:
-    """One child's progress, kept whole whatever the output kind."""
-
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finished: bool = False
-
-
-@dataclass
-class _OfflineRequest:
-    output_kind: OutputKind
-    num_prompt_tokens: int
-    completions: list[_Completion]
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    sent_prompt_logprobs: bool = False
-
-    @property
-    def finished(self) -> bool:
-        return all(c.finished for c in self.completions)
+# What add_request and generate take as a prompt, as vLLM's do
+PromptType = str | list[int] | dict
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.engine_core = EngineCore(config or EngineConfig())
-        self._requests: dict[str, _OfflineRequest] = {}  # parent request id -> its progress
+        path = tokenizer_path(self.engine_core.config, self.engine_core.model_path)
+        # None: a model without a tokenizer (token ids in and out, text stays empty)
+        self.tokenizer: TokenizerBundle | None = load_tokenizer(path) if path else None
+        self._requests: dict[str, OfflineRequest] = {}  # parent request id -> its progress
         self._children: dict[str, tuple[str, int]] = {}  # child id -> (parent id, index)
         self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        """vLLM's constructor: LLMEngine.from_engine_args(EngineArgs(model=...))."""
+        return cls(engine_args.create_engine_config())
 
     @property
     def info(self):
         return self.engine_core.info
 
+    def get_tokenizer(self) -> TokenizerBundle:
+        if self.tokenizer is None:
+            raise ValueError(_NO_TOKENIZER)
+        return self.tokenizer
+
     def add_request(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
+        prompt: PromptType,
         sampling_params: SamplingParams | None = None,
         priority: int = 0,
         lora_name: str | None = None,
     ) -> None:
-        """Checked by `EngineCore.validate_request` (ValueError naming the problem) before anything is queued.
-        `lora_name`: a loaded LoRA adapter to run the request with (None: the base model)."""
+        """`prompt`: a str (tokenized with the model's tokenizer, BOS as the model asks), token ids, or vLLM's
+        {"prompt": str} / {"prompt_token_ids": [...]}. Checked by `EngineCore.validate_request` (ValueError naming
+        the problem) before anything is queued. `lora_name`: a loaded LoRA adapter to run the request with (None:
+        the base model)."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
         params = sampling_params or SamplingParams()
         if isinstance(params.n, bool) or not isinstance(params.n, int) or params.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {params.n!r}")
-        request = EngineCoreRequest(request_id, list(prompt_token_ids), params, time.time(), priority,
-                                    lora_name=lora_name)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings need the model's tokenizer: {_NO_TOKENIZER}")
+        text, token_ids = self._tokenize(prompt)
+        request = EngineCoreRequest(request_id, token_ids, params, time.time(), priority, lora_name=lora_name)
         children = request.fan_out()
         for child in children:  # validate all before queueing any
             self.engine_core.validate_request(child)
         for index, child in enumerate(children):
             self.engine_core.add_request(child)
             self._children[child.request_id] = (request_id, index)
-        self._requests[request_id] = _OfflineRequest(
-            params.output_kind, len(request.prompt_token_ids), [_Completion() for _ in children])
+        self._requests[request_id] = OfflineRequest(
+            request_id, text, list(request.prompt_token_ids), params,
+            None if self.tokenizer is None else self.tokenizer.tokenizer, [c.sampling_params for c in children])
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(the prompt's text or None, its token ids)."""
+        if isinstance(prompt, dict) and set(prompt) == {"prompt"}:
+            prompt = prompt["prompt"]
+        elif isinstance(prompt, dict) and set(prompt) == {"prompt_token_ids"}:
+            prompt = list(prompt["prompt_token_ids"])
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty; give some text or token ids")
+            return prompt, self.get_tokenizer().encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"a prompt is a str, a list of token ids, {{'prompt': str}} or {{'prompt_token_ids': "
+                         f"[...]}}, got {type(prompt).__name__}: {prompt!r:.80}")
 
     # ---- LoRA adapters (docs/lora.md), as vLLM's LLMEngine names them ------------------
     def add_lora(self, name: str, path: str) -> LoraInfo:
@@ -124,62 +142,32 @@ class LLMEngine:
         request is seen here for the last time)."""
         news: dict[str, list[tuple[int, EngineCoreOutput]]] = {}
         for output in self.engine_core.step().outputs:
-            parent_id, index = self._children[output.request_id]
+            parent = self._children.get(output.request_id)
+            if parent is None:  # ended by a stop string in an earlier step
+                continue
+            parent_id, index = parent
             if output.finished:
                 del self._children[output.request_id]
             news.setdefault(parent_id, []).append((index, output))
         results = []
         for parent_id, outputs in news.items():
             request = self._requests[parent_id]
-            result = self._output(parent_id, request, outputs)
+            result, stopped = request.update(outputs)
+            if stopped:  # a stop string ended these completions: the engine stops generating them
+                child_ids = [child for child, (parent, index) in self._children.items()
+                             if parent == parent_id and index in stopped]
+                self.engine_core.abort_requests(child_ids)
+                for child in child_ids:
+                    del self._children[child]
             if request.finished:
                 del self._requests[parent_id]
             if result is not None:
                 results.append(result)
         return results
 
-    @staticmethod
-    def _output(request_id: str, request: _OfflineRequest,
-                outputs: list[tuple[int, EngineCoreOutput]]) -> RequestOutput | None:
-        delta = request.output_kind == OutputKind.DELTA
-        changed = []
-        for index, output in outputs:
-            completion = request.completions[index]
-            completion.token_ids.extend(output.new_token_ids)
-            completion.logprobs.extend(output.new_logprobs or ())
-            completion.finished = output.finished
-            if index == 0:
-                request.prompt_logprobs.extend(output.new_prompt_logprobs or ())
-            request.num_cached_tokens = max(request.num_cached_tokens, output.num_cached_tokens)
-            if output.new_token_ids or output.finished:
-                changed.append(CompletionOutput(
-                    index=index, text="",
-                    token_ids=list(output.new_token_ids) if delta else list(completion.token_ids),
-                    logprobs=list(output.new_logprobs or ()) if delta else list(completion.logprobs),
-                    finish_reason=output.finish_reason, stop_token_id=output.stop_token_id,
-                    embedding=output.embedding,
-                ))
-        finished = request.finished
-        if not changed or (request.output_kind == OutputKind.FINAL_ONLY and not finished):
-            return None
-        if request.output_kind == OutputKind.FINAL_ONLY:  # the one message: every completion, whole
-            last = {c.index: c for c in changed}
-            changed = [CompletionOutput(index=i, text="", token_ids=c.token_ids, logprobs=c.logprobs,
-                                        finish_reason=last[i].finish_reason if i in last else None,
-                                        stop_token_id=last[i].stop_token_id if i in last else None)
-                       for i, c in enumerate(request.completions)]
-        prompt_logprobs = [] if delta and request.sent_prompt_logprobs else list(request.prompt_logprobs)
-        request.sent_prompt_logprobs = request.sent_prompt_logprobs or bool(request.prompt_logprobs)
-        usage = None
-        if finished:
-            usage = Usage(request.num_prompt_tokens, sum(len(c.token_ids) for c in request.completions),
-                          request.num_cached_tokens)
-        return RequestOutput(request_id, changed, num_prompt_tokens=request.num_prompt_tokens,
-                             prompt_logprobs=prompt_logprobs, usage=usage, finished=finished)
-
     def generate(
         self,
-        prompts: list[list[int]],
+        prompts: list[PromptType],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         lora_names: str | list[str | None] | None = None,
     ) -> list[RequestOutput]:
@@ -209,5 +197,9 @@ class LLMEngine:
                 else:
                     collected[output.request_id] = output
         for output in collected.values():
-            output.completions.sort(key=lambda c: c.index)
+            output.outputs.sort(key=lambda c: c.index)
         return [collected[request_id] for request_id in request_ids]
+
+
+_NO_TOKENIZER = ("this engine has no tokenizer (the model folder has no tokenizer.json): give token ids, or set "
+                 "EngineConfig.model.tokenizer to a tokenizer.json folder or a .gguf")

@@ -119,12 +119,13 @@ def kv_bytes_per_token(engine) -> int:
 
 def bench_decode(engine, batch: int, args, bandwidth: float) -> dict:
     """Prefill `batch` prompts, then time the pure-decode steps until every request ends."""
-    from engine_core.protocol import SamplingParams
+    from engine_core.protocol import OutputKind, SamplingParams
 
     engine.engine_core.reset_prefix_cache()
     gen = torch.Generator().manual_seed(batch)
     vocab = engine.info.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=args.gen_len, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args.gen_len, ignore_eos=True,
+                            output_kind=OutputKind.DELTA)
     for i in range(batch):
         prompt = torch.randint(100, vocab - 100, (args.prompt_len,), generator=gen).tolist()
         engine.add_request(f"bench-{batch}-{i}", prompt, params)

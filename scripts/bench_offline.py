@@ -26,7 +26,7 @@ from clients.bench.transformers_peer import generate_batch, load_transformers  #
 from engine_core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from engine_core.llm_engine import LLMEngine  # noqa: E402
 from engine_core.loader.registry import default_model_path  # noqa: E402
-from engine_core.protocol import SamplingParams  # noqa: E402
+from engine_core.protocol import OutputKind, SamplingParams  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -51,7 +51,7 @@ def make_prompts(count: int, length: int, vocab_size: int, seed: int = 0) -> lis
 def bench_tandem(engine: LLMEngine, prompts: list[list[int]], gen_len: int,
                  lora_names: list[str | None] | None = None) -> dict:
     """All prompts at once, greedy, exactly gen_len tokens each (lora_names: each prompt's adapter, None: base)."""
-    params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True, output_kind=OutputKind.DELTA)
     engine.engine_core.reset_prefix_cache()
     started = time.perf_counter()
     for index, (prompt, lora_name) in enumerate(zip(prompts, lora_names or [None] * len(prompts))):
@@ -59,7 +59,7 @@ def bench_tandem(engine: LLMEngine, prompts: list[list[int]], gen_len: int,
     first_token: dict[str, float] = {}
     generated = 0
     while engine.has_unfinished_requests():
-        for output in engine.step():  # DELTA: each message holds the step's new tokens
+        for output in engine.step():  # DELTA (asked for: LLMEngine is CUMULATIVE by default): new tokens only
             first_token.setdefault(output.request_id, time.perf_counter() - started)
             generated += sum(len(c.token_ids) for c in output.completions)
     elapsed = time.perf_counter() - started

@@ -131,7 +131,7 @@ def low_priority_client():
 def in_process_round(engine, prompts: list[BenchPrompt], streams: int) -> Round:
     """A closed loop of `streams`, stepped here: the requests are all the same length, so it runs
     in batches of `streams` prompts added at once, each stepped until it finishes."""
-    from engine_core.protocol import SamplingParams
+    from engine_core.protocol import OutputKind, SamplingParams
 
     records: dict[str, RequestRecord] = {}
     started = time.perf_counter()
@@ -141,7 +141,8 @@ def in_process_round(engine, prompts: list[BenchPrompt], streams: int) -> Round:
                 request_id = f"bench-{next(_request_ids)}"
                 records[request_id] = RequestRecord(start=time.perf_counter(), prompt_tokens=len(prompt.token_ids))
                 engine.add_request(request_id, list(prompt.token_ids),
-                                   SamplingParams(temperature=0.0, max_tokens=prompt.max_tokens, ignore_eos=True))
+                                   SamplingParams(temperature=0.0, max_tokens=prompt.max_tokens, ignore_eos=True,
+                                                  output_kind=OutputKind.DELTA))
             while engine.has_unfinished_requests():
                 for output in engine.step():
                     now = time.perf_counter()

@@ -19,7 +19,7 @@ from tokenizers.decoders import DecodeStream  # noqa: E402
 from engine_core.config import EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from engine_core.llm_engine import LLMEngine  # noqa: E402
 from engine_core.loader.registry import default_model_path  # noqa: E402
-from engine_core.protocol import SamplingParams  # noqa: E402
+from engine_core.protocol import OutputKind, SamplingParams  # noqa: E402
 from services.frontend.chat_template import render_chat  # noqa: E402
 from services.frontend.tokenizer import load_tokenizer  # noqa: E402
 
@@ -63,7 +63,8 @@ def main() -> None:
         scheduler=SchedulerConfig(max_num_seqs=8),
     ))
     tokenizer = load_tokenizer(model_path)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                            output_kind=OutputKind.DELTA)
     messages = [{"role": "user", "content": args.prompt}]
     print(f"\nuser> {args.prompt}")
     while True:

@@ -40,7 +40,8 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty, logit_bias=params.logit_bias, stop=params.stop,
         include_stop_str_in_output=params.include_stop_str_in_output,
-        skip_special_tokens=params.skip_special_tokens, output_kind=int(params.output_kind),
+        skip_special_tokens=params.skip_special_tokens,
+        output_kind=int(params.output_kind or 0),  # 0: unset, the API's default
         clamp_max_tokens=params.clamp_max_tokens,
     )
     for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):

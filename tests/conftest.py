@@ -25,3 +25,23 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_ENV, str(share_compiled_kernels(tmp_path)))
     monkeypatch.delenv("TANDEM_REMEASURE", raising=False)
     return tmp_path
+
+
+@pytest.fixture(scope="session")
+def live_stack(tmp_path_factory):
+    """A live two-process stack (tandem-engine + tandem-frontend on a tiny random Llama with SmolLM2's tokenizer)
+    shared by the client, CLI, bench and Node tests and the docs' snippets; always stopped at the end."""
+    from engine_core.loader import default_model_path
+    from tests.engine_core.tiny_models import write_tiny_model
+    from tests.test_stack import ENGINE_FLAGS, VOCAB, Services
+
+    model_dir = write_tiny_model(tmp_path_factory.mktemp("tiny-clients"), vocab_size=VOCAB,
+                                 max_position_embeddings=512)
+    services = Services(["--model", str(model_dir), *ENGINE_FLAGS, "--log-level", "WARNING",
+                         "--tokenizer", str(default_model_path())],  # the vocabulary for structured-output masks
+                        ["--tokenizer", str(default_model_path()), "--log-level", "WARNING"])
+    services.model_dir = model_dir  # for tests that compare with transformers on the same weights
+    try:
+        yield services
+    finally:
+        services.stop()

@@ -17,7 +17,7 @@ from engine_core.protocol.outputs import EngineCoreEvent, EngineCoreEventType, E
 from engine_core.protocol.pooling_params import PoolingParams, PoolingType
 from engine_core.protocol.request import EngineCoreRequest
 from engine_core.protocol.request_error import RequestError, RequestErrorKind
-from engine_core.protocol.request_output import CompletionOutput, RequestOutput, Usage
+from engine_core.protocol.request_output import CompletionOutput, RequestMetrics, RequestOutput, Usage
 from engine_core.protocol.sampling_params import MAX_LOGPROBS, OutputKind, SamplingParams, validate_sampling_params
 from engine_core.protocol.scheduler_stats import SchedulerStats
 from engine_core.protocol.structured_output import StructuredOutput
@@ -27,7 +27,7 @@ __all__ = [
     "BlockHash", "CompletionOutput", "EngineCoreEvent", "EngineCoreEventType", "EngineCoreOutput",
     "EngineCoreOutputs", "EngineCoreRequest", "EngineInfo", "EngineState", "FinishReason", "KVCacheEvents", "LoraInfo",
     "MAX_LOGPROBS", "OutputKind", "PauseMode", "PoolingParams", "PoolingType", "RequestError", "RequestErrorKind",
-    "RequestOutput", "SamplingParams", "SchedulerStats", "StructuredOutput", "TokenLogprobs", "Usage",
+    "RequestMetrics", "RequestOutput", "SamplingParams", "SchedulerStats", "StructuredOutput", "TokenLogprobs", "Usage",
     "UtilityCall", "UtilityErrorKind", "UtilityMethod", "UtilityResult", "hash_prompt_blocks",
     "validate_sampling_params",
 ]

@@ -35,7 +35,8 @@ _OUTPUT_KIND_VALUES = frozenset(int(kind) for kind in OutputKind)
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """One request's sampling parameters (vLLM's SamplingParams); defaults are the wire's defaults."""
+    """One request's sampling parameters (vLLM's SamplingParams); defaults are the wire's defaults, but for the
+    output kind, which each API chooses."""
 
     n: int = 1
     temperature: float = 1.0
@@ -57,7 +58,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    output_kind: OutputKind = OutputKind.DELTA
+    # None: the API's own default, as in vLLM: DELTA on the wire and in AsyncLLM, CUMULATIVE in the offline
+    # LLMEngine, FINAL_ONLY in LLM.generate
+    output_kind: OutputKind | None = None
     structured: StructuredOutput | None = None  # constrain the output (None: free text)
     clamp_max_tokens: bool = False  # max_tokens beyond the context's room: cut to it (else refused)
 
@@ -122,7 +125,7 @@ def validate_sampling_params(params: SamplingParams, *, vocab_size: int | None =
     for i, stop in enumerate(params.stop):
         if not isinstance(stop, str) or not stop:
             raise ValueError(f"stop[{i}] is empty; stop strings must be non-empty, got {stop!r}")
-    if not isinstance(params.output_kind, OutputKind):  # __post_init__ converts every known value
+    if params.output_kind is not None and not isinstance(params.output_kind, OutputKind):  # see __post_init__
         raise ValueError(f"output_kind must be one of {', '.join(k.name for k in OutputKind)}, "
                          f"got {params.output_kind!r}")
     if params.structured is not None:

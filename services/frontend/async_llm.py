@@ -28,7 +28,7 @@ from services.frontend.change_listeners import ChangeListeners
 from services.frontend.chat_setup import ChatSetup
 from services.frontend.engine_client import EngineClient
 from services.frontend.errors import DuplicateRequest, EngineUnavailable, InvalidRequest, NotFound, TooManyRequests
-from services.frontend.input_processor import InputProcessor, Prompt, new_request_id
+from services.frontend.input_processor import InputProcessor, Prompt, PromptLike, TextPrompt, as_prompt, new_request_id
 from services.frontend.limits import RequestLimits
 from services.frontend.lora_results import lora_results
 from services.frontend.messages import EmbedResult, EngineCallResult, EngineOutputs
@@ -107,11 +107,13 @@ class AsyncLLM(ChangeListeners):
         return self.input_processor.chat_setup.template
 
     # ---- generation -----------------------------------------------------------------
-    async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str = "", *,
+    async def generate(self, prompt: PromptLike, sampling_params: SamplingParams | None = None, request_id: str = "", *,
                        priority: int = 0, trace_headers: dict[str, str] | None = None,
                        lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs (sampling_params None: every default). Validation errors raise InvalidRequest;
-        `lora_name` no engine has loaded, NotFound.
+        """Stream a request's outputs (sampling_params None: every default; the output kind defaults to DELTA).
+        `prompt`: a str, token ids, vLLM's {"prompt": ...} / {"prompt_token_ids": [...]}, or a TextPrompt,
+        TokensPrompt or ChatPrompt. Validation errors raise InvalidRequest; `lora_name` no engine has loaded,
+        NotFound.
 
         Closing the generator early (client cancel, deadline) aborts the request in the engine.
         """
@@ -156,11 +158,12 @@ class AsyncLLM(ChangeListeners):
             Usage(sum(o.usage.prompt_tokens for o in outputs), 0, sum(o.usage.cached_tokens for o in outputs)),
         )
 
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str = "", *,
-                    priority: int = 0, trace_headers: dict[str, str] | None = None,
+    def add_request(self, prompt: PromptLike, sampling_params: SamplingParams | None = None, request_id: str = "",
+                    *, priority: int = 0, trace_headers: dict[str, str] | None = None,
                     pooling: PoolingParams | None = None,
                     lora_name: str | None = None) -> tuple[str, RequestOutputCollector]:
         """Validate, admit and send a request (fanned out when n > 1); its id and collector."""
+        prompt = as_prompt(prompt)
         if self.draining:
             raise EngineUnavailable("the server is draining and admits no new requests; use another replica")
         if request_id and self.output_processor.has_request(request_id):
@@ -182,7 +185,8 @@ class AsyncLLM(ChangeListeners):
             listener(request.prompt_token_ids, request.lora_name)
         children = request.fan_out()
         collector = RequestOutputCollector(request.sampling_params.output_kind)
-        self.output_processor.add_request(request.request_id, children, collector, stats, tool_plan)
+        self.output_processor.add_request(request.request_id, children, collector, stats, tool_plan,
+                                          prompt=prompt.text if isinstance(prompt, TextPrompt) else None)
         try:
             for child in children:
                 self.engine_client.add_request(child)

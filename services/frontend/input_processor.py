@@ -6,7 +6,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 
-from engine_core.protocol import EngineCoreRequest, PoolingParams, SamplingParams, validate_sampling_params
+from engine_core.protocol import EngineCoreRequest, OutputKind, PoolingParams, SamplingParams, validate_sampling_params
 from services.frontend.chat_history import template_messages
 from services.frontend.chat_setup import ChatSetup, choose_chat_setup
 from services.frontend.chat_template import ChatTemplateError, render_chat
@@ -40,6 +40,27 @@ class TokensPrompt:
 
 
 Prompt = TextPrompt | TokensPrompt | ChatPrompt
+# What AsyncLLM.generate takes, as vLLM's does: also a str, token ids, {"prompt": str} or {"prompt_token_ids": [...]}
+PromptLike = Prompt | str | list[int] | dict
+
+
+def as_prompt(prompt: PromptLike) -> Prompt:
+    """The Prompt for what a caller passed; InvalidRequest naming what is accepted otherwise."""
+    if isinstance(prompt, (TextPrompt, TokensPrompt, ChatPrompt)):
+        return prompt
+    if prompt is None:
+        raise InvalidRequest("prompt is missing: set text or token_ids")
+    if isinstance(prompt, str):
+        return TextPrompt(prompt)
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return TokensPrompt(prompt)
+    if isinstance(prompt, dict) and set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
+        return TextPrompt(prompt["prompt"])
+    if isinstance(prompt, dict) and set(prompt) == {"prompt_token_ids"}:
+        return as_prompt(list(prompt["prompt_token_ids"]))
+    raise InvalidRequest(f"prompt is missing or not understood ({type(prompt).__name__}): pass a str, a list of "
+                         "token ids, {\"prompt\": str}, {\"prompt_token_ids\": [...]}, or a TextPrompt, "
+                         "TokensPrompt or ChatPrompt")
 
 
 class InputProcessor:
@@ -66,6 +87,8 @@ class InputProcessor:
         the server's --max-tokens). `pooling`: an embedding request, under the same prompt caps.
         `tool_plan` (from plan_tools): its constraint forces the tool_choice."""
         params = self.validate_sampling(params or SamplingParams())
+        if params.output_kind is None:  # the wire's default, and AsyncLLM's
+            params = replace(params, output_kind=OutputKind.DELTA)
         if tool_plan is not None:
             params = replace(params, structured=tool_plan.structured or params.structured,
                              skip_special_tokens=params.skip_special_tokens and not tool_plan.keep_special_tokens)

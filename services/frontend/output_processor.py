@@ -22,6 +22,7 @@ from engine_core.protocol import (
     EngineCoreRequest,
     FinishReason,
     OutputKind,
+    RequestMetrics,
     RequestOutput,
     TokenLogprobs,
     Usage,
@@ -61,7 +62,7 @@ class RequestOutputCollector:
         """Tokens merged into the unsent DELTA message (what grows while the consumer does not read)."""
         if not self.aggregate or not isinstance(self.output, RequestOutput):
             return 0
-        return sum(len(c.token_ids) for c in self.output.completions)
+        return sum(len(c.token_ids) for c in self.output.outputs)
 
     def get_nowait(self) -> RequestOutput | None:
         return None if self.output is None else self._take()
@@ -82,6 +83,8 @@ class ParentRequest:
     request_id: str
     collector: RequestOutputCollector
     num_prompt_tokens: int
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt: str | None = None  # the prompt's text, when it came as text
     children: dict[int, str] = field(default_factory=dict)  # index -> engine request id still running
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -96,12 +99,14 @@ class RequestState:
                  tool_plan: ToolPlan | None = None) -> None:
         self.request_id = request.request_id
         self.parent, self.index = parent, index
-        self.output_kind = request.sampling_params.output_kind
+        self.output_kind = request.sampling_params.output_kind or OutputKind.DELTA
         self.include_stop = request.sampling_params.include_stop_str_in_output
         self.detokenizer = Detokenizer(tokenizer, request.sampling_params)
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] = []
         self.prompt_logprobs: list[TokenLogprobs] = []
+        # the sampled tokens' logprobs summed (vLLM's cumulative_logprob); None unless logprobs were asked
+        self.cumulative_logprob = None if request.sampling_params.logprobs is None else 0.0
         self.tools = None if tool_plan is None else ToolOutput(tool_plan, self.output_kind)
 
     def completion(self, new: EngineCoreOutput, finish: FinishReason | None, stop_string: str | None,
@@ -123,6 +128,7 @@ class RequestState:
             stop_token_id=new.stop_token_id if finish == FinishReason.STOP and not stop_string else None,
             embedding=new.embedding,
             tool_call_deltas=tools.deltas if tools else [], tool_calls=tools.calls if tools else [],
+            cumulative_logprob=self.cumulative_logprob,
         )
 
 
@@ -147,9 +153,12 @@ class OutputProcessor:
         return request_id in self.parents
 
     def add_request(self, request_id: str, children: list[EngineCoreRequest], collector: RequestOutputCollector,
-                    stats: RequestStats | None = None, tool_plan: ToolPlan | None = None) -> None:
-        """Track a client request and its engine requests (one per completion; tool_plan: parse tool calls)."""
+                    stats: RequestStats | None = None, tool_plan: ToolPlan | None = None,
+                    prompt: str | None = None) -> None:
+        """Track a client request and its engine requests (one per completion; tool_plan: parse tool calls;
+        prompt: its text, when it came as text)."""
         parent = ParentRequest(request_id, collector, len(children[0].prompt_token_ids),
+                               list(children[0].prompt_token_ids), prompt,
                                stats=stats or RequestStats(request_id, children[0].arrival_time))
         self.parents[request_id] = parent
         for index, child in enumerate(children):
@@ -177,6 +186,8 @@ class OutputProcessor:
             state.token_ids.extend(out.new_token_ids)
             new_logprobs = decode_logprobs(self.tokenizer, out.new_logprobs)
             state.logprobs.extend(new_logprobs)
+            if state.cumulative_logprob is not None:
+                state.cumulative_logprob += sum(entry.logprobs[0] for entry in new_logprobs)
             state.prompt_logprobs.extend(decode_logprobs(self.tokenizer, out.new_prompt_logprobs))
             state.parent.cached_tokens = max(state.parent.cached_tokens, out.num_cached_tokens)
             completion = state.completion(out, finish, stop_string, new_logprobs)
@@ -233,7 +244,9 @@ class OutputProcessor:
         done = finished and not parent.children
         if completion is None and not done:
             return
-        output = RequestOutput(parent.request_id, [completion] if completion else [], finished=done)
+        output = RequestOutput(parent.request_id, [completion] if completion else [], finished=done,
+                               prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
+                               metrics=self._metrics(parent))
         if not parent.first_sent:
             parent.first_sent = True
             output.num_prompt_tokens = parent.num_prompt_tokens
@@ -243,3 +256,10 @@ class OutputProcessor:
             output.usage = Usage(parent.num_prompt_tokens, parent.completion_tokens, parent.cached_tokens)
             self.telemetry.finish(parent.stats, output.usage, completion.finish_reason if completion else None)
         parent.collector.put(output)
+
+    def _metrics(self, parent: ParentRequest) -> RequestMetrics:
+        stats = parent.stats
+        running = sum(len(self.requests[engine_id].token_ids) for engine_id in parent.children.values()
+                      if engine_id in self.requests)
+        return RequestMetrics(stats.arrival_time, stats.first_token_ts, stats.last_token_ts,
+                              parent.completion_tokens + running)

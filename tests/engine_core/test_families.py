@@ -18,7 +18,7 @@ import torch
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine_core.llm_engine import LLMEngine
 from engine_core.loader import load_model
-from engine_core.protocol import SamplingParams
+from engine_core.protocol import OutputKind, SamplingParams
 from kernels import cpu_extension, select_backend
 from tests.engine_core.tiny_models import PagedBatch, run_step, write_tiny_model
 
@@ -129,7 +129,8 @@ def test_sliding_window_models_free_the_blocks_behind_the_window(tmp_path):
             scheduler=SchedulerConfig(max_num_batched_tokens=16), device=DeviceConfig(device="cpu"),
         ))
         core, (prompt,) = engine.engine_core, prompts([30], seed=5)
-        engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+        engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                                                       output_kind=OutputKind.DELTA))
         held, tokens = [], []
         while engine.has_unfinished_requests():
             for output in engine.step():

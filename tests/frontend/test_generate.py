@@ -139,3 +139,24 @@ def test_token_id_prompt(stack):
                                          sampling_params=common_pb2.SamplingParams(max_tokens=len(ids)))
     responses = stack.run(collect(stack, req))
     assert texts_by_index(responses)[0] == stack.tokenizer.decode(ids)
+
+
+def test_async_llm_takes_a_str_and_vllms_prompt_forms(stack):
+    """As vLLM's AsyncLLM.generate: a str, token ids or a prompt dict; vLLM's names on the output."""
+    from engine_core.protocol import SamplingParams
+    from services.frontend.errors import InvalidRequest
+
+    async def final(prompt):
+        text, last = "", None
+        async for output in stack.llm.generate(prompt, SamplingParams(max_tokens=8), uuid.uuid4().hex):
+            text, last = text + output.outputs[0].text, output
+        return text, last
+
+    ids = stack.tokenizer.encode(PROMPT)
+    answers = [stack.run(final(p)) for p in (PROMPT, ids, {"prompt": PROMPT}, {"prompt_token_ids": ids})]
+    assert len({text for text, _ in answers}) == 1 and answers[0][0]
+    text, last = answers[0]
+    assert last.finished and last.prompt == PROMPT and last.prompt_token_ids == ids
+    assert last.metrics.num_generation_tokens == 8 and last.outputs is last.completions
+    with pytest.raises(InvalidRequest, match="prompt is missing or not understood"):
+        stack.run(final(3.5))

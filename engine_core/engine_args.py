@@ -1,0 +1,41 @@
+"""vLLM's EngineArgs: the engine's options as one flat dataclass, for `LLM(model, **options)` and
+`LLMEngine.from_engine_args(EngineArgs(model=...))`; EngineConfig (engine_core/config.py) groups the same
+options and more, and is what the engine takes. The names are vLLM's where vLLM has the option."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # a HF folder or a .gguf; None: the embedded SmolLM2
+    tokenizer: str | None = None  # None: the model's own
+    dtype: str = "auto"
+    quantization: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory_gib: float = 1.0
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 128
+    device: str = "auto"
+    enforce_eager: bool = False
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+
+    def create_engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=ModelConfig(model=self.model, dtype=self.dtype, quantization=self.quantization, seed=self.seed,
+                              max_model_len=self.max_model_len, tokenizer=self.tokenizer),
+            cache=CacheConfig(block_size=self.block_size, kv_cache_memory_gib=self.kv_cache_memory_gib,
+                              enable_prefix_caching=self.enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
+                                      max_num_seqs=self.max_num_seqs),
+            device=DeviceConfig(device=self.device, enforce_eager=self.enforce_eager),
+            lora=LoraConfig(enable=self.enable_lora, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank),
+        )
