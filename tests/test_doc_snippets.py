@@ -64,6 +64,8 @@ SKIPPED = [
     (r"(mkdir -p build/gen/go && )?protoc ", "needs protoc and the Go plugins; tests/api/test_go_stubs.py runs it "
      "where they are installed"),
     (r"\.venv/bin/python scripts/bench_", "a benchmark: minutes of a busy machine (docs/benchmarks.md)"),
+    (r"(\.venv/bin/)?tandem plans\b", "reads (or clears) this machine's plan cache, not a server; "
+     "tests/clients/test_plans_command.py runs it on a cache folder of its own"),
 ]
 # Whole blocks that are one recipe, not separate commands: (page, first line's start, why)
 SKIPPED_BLOCKS = [
