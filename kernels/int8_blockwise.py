@@ -9,13 +9,16 @@ of 32 k): w = c * d + o. That holds each format exactly:
 - Q4_1: c = q - 8, o = 8 d + m (llama.cpp's w = q d + m)
 - Q8_0: c = q, o = 0 (d = max |w| / 127 of the block)
 
-so `int8_blockwise` computes, for x [M, K] rounded per (row, block b) to xq with scale s,
+(for Q4_1 the codes are moved by a whole number so that each block's mean code is within 1/2 of 0,
+the offset taking the difference: what the rounded activations multiply is then as small as it
+gets), so `int8_blockwise` computes, for x [M, K] rounded per (row, block b) to xq with scale s,
 
     y[m, n] = sum_b s[m, b] d[n, b] (xq[m, b] . c[n, b]) + sum_b o[n, b] xsum[m, b] (+ bias[n])
 
 with xsum the block's exact fp32 sum of x. llama.cpp's q8_1 keeps the rounded sum (s * sum xq) and
-rounds s to fp16; here the offset multiplies the exact activations, so only the codes' part of the
-weight sees their rounding (docs/cpu-kernels.md#accuracy has the figures).
+rounds s to fp16, so the whole weight meets the rounded activations; here the offset multiplies the
+exact ones and only the centred codes' part of the weight sees their rounding
+(docs/cpu-kernels.md#accuracy has the figures).
 
 Codes come back from the dequantized float weight the loader gives: Q4's through
 kernels/int4_linear.py's quantize_int4, Q8_0's as round(w / (max |w| / 127)); each block keeps
@@ -90,8 +93,11 @@ def quantize_blockwise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     # a Q4_1 one keeps Q4_1's grid throughout (Q4_0's would hold some blocks only within the rounding)
     if bool((q40_exact | ~q4_exact).all()):
         codes4, scales4, offsets4 = codes0, scale0.squeeze(-1), torch.zeros_like(scales4)
-    else:
+    else:  # Q4_1: codes centred on their block's mean, the offset taking the rest (see below)
         codes4 = codes4.float().reshape(codes8.shape) - 8
+        shift = codes4.mean(-1).round_()  # [out, blocks]
+        codes4 -= shift[..., None]
+        offsets4 = offsets4 + shift * scales4
     use4 = q4_exact[..., None]  # Q4 where it holds the block exactly (fewer levels: finer activations' error)
     codes = torch.where(use4, codes4, codes8).to(torch.int8).reshape(out_f, in_f)
     scales = torch.where(q4_exact, scales4, scale8.squeeze(-1))
