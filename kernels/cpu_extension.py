@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "argmax.cpp", "int8_rows.cpp", "int8_gemv.cpp", "int4_gemv.cpp",
-           "int8_vnni.cpp", "int8_grouped.cpp",
+           "int8_vnni.cpp", "int8_grouped.cpp", "int8_blockwise.cpp",
            "bf16_packed.cpp", "lora.cpp", "decode_layer.cpp")
 CFLAGS = (
     "-O3",

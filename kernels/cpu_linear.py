@@ -41,6 +41,12 @@ from kernels.int4_linear import (
     run_int4,
     run_int4_gemv,
 )
+from kernels.int8_blockwise import (
+    int8_blockwise_fits,
+    int8_blockwise_is_exact,
+    prepare_int8_blockwise,
+    run_int8_blockwise,
+)
 from kernels.int8_linear import (  # noqa: F401 (quantize_int8 / dequantize_int8 re-exported)
     dequantize_int8,
     int8_grouped_fits,
@@ -81,9 +87,12 @@ class LinearRole(str, enum.Enum):
 
 HEAD_MAX_ROWS = 128  # the LM head sees one row per sampling request (max_num_seqs): not timed above
 FLOAT_KERNELS = ("linear", "linear_colmajor", "linear_onednn", "linear_bf16_packed")
-INT8_KERNELS = ("int8_weight_only", "int8_dynamic", "int8_gemv", "int8_vnni", "int8_grouped")
+INT8_KERNELS = ("int8_weight_only", "int8_dynamic", "int8_gemv", "int8_vnni", "int8_grouped", "int8_blockwise")
 W8A8_KERNELS = ("int8_dynamic", "int8_vnni")  # activations rounded to int8 per token (the same arithmetic)
 GROUPED_KERNELS = ("int8_grouped",)  # activations rounded to int8 per token and group of k: down_proj's W8A8
+# W8A8 in GGUF's blocks of 32 k on the weight's own codes (kernels/int8_blockwise.py): in auto only where
+# exact, and there instead of the W8A8 kernels above, which round such a weight a second time
+BLOCKWISE_KERNELS = ("int8_blockwise",)
 # Kernels built for small batches, never timed above this many rows: the last bucket's kernel also
 # serves every larger batch (prefill chunks of thousands of rows), which its timing cannot see.
 # int8_vnni keeps one 8-row register tile per weight pass: on a Zen 4 1.2-1.5x oneDNN's int8 GEMM
@@ -134,6 +143,7 @@ KERNELS = {
     "int8_gemv": (prepare_int8_gemv, run_int8_gemv),
     "int8_vnni": (prepare_int8_vnni, run_int8_vnni),
     "int8_grouped": (prepare_int8_grouped, run_int8_grouped),
+    "int8_blockwise": (prepare_int8_blockwise, run_int8_blockwise),
     "linear_onednn": (prepare_onednn, run_onednn),
     "linear_bf16_packed": (prepare_bf16_packed, run_bf16_packed),
     "int4": (prepare_int4, run_int4),
@@ -163,6 +173,8 @@ def kernel_fits(kernel: str, weight: torch.Tensor) -> bool:
         return weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[1] % 4 == 0 and int8_vnni_supported()
     if kernel == "int8_grouped":
         return int8_grouped_fits(weight)
+    if kernel == "int8_blockwise":
+        return int8_blockwise_fits(weight)
     return True
 
 
@@ -272,6 +284,10 @@ def _kernels_for(quantization: str, weights: list[torch.Tensor], role: LinearRol
     linears keep per-token W8A8, a little faster. The LM head's input (the final norm's output) takes
     per-token W8A8: over 414 tokens it moved the mean |log-prob change| from 0.159 to 0.175, its top-1
     agreement within noise (0.889 -> 0.906), and the answer above stayed.
+
+    Where the weights came from a Q4_0 / Q4_1 / Q8_0 GGUF, auto's W8A8 is `int8_blockwise` alone (every
+    role: blocks of 32 k keep down_proj's outlier channels to their own block), exact on the weights and
+    with llama.cpp's rounding of the activations (docs/cpu-kernels.md#accuracy).
     """
     if quantization == "int4" and role is LinearRole.OUTPUT_HEAD:
         quantization = "int8"
@@ -280,6 +296,10 @@ def _kernels_for(quantization: str, weights: list[torch.Tensor], role: LinearRol
         kernels = [k for k in kernels if k not in W8A8_KERNELS] or kernels
     else:
         kernels = [k for k in kernels if k not in GROUPED_KERNELS] or kernels
+    if quantization == "auto":  # see BLOCKWISE_KERNELS
+        exact = all(int8_blockwise_is_exact(w) for w in weights)
+        dropped = W8A8_KERNELS + GROUPED_KERNELS if exact else BLOCKWISE_KERNELS
+        kernels = [k for k in kernels if k not in dropped] or kernels
     if quantization == "int4" and "int4" in kernels:
         kernels = [k for k in INT4_KERNELS if k in kernels]  # int8 is only the fallback for shapes int4 cannot take
     elif quantization == "auto" and all(int4_is_exact(w) for w in weights):

@@ -20,6 +20,8 @@ void int4_gemv(Tensor out, Tensor x, Tensor packed);
 void int8_vnni_gemm(Tensor out, Tensor x, Tensor packed, Tensor w_scale, Tensor offsets, Tensor bias);
 // int8_grouped.cpp
 void int8_grouped_gemm(Tensor out, Tensor x, Tensor packed, Tensor w_scale, Tensor offsets, Tensor bias);
+// int8_blockwise.cpp
+void int8_blockwise_gemm(Tensor out, Tensor x, Tensor packed, Tensor bias);
 // bf16_packed.cpp
 void bf16_packed_gemm(Tensor out, Tensor x, Tensor packed, Tensor bias);
 // lora.cpp

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from kernels.int4_linear import dequantize_int4, quantize_int4
+from kernels.int8_blockwise import BLOCK, quantize_activation_blocks, quantize_blockwise
 from kernels.int8_linear import ACTIVATION_GROUP, quantize_int8
 
 
@@ -67,3 +68,17 @@ def int4_weight_only(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """`int4` and `int4_gemv`: the float activations times the int4 weight (groups of 32 k, a scale
     and a zero each) in fp32 scales; the kernels round those (bf16 / fp16) and `int4` its activations."""
     return float_linear(x, dequantize_int4(*quantize_int4(weight)), bias)
+
+
+def int8_blockwise(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`int8_blockwise` (W8A8 in blocks of 32 k, exact on GGUF Q4_0 / Q4_1 / Q8_0 weights): the weight's
+    codes, scales and offsets per block (`quantize_blockwise`), x rounded to int8 per row and block of 32
+    as the kernel rounds it; the codes' part times the rounded activations, the offsets times the
+    blocks' exact sums."""
+    codes, scales, offsets = quantize_blockwise(weight)
+    xq, x_scale, x_sum = quantize_activation_blocks(x)
+    rows, out_f = x.shape[0], weight.shape[0]
+    scaled_x = (xq.double() * x_scale.double()).reshape(rows, -1)
+    scaled_codes = codes.double().reshape(out_f, -1, BLOCK) * scales.double()[..., None]
+    y = scaled_x @ scaled_codes.reshape(out_f, -1).t() + x_sum.double().squeeze(-1) @ offsets.double().t()
+    return y if bias is None else y + bias.double()

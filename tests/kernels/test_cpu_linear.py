@@ -13,6 +13,7 @@ from engine_core.loader.safetensors import load_hf
 from engine_core.models.llama import LlamaForCausalLM
 from kernels import LinearRole, select_backend
 from kernels.cpu_linear import (
+    BLOCKWISE_KERNELS,
     FLOAT_KERNELS,
     GROUPED_KERNELS,
     INT4_KERNELS,
@@ -30,6 +31,7 @@ from kernels.cpu_linear import (
 )
 from kernels.float_dtype import fastest_float_dtype
 from kernels.int4_linear import dequantize_int4, quantize_int4
+from kernels.int8_blockwise import dequantize_blockwise, quantize_blockwise
 from kernels.linear_timing import fastest
 from kernels.reference.linear import float_linear
 from tests.engine_core.tiny_models import PagedBatch, run_step, write_tiny_model
@@ -65,6 +67,8 @@ def test_kernel_matches_linear_on_its_own_weights(kernel, rows, dtype):
     w, b, x = torch.randn(96, 96), torch.randn(96), torch.randn(rows, 96)
     if kernel in INT8_KERNELS:
         w = dequantize_int8(*quantize_int8(w))  # what the int8 kernels hold exactly
+    if kernel in BLOCKWISE_KERNELS:
+        w = dequantize_blockwise(*quantize_blockwise(w))  # int8_blockwise: its own blocks of 32
     if kernel in INT4_KERNELS:
         w = dequantize_int4(*quantize_int4(w))
     w, b, x = w.to(dtype), b.to(dtype), x.to(dtype)
@@ -75,9 +79,10 @@ def test_kernel_matches_linear_on_its_own_weights(kernel, rows, dtype):
     assert y.shape == (rows, 96) and y.dtype == dtype
     # fp32: summation order only. bf16: bf16 rounding of inputs/outputs (8 bits of mantissa).
     # W8A8 (int8_dynamic, int8_vnni) also rounds each activation row to 8 bits: up to half a step
-    # of the row's amax/127 per product, so compare at 3% of the output's spread.
+    # of the row's amax/127 per product, so compare at 3% of the output's spread (int8_blockwise:
+    # each block of 32 of the row, finer).
     tolerance = {torch.float32: 1e-4, torch.bfloat16: 2e-2}[dtype]
-    if kernel in W8A8_KERNELS:
+    if kernel in W8A8_KERNELS + BLOCKWISE_KERNELS:
         tolerance = 3e-2
     if kernel == "int4":  # bf16 activations and scales whatever the dtype (its fp32 path is slow)
         tolerance = 2e-2
@@ -242,14 +247,15 @@ def test_int8_model_logits_match_the_dequantized_model(tmp_path, variant, kernel
         want = run_step(reference, PagedBatch(reference.config, 2, 16), list(enumerate(sequences)))
     got, want = torch.cat(got), torch.cat(want)
     relative_rms = float((got - want).norm() / want.norm())
-    if kernel not in W8A8_KERNELS + GROUPED_KERNELS:
+    if kernel not in W8A8_KERNELS + GROUPED_KERNELS + BLOCKWISE_KERNELS:
         # weight-only: the dequantized model's matmuls, summation order aside, and for int8_gemv on
         # AVX512-VNNI activations rounded to 16 bits per row (2^-16 of the row's largest value, ~1e-4
         # of the logits here after 2 layers)
         tolerance = 1e-3 if kernel == "int8_gemv" else 1e-4
         assert (got - want).abs().max() <= tolerance * want.abs().max()
     else:
-        # W8A8 rounds each activation row (or group of 128 k of it, down_proj's) to 8 bits too: ~0.5%
+        # W8A8 rounds each activation row (or group of 128 k of it, down_proj's; or block of 32 k,
+        # int8_blockwise's, whose weight is its own Q8_0 rounding of the float one) to 8 bits too: ~0.5%
         # relative error per linear, compounding over 2 layers' linears. Measured ~2%; 5% leaves room
         # for other CPUs.
         # Greedy answers on the real model: tests/engine_core/test_quantized_smollm2.py.
@@ -272,15 +278,15 @@ def test_dtype_auto_keeps_the_flags_choice_unless_the_other_dtype_is_clearly_fas
 
 def test_w8a8_is_never_planned_where_the_int8_gemm_saturates(tmp_path, monkeypatch):
     """int_mm_is_exact() False (oneDNN's AVX2 path without VNNI sums u8 x s8 pairs in saturating
-    16-bit lanes): --quantization int8 never plans torch._int_mm's W8A8. (int8_vnni and int8_grouped
-    sum exactly and exist only where the CPU has VNNI; here they are the slowest candidates.)"""
+    16-bit lanes): --quantization int8 never plans torch._int_mm's W8A8. (int8_vnni, int8_grouped and
+    int8_blockwise sum exactly and exist only where the CPU has VNNI; here they are the slowest candidates.)"""
     import kernels.cpu_linear as cpu_linear
 
     monkeypatch.setattr(cpu_linear, "int_mm_is_exact", lambda: False)
     model = build_model(write_tiny_model(tmp_path))
     prepare_for_cpu(model, "int8", timer=fixed_timer({"int8_dynamic": 1.0, "int8_weight_only": 2.0,
                                                                 "int8_gemv": 3.0, "int8_vnni": 4.0,
-                                                                "int8_grouped": 4.0}))
+                                                                "int8_grouped": 4.0, "int8_blockwise": 4.0}))
     layers = [m for m in model.modules() if isinstance(m, CpuLinear)]
     assert layers and all(name == "int8_weight_only" for m in layers for _, name in m.plan)
 
