@@ -22,14 +22,16 @@ LINEAR_KERNELS = ("linear", "linear_colmajor", "int8_weight_only", "int8_dynamic
                   "int8_grouped", "linear_onednn", "linear_bf16_packed", "int4", "int4_gemv")
 LINEAR_BUCKETS = (1, 8, 32, 128, 512)
 
-LinearPins = dict[str, dict[int, str]]  # a linear's attribute name (or "*": every linear) -> {bucket: kernel}
+# a linear's attribute name (or "*": every linear) -> {bucket: kernel}, bucket None: every bucket the layer has
+LinearPins = dict[str, dict[int | None, str]]
 
 
 def parse_linear_kernels(spec: str | None) -> LinearPins:
     """`--linear-kernels` SPEC -> {layer: {bucket: kernel}}: comma-separated LAYER[@ROWS]=KERNEL, LAYER a
     linear's attribute name in the model (qkv_proj, o_proj, gate_up_proj, down_proj, lm_head, ...) or `*`,
-    ROWS one of LINEAR_BUCKETS (absent: every bucket). A later item overrides an earlier one for the same
-    layer and bucket; a layer's own items override `*`'s (kernels/cpu_linear.py). ValueError names the choices."""
+    ROWS one of LINEAR_BUCKETS (absent: every bucket the layer has; the LM head's stop at 128). A later item
+    overrides an earlier one for the same layer and bucket, an item for one bucket one for every bucket, and a
+    layer's own items `*`'s (kernels/cpu_linear.py). ValueError names the choices."""
     pins: LinearPins = {}
     for item in (spec or "").split(","):
         item = item.strip()
@@ -47,8 +49,10 @@ def parse_linear_kernels(spec: str | None) -> LinearPins:
             _require(rows.strip().isdigit() and int(rows) in LINEAR_BUCKETS,
                      f"linear kernels: rows {rows.strip()!r} in {item!r} is not a bucket; the buckets: "
                      f"{', '.join(map(str, LINEAR_BUCKETS))}")
-        for bucket in (int(rows),) if at else LINEAR_BUCKETS:
-            pins.setdefault(layer, {})[bucket] = kernel
+        if at:
+            pins.setdefault(layer, {})[int(rows)] = kernel
+        else:
+            pins[layer] = {None: kernel}  # over the layer's earlier items
     return pins
 
 

@@ -107,8 +107,9 @@ _EXACTNESS_ROWS = 64  # rows of a weight `int4_is_exact` checks (a GGUF tensor h
 
 Plan = list[tuple[int, str]]  # (max rows, kernel name), ascending; the last entry takes any larger batch
 # kernels pinned by the user (engine_core/config.py parses `--linear-kernels`): a linear's attribute name,
-# or "*" for every linear, -> {bucket: kernel}; a linear's own pins override "*"'s
-Pins = Mapping[str, Mapping[int, str]]
+# or "*" for every linear, -> {bucket: kernel}, bucket None standing for every bucket of the layer; a pin for
+# one bucket overrides one for every bucket, and a linear's own pins "*"'s
+Pins = Mapping[str, Mapping[int | None, str]]
 
 
 # ---- the kernels: prepare(weight, bias) -> state, run(state, x [N, in]) -> [N, out] ----
@@ -352,8 +353,9 @@ def _buckets_for(role: LinearRole, buckets: tuple[int, ...]) -> tuple[int, ...]:
 
 def _pinned_buckets(pins: Pins, name: str, buckets: tuple[int, ...]) -> dict[int, str]:
     """{bucket: kernel} that `pins` fixes for the linear called `name`: its own pins over "*"'s."""
-    merged = {**pins.get("*", {}), **pins.get(name, {})}
-    return {rows: merged[rows] for rows in buckets if rows in merged}
+    own, every = pins.get(name, {}), pins.get("*", {})
+    chosen = {rows: own.get(rows, own.get(None, every.get(rows, every.get(None)))) for rows in buckets}
+    return {rows: kernel for rows, kernel in chosen.items() if kernel is not None}
 
 
 def _check_pins(pins: Pins, linears: dict[str, list[tuple[nn.Linear, tuple[int, ...]]]]) -> None:
@@ -368,7 +370,7 @@ def _check_pins(pins: Pins, linears: dict[str, list[tuple[nn.Linear, tuple[int, 
             raise ValueError(f"linear kernels: this model has no linear named {name!r}; its linears: "
                              f"{', '.join(linears)} (or * for all)")
         if name != "*":
-            missing = sorted(set(by_rows) - set(linears[name][0][1]))
+            missing = sorted(set(by_rows) - {None, *linears[name][0][1]})
             if missing:
                 raise ValueError(f"linear kernels: {name} is planned for {missing[0]} rows never; its buckets: "
                                  f"{', '.join(map(str, linears[name][0][1]))} (the last takes larger batches)")

@@ -52,9 +52,10 @@ def test_the_flag_parser_names_the_kernels_and_buckets_of_the_kernels():
     assert LINEAR_KERNELS == tuple(KERNELS) and LINEAR_BUCKETS == BUCKETS
 
 
-def test_a_spec_expands_to_every_bucket_and_a_later_item_overrides():
-    pins = parse_linear_kernels(" *=linear, o_proj@512=linear_colmajor ,o_proj@512=linear_onednn")
-    assert pins == {"*": dict.fromkeys(BUCKETS, "linear"), "o_proj": {512: "linear_onednn"}}
+def test_a_later_item_overrides_an_earlier_one():
+    pins = parse_linear_kernels(" *=linear, o_proj@512=linear_colmajor ,o_proj@512=linear_onednn,down_proj@8=int4,"
+                                "down_proj=int4_gemv")
+    assert pins == {"*": {None: "linear"}, "o_proj": {512: "linear_onednn"}, "down_proj": {None: "int4_gemv"}}
     assert parse_linear_kernels(None) == parse_linear_kernels("") == {}
 
 
@@ -80,13 +81,15 @@ def test_a_pinned_plan_runs_and_is_never_timed_nor_cached():
     model = TinyBlock()
     x = torch.randn(3, 64)
     expected = model.o_proj(x)
-    pins = parse_linear_kernels("*=linear_colmajor,o_proj@8=linear,lm_head@1=int8_weight_only")
+    pins = parse_linear_kernels("*=linear_colmajor,o_proj@8=linear,lm_head=int8_weight_only,lm_head@8=linear")
     use_measured_linears(model, "none", timer=no_timing, roles=ROLES, pins=pins)
     assert [model.o_proj.kernel_for(rows) for rows in (1, 8, 32, 4096)] == [
         "linear_colmajor", "linear", "linear_colmajor", "linear_colmajor"]
     assert model.down_proj.kernel_for(1) == "linear_colmajor"
-    assert model.lm_head.kernel_for(1) == "int8_weight_only"  # a pin overrides quantization none
-    assert model.lm_head.kernel_for(8) == "linear_colmajor"
+    # a pin overrides quantization none; without @ROWS it takes every bucket the head has (up to 128)
+    assert [model.lm_head.kernel_for(rows) for rows in (1, 8, 32, 4096)] == [
+        "int8_weight_only", "linear", "int8_weight_only", "int8_weight_only"]
+    assert [rows for rows, _ in model.lm_head.plan] == [1, 8, 32, 128]
     torch.testing.assert_close(model.o_proj(x), expected)
     assert not linear_plan_cache.cache_path().exists()
 
