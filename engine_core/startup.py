@@ -15,7 +15,13 @@ from pathlib import Path
 
 import torch
 
-from engine_core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, ModelArchConfig, SchedulerConfig
+from engine_core.config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    EngineConfig,
+    ModelArchConfig,
+    SchedulerConfig,
+    parse_linear_kernels,
+)
 from engine_core.cuda_graphs import capture_sizes
 from engine_core.kv_cache_tensors import kv_cache_bytes_per_block
 from engine_core.loader.registry import default_model_path, load_model, prepare_for_cpu
@@ -57,8 +63,11 @@ class EngineStartup:
         started = time.perf_counter()
         quantization = resolve_quantization(config.model.quantization, config.model.dtype, device)
         self.model, self.arch = load_model(config.model.model, dtype, device, self.attention, fused)
+        pins = parse_linear_kernels(config.model.linear_kernels)
+        if pins and device.type != "cpu":
+            raise ValueError("linear_kernels pins CPU kernels; leave it unset on CUDA")
         if device.type == "cpu":
-            prepare_for_cpu(self.model, quantization)
+            prepare_for_cpu(self.model, quantization, pins=pins)
         self.model_path = str(Path(config.model.model) if config.model.model else default_model_path())
         logger.info("loaded %s in %.1f s", self.model_path, time.perf_counter() - started)
 

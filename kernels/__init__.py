@@ -85,6 +85,7 @@ from kernels import reference  # noqa: E402
 from kernels.cpu_linear import (  # noqa: E402
     BUCKETS,
     LinearRole,
+    Pins,
     allowed_kernels,
     int4_allowed,
     kernel_fits,
@@ -100,7 +101,7 @@ from kernels.lora_ops import LORA_KERNELS, LoraOps, LoraPlan, select_lora_ops  #
 
 __all__ = [
     "AttentionBackend", "AttentionMetadata", "BUCKETS", "FusedOps", "LORA_KERNELS", "LinearRole", "LoraOps",
-    "LoraPlan", "LoraStepIndex", "Timer", "allowed_kernels",
+    "LoraPlan", "Pins", "LoraStepIndex", "Timer", "allowed_kernels",
     "argmax", "fastest_float_dtype", "fastest_uncontended", "int4_allowed", "kernel_fits", "one_thread",
     "prepare_int4_gemv", "prepare_int8_gemv", "reference", "select_backend", "select_fused_ops", "select_lora_ops",
     "use_measured_linears",

@@ -11,7 +11,8 @@ over a VNNI-packed weight, `int8_vnni`, for decode batches) or int4 in GGUF's 4-
 blocks (kernels/int4_linear.py: torch's `int4`, or Tandem's C++ GEMV for a few rows, `int4_gemv`).
 The loader times each allowed kernel on the model's real shapes per batch bucket (`choose_plan`)
 and swaps every `nn.Linear` for a `CpuLinear` that dispatches on the number of rows
-(`use_measured_linears`).
+(`use_measured_linears`). A user may pin kernels instead (`--linear-kernels`): a pinned layer and
+bucket is never timed nor cached.
 
 Quantized weights are made on load from the float ones: int8 in kernels/int8_linear.py, int4 in
 kernels/int4_linear.py (tests/kernels/test_cpu_linear.py states the tolerances and why). Each kernel's
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -114,6 +115,10 @@ _BUDGET_S = 0.02  # timed seconds per bucket, all kernels together, before the e
 _EXACTNESS_ROWS = 64  # rows of a weight `int4_is_exact` checks (a GGUF tensor has one type throughout)
 
 Plan = list[tuple[int, str]]  # (max rows, kernel name), ascending; the last entry takes any larger batch
+# kernels pinned by the user (engine_core/config.py parses `--linear-kernels`): a linear's attribute name,
+# or "*" for every linear, -> {bucket: kernel}, bucket None standing for every bucket of the layer; a pin for
+# one bucket overrides one for every bucket, and a linear's own pins "*"'s
+Pins = Mapping[str, Mapping[int | None, str]]
 
 
 # ---- the kernels: prepare(weight, bias) -> state, run(state, x [N, in]) -> [N, out] ----
@@ -204,9 +209,10 @@ class CpuLinear(nn.Module):
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: Plan,
-                 prepared: dict[str, object] | None = None):
+                 prepared: dict[str, object] | None = None, pinned: Collection[int] = ()):
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.pinned = frozenset(pinned)  # the plan's buckets whose kernel the user pinned: never changed
         prepared = prepared or {}
         states = {name: prepared[name] if name in prepared else
                   KERNELS[name][0](weight.detach(), None if bias is None else bias.detach())
@@ -227,8 +233,9 @@ class CpuLinear(nn.Module):
     def take_kernel_up_to(self, rows: int, name: str, state: object) -> None:
         """Run `name` (prepared as `state`) for every batch of up to `rows` rows; a kernel the plan
         no longer names is freed. Used where a choice above this layer (one op per decoder layer,
-        engine_core/models/cpu_decode_layers.py) was measured with `name` in these buckets."""
-        plan = [(limit, name if limit <= rows else kernel) for limit, kernel in self.plan]
+        engine_core/models/cpu_decode_layers.py) was measured with `name` in these buckets. Pinned buckets
+        keep their kernel (the op runs them there)."""
+        plan = [(limit, name if limit <= rows and limit not in self.pinned else kernel) for limit, kernel in self.plan]
         self._use(plan, {**self._states, name: state})
 
     def kernel_for(self, rows: int) -> str:
@@ -362,54 +369,104 @@ def choose_plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], kernels
     return plan, timings, races
 
 
+def _buckets_for(role: LinearRole, buckets: tuple[int, ...]) -> tuple[int, ...]:
+    if role is LinearRole.OUTPUT_HEAD:
+        return tuple(b for b in buckets if b <= HEAD_MAX_ROWS) or buckets[:1]
+    return buckets
+
+
+def _pinned_buckets(pins: Pins, name: str, buckets: tuple[int, ...]) -> dict[int, str]:
+    """{bucket: kernel} that `pins` fixes for the linear called `name`: its own pins over "*"'s."""
+    own, every = pins.get(name, {}), pins.get("*", {})
+    chosen = {rows: own.get(rows, own.get(None, every.get(rows, every.get(None)))) for rows in buckets}
+    return {rows: kernel for rows, kernel in chosen.items() if kernel is not None}
+
+
+def _check_pins(pins: Pins, linears: dict[str, list[tuple[nn.Linear, tuple[int, ...]]]]) -> None:
+    """ValueError, naming the choices, for a pin this model cannot take: a kernel that does not exist, a
+    layer it does not have, a bucket the layer is not planned for (the LM head stops at HEAD_MAX_ROWS),
+    or a kernel that cannot hold the layer's weight here (`kernel_fits`)."""
+    for name, by_rows in pins.items():
+        unknown = sorted(set(by_rows.values()) - set(KERNELS))
+        if unknown:
+            raise ValueError(f"linear kernels: unknown kernel {unknown[0]!r}; the kernels: {', '.join(KERNELS)}")
+        if name != "*" and name not in linears:
+            raise ValueError(f"linear kernels: this model has no linear named {name!r}; its linears: "
+                             f"{', '.join(linears)} (or * for all)")
+        if name != "*":
+            missing = sorted(set(by_rows) - {None, *linears[name][0][1]})
+            if missing:
+                raise ValueError(f"linear kernels: {name} is planned for {missing[0]} rows never; its buckets: "
+                                 f"{', '.join(map(str, linears[name][0][1]))} (the last takes larger batches)")
+    for name, members in linears.items():
+        for linear, buckets in members:
+            for rows, kernel in _pinned_buckets(pins, name, buckets).items():
+                if not kernel_fits(kernel, linear.weight):
+                    fitting = [k for k in KERNELS if kernel_fits(k, linear.weight)]
+                    raise ValueError(
+                        f"linear kernels: {kernel} cannot hold {name}'s {linear.out_features}x{linear.in_features} "
+                        f"{linear.weight.dtype} weight on this machine; the kernels that can: {', '.join(fitting)}")
+
+
 @torch.no_grad()
 def use_measured_linears(model: nn.Module, quantization: str = "none", buckets: tuple[int, ...] = BUCKETS,
-                         timer: Timer | None = None,
-                         roles: Mapping[str, LinearRole] | None = None) -> dict[tuple[int, int], Plan]:
+                         timer: Timer | None = None, roles: Mapping[str, LinearRole] | None = None,
+                         pins: Pins | None = None) -> dict[tuple[int, int], Plan]:
     """Replace every `nn.Linear` in `model` (on CPU) by a `CpuLinear` whose kernel per batch
     bucket was measured fastest on this machine among those `quantization` allows for its role
-    (`roles`: the model's, by attribute name; any other linear is LinearRole.ANY).
+    (`roles`: the model's, by attribute name; any other linear is LinearRole.ANY), or pinned by `pins`
+    (any kernel that holds the weight, whatever `quantization` and the role allow; ValueError else).
 
     Same-shape layers share one measurement, kept on disk for the next load on this machine
-    (kernels/linear_plan_cache.py; not with an injected `timer`). Logs one line per shape and
-    returns the plans.
+    (kernels/linear_plan_cache.py; not with an injected `timer`); pinned buckets are neither timed nor
+    stored. Logs one line per shape and returns the plans.
     """
     allowed_kernels(quantization)  # validates the name
+    pins = pins or {}
     cached = timer is None and _wall_timer is linear_timing.wall_timer
-    groups: dict[tuple[int, int, bool, LinearRole], list[tuple[nn.Module, str, nn.Linear]]] = {}
+    groups: dict[tuple, list[tuple[nn.Module, str, nn.Linear]]] = {}
+    by_name: dict[str, list[tuple[nn.Linear, tuple[int, ...]]]] = {}
     for parent in model.modules():
         for child_name, child in parent.named_children():
             if isinstance(child, nn.Linear):
                 role = (roles or {}).get(child_name, LinearRole.ANY)
-                key = (child.out_features, child.in_features, child.bias is not None, role)
+                pinned = _pinned_buckets(pins, child_name, _buckets_for(role, buckets))
+                key = (child.out_features, child.in_features, child.bias is not None, role, tuple(pinned.items()))
                 groups.setdefault(key, []).append((parent, child_name, child))
+                by_name.setdefault(child_name, []).append((child, _buckets_for(role, buckets)))
+    _check_pins(pins, by_name)
     plans = {}
-    for (out_f, in_f, _, role), members in groups.items():
-        group_buckets = buckets
-        if role is LinearRole.OUTPUT_HEAD:
-            group_buckets = tuple(b for b in buckets if b <= HEAD_MAX_ROWS) or buckets[:1]
-        weight_bytes = out_f * in_f * members[0][2].weight.element_size()
-        count = max(1, min(len(members), _TIMING_BYTES // max(weight_bytes, 1)))
-        sample = [(m.weight, m.bias) for _, _, m in members[:count]]
-        with one_thread():
-            kernels = _kernels_for(quantization, [m.weight for _, _, m in members], role)
-        entry = (f"linear {out_f}x{in_f} bias={members[0][2].bias is not None} role={role.value} "
-                 f"{members[0][2].weight.dtype} kernels={','.join(kernels)} buckets={group_buckets}")
-        stored = linear_plan_cache.lookup(entry) if cached else None
-        if stored is not None and all(name in kernels for _, name in stored):
-            plan, states, count = [(rows, name) for rows, name in stored], {}, 0
-            best = ", ".join(f"{rows}:{name}" for rows, name in plan) + " (measured on an earlier load)"
-        else:
+    for (out_f, in_f, _, role, pinned_items), members in groups.items():
+        pinned = dict(pinned_items)
+        timed_buckets = tuple(b for b in _buckets_for(role, buckets) if b not in pinned)
+        plan, states, count, described, note = [], {}, 0, [], ""
+        if timed_buckets:
+            weight_bytes = out_f * in_f * members[0][2].weight.element_size()
+            count = max(1, min(len(members), _TIMING_BYTES // max(weight_bytes, 1)))
+            sample = [(m.weight, m.bias) for _, _, m in members[:count]]
             with one_thread():
-                states = {name: [KERNELS[name][0](w, b) for w, b in sample] for name in kernels}
-            plan, timings, races = choose_plan(sample, kernels, group_buckets, timer or _wall_timer, states)
-            best = ", ".join(f"{rows}:{name}({timings[rows][name] * 1e6:.0f}us)" for rows, name in plan)
-            if cached:
-                linear_plan_cache.keep(entry, plan, races.values())
+                kernels = _kernels_for(quantization, [m.weight for _, _, m in members], role)
+            entry = (f"linear {out_f}x{in_f} bias={members[0][2].bias is not None} role={role.value} "
+                     f"{members[0][2].weight.dtype} kernels={','.join(kernels)} buckets={timed_buckets}")
+            stored = linear_plan_cache.lookup(entry) if cached else None
+            if stored is not None and all(name in kernels for _, name in stored):
+                plan, count = [(rows, name) for rows, name in stored], 0
+                described, note = [f"{rows}:{name}" for rows, name in plan], " (measured on an earlier load)"
+            else:
+                with one_thread():
+                    states = {name: [KERNELS[name][0](w, b) for w, b in sample] for name in kernels}
+                plan, timings, races = choose_plan(sample, kernels, timed_buckets, timer or _wall_timer, states)
+                described = [f"{rows}:{name}({timings[rows][name] * 1e6:.0f}us)" for rows, name in plan]
+                if cached:
+                    linear_plan_cache.keep(entry, plan, races.values())
+        plan = sorted(plan + list(pinned.items()))
+        described = sorted(described + [f"{rows}:{name}(pinned)" for rows, name in pinned.items()],
+                           key=lambda text: int(text.partition(":")[0]))
         with one_thread():
             for i, (parent, child_name, child) in enumerate(members):
                 prepared = {name: states[name][i] for name in states} if i < count else None
-                setattr(parent, child_name, CpuLinear(child.weight, child.bias, plan, prepared))
+                setattr(parent, child_name, CpuLinear(child.weight, child.bias, plan, prepared, pinned))
         plans[(out_f, in_f)] = plan
-        logger.info("linear %dx%d (x%d): %s", out_f, in_f, len(members), best)
+        logger.info("linear %dx%d %s (x%d): %s%s", out_f, in_f, ",".join(dict.fromkeys(n for _, n, _ in members)),
+                    len(members), ", ".join(described), note)
     return plans

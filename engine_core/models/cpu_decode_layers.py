@@ -19,6 +19,9 @@ Q4_0 / Q4_1 GGUF, `--quantization int4`), both timed, and beside them the linear
 the op can run those; the linears' plans then name what the op won with; above,
 each linear runs the kernel its plan names for the bucket (int8_vnni, linear_bf16_packed, ...),
 if the op can call it.
+Kernels the user pinned (`--linear-kernels`) are never overridden: the op runs a pinned linear on its
+pinned kernel, its outputs the module path's exactly, and is not used from the first bucket where a
+pinned kernel is one it cannot run (the modules run it there).
 Where the layers do not fit (biases, q/k norms, Gemma's layers, the torch attention or layer
 ops, `--enforce-eager`, quantization none) or the op loses, the model keeps its module path.
 """
@@ -201,11 +204,18 @@ def choose_decode_layers(
         outside = {kernel for layer in kernels for kernel in layer} - set(OP_KERNELS)
         plans = [[(kernel, linear.state(kernel)) for linear, kernel in zip(layer, layer_kernels)]
                  for layer, layer_kernels in zip(linears, kernels)]
+        pinned = [[rows in linear.pinned for linear in layer] for layer in linears]
+        pinned_outside = {kernel for layer, layer_pins in zip(kernels, pinned)
+                          for kernel, pin in zip(layer, layer_pins) if pin} - set(OP_KERNELS)
+        if pinned_outside:  # the op would have to run another kernel there: the modules run the user's
+            results.append(f"{rows} rows: pinned kernels not in the op ({', '.join(sorted(pinned_outside))})")
+            break
         if rows <= GEMV_MAX_ROWS:
             # the GEMVs, and each linear's own plan where the op can run it and it is not a GEMV
-            # one already (at 8 rows W8A8 through int8_vnni may beat streaming the weight)
-            candidates = dict(gemv_candidates)
-            if not outside and all(_kernel_names(plans) != _kernel_names(c) for c in gemv_candidates.values()):
+            # one already (at 8 rows W8A8 through int8_vnni may beat streaming the weight); a pinned
+            # linear keeps its kernel in every candidate
+            candidates = {name: _keep_pins(candidate, plans, pinned) for name, candidate in gemv_candidates.items()}
+            if not outside and all(_kernel_names(plans) != _kernel_names(c) for c in candidates.values()):
                 candidates["one_op_plans"] = plans
         elif outside:
             results.append(f"{rows} rows: not in the op ({', '.join(sorted(outside))})")
@@ -239,6 +249,12 @@ def _int4_gemv_or(int8_gemv: tuple[str, object], linear, weight: torch.Tensor, q
     if not (int4_allowed(quantization, weight) and kernel_fits(INT4_GEMV, weight)):
         return int8_gemv
     return INT4_GEMV, linear.state(INT4_GEMV) or prepare_int4_gemv(weight, None)
+
+
+def _keep_pins(candidate: list[LayerLinears], plans: list[LayerLinears],
+               pinned: list[list[bool]]) -> list[LayerLinears]:
+    """`candidate` with each pinned linear on its plan's (pinned) kernel instead."""
+    return [[plan if pin else own for own, plan, pin in zip(*layer)] for layer in zip(candidate, plans, pinned)]
 
 
 def _kernel_names(candidate: list[LayerLinears]) -> list[list[str]]:

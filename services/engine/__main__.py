@@ -101,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "int4 quantizes to 4-bit groups of 32 (GGUF Q4_0/Q4_1 style); "
                         "auto: float or int8 weight-only, int4 where exact (a Q4_0/Q4_1 GGUF), "
                         "none with --dtype float32")
+    m.add_argument("--linear-kernels", default=model.linear_kernels, metavar="SPEC",
+                   help="pin CPU linear kernels instead of timing them: comma-separated LAYER[@ROWS]=KERNEL, "
+                        "LAYER a linear's name in the model (qkv_proj, o_proj, gate_up_proj, down_proj, lm_head) "
+                        "or * for all, ROWS a batch bucket (1, 8, 32, 128, 512; default: all), KERNEL one of "
+                        "docs/cpu-kernels.md's (e.g. '*=linear_onednn,down_proj@1=int8_gemv'); "
+                        "overrides --quantization for those layers; pinned plans are never timed nor cached")
     m.add_argument("--max-model-len", type=int, default=model.max_model_len,
                    help="longest prompt + output in tokens (default: the model's context length)")
     m.add_argument("--seed", type=int, default=model.seed, help="seed for torch's global generator")
@@ -176,7 +182,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         raise ValueError(f"tokenizer {args.tokenizer!r} not found: give a folder with tokenizer.json or a .gguf file")
     return EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
-                          max_model_len=args.max_model_len, seed=args.seed, tokenizer=args.tokenizer),
+                          linear_kernels=args.linear_kernels, max_model_len=args.max_model_len, seed=args.seed,
+                          tokenizer=args.tokenizer),
         cache=CacheConfig(
             block_size=args.block_size, num_blocks=args.num_blocks,
             kv_cache_memory_gib=args.kv_cache_memory_gib, enable_prefix_caching=not args.no_prefix_caching,
