@@ -20,7 +20,7 @@ _OVERLAP = ("auto", "on", "off")
 # kernels/cpu_linear.py's KERNELS and BUCKETS, named here for the torch-free flag parser
 # (tests/kernels/test_linear_pins.py checks)
 LINEAR_KERNELS = ("linear", "linear_colmajor", "int8_weight_only", "int8_dynamic", "int8_gemv", "int8_vnni",
-                  "int8_grouped", "linear_onednn", "linear_bf16_packed", "int4", "int4_gemv")
+                  "int8_grouped", "int8_blockwise", "linear_onednn", "linear_bf16_packed", "int4", "int4_gemv")
 LINEAR_BUCKETS = (1, 8, 32, 128, 512)
 
 # a linear's attribute name (or "*": every linear) -> {bucket: kernel}, bucket None: every bucket the layer has

@@ -22,12 +22,18 @@ from engine_core.loader import registry
 from kernels import cpu_extension, cpu_linear, linear_plan_cache
 from kernels.cpu_linear import BUCKETS, KERNELS, CpuLinear, LinearRole, kernel_fits, use_measured_linears
 from tests.engine_core.tiny_models import write_tiny_model
+from tests.kernels.test_linear_plan_cache import install_clock
 
 
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("TANDEM_REMEASURE", raising=False)
+
+
+def steady_clock(kernel, rows, fn):
+    fn()
+    return 1e-5 * (1 + len(kernel))
 
 
 def no_timing(kernel, rows, fn):
@@ -101,7 +107,8 @@ def test_only_the_buckets_left_unpinned_are_timed_and_cached(monkeypatch):
     def recording(weights, kernels, buckets, *args, **kwargs):
         timed[weights[0][0].shape[0]] = buckets
         return real(weights, kernels, buckets, *args, **kwargs)
-    monkeypatch.setattr(cpu_linear, "choose_plan", recording)  # the clock itself stays real: the cache is used
+    monkeypatch.setattr(cpu_linear, "choose_plan", recording)
+    install_clock(monkeypatch, steady_clock)  # a quiet machine's clock: the plan is cached, as the test needs
     model = TinyBlock()
     use_measured_linears(model, "none", roles=ROLES, pins=parse_linear_kernels("o_proj=linear,lm_head@1=linear"))
     assert timed == {64: BUCKETS, 80: (8, 32, 128)}  # down_proj all, the head but its pinned bucket, o_proj none
