@@ -33,7 +33,7 @@ from engine_core.profiler import Profiler
 from engine_core.protocol import EngineInfo
 from engine_core.scheduler import Scheduler
 from engine_core.structured.masks import StructuredOutputs
-from kernels import AttentionBackend, fastest_float_dtype, select_backend, select_fused_ops
+from kernels import AttentionBackend, fastest_float_dtype, lossy_linear_kernels, select_backend, select_fused_ops
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class EngineStartup:
         self.asleep = False  # the KV cache is freed (sleep / wake_up)
         self._profiler = Profiler(device)
         self.info = engine_info(self.model_path, self.arch, self.max_model_len, block_size, num_blocks, dtype, device,
-                                self.attention.name)
+                                self.attention.name, lossy_linear_kernels(self.model))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -201,7 +201,8 @@ def num_blocks_for_memory(config: EngineConfig, arch: ModelArchConfig, max_model
 
 
 def engine_info(model_path: str, arch: ModelArchConfig, max_model_len: int, block_size: int, num_blocks: int,
-                dtype: torch.dtype, device: torch.device, attention_backend: str) -> EngineInfo:
+                dtype: torch.dtype, device: torch.device, attention_backend: str,
+                lossy_kernels: tuple[str, ...] = ()) -> EngineInfo:
     """What the engine tells its callers about itself (GetEngineInfo), as resolved above."""
     return EngineInfo(
         model_name=Path(model_path).stem if model_path.endswith(".gguf") else Path(model_path).name,
@@ -215,4 +216,5 @@ def engine_info(model_path: str, arch: ModelArchConfig, max_model_len: int, bloc
         dtype=str(dtype).removeprefix("torch."),
         device=str(device),
         attention_backend=attention_backend,
+        lossy_linear_kernels=lossy_kernels,
     )

@@ -89,6 +89,7 @@ from kernels.cpu_linear import (  # noqa: E402
     allowed_kernels,
     int4_allowed,
     kernel_fits,
+    lossy_linear_kernels,
     prepare_int4_gemv,
     prepare_int8_gemv,
     use_measured_linears,
@@ -102,7 +103,8 @@ from kernels.lora_ops import LORA_KERNELS, LoraOps, LoraPlan, select_lora_ops  #
 __all__ = [
     "AttentionBackend", "AttentionMetadata", "BUCKETS", "FusedOps", "LORA_KERNELS", "LinearRole", "LoraOps",
     "LoraPlan", "Pins", "LoraStepIndex", "Timer", "allowed_kernels",
-    "argmax", "fastest_float_dtype", "fastest_uncontended", "int4_allowed", "kernel_fits", "one_thread",
+    "argmax", "fastest_float_dtype", "fastest_uncontended", "int4_allowed", "kernel_fits", "lossy_linear_kernels",
+    "one_thread",
     "prepare_int4_gemv", "prepare_int8_gemv", "reference", "select_backend", "select_fused_ops", "select_lora_ops",
     "use_measured_linears",
     "wall_timer",

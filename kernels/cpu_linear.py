@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_extension, linear_plan_cache, linear_timing
+from kernels import accuracy_budget, cpu_extension, linear_plan_cache, linear_timing
+from kernels.accuracy_budget import AccuracyVerdict
 from kernels.bf16_linear import bf16_packed_supported, prepare_bf16_packed, run_bf16_packed
 from kernels.int4_linear import (
     GROUP_SIZE,
@@ -206,7 +207,11 @@ class CpuLinear(nn.Module):
 
     Only the weight formats the plan uses are kept: an all-int8 plan frees the float weight.
     `prepared`: states already made by the kernels' prepare (from the load-time timing), reused.
+    `accuracy`: the load's verdict on which kernels stay within this layer's accuracy budget
+    (kernels/accuracy_budget.py); None: not measured, every kernel counts as within.
     """
+
+    accuracy: AccuracyVerdict | None = None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: Plan,
                  prepared: dict[str, object] | None = None, pinned: Collection[int] = ()):
@@ -225,6 +230,14 @@ class CpuLinear(nn.Module):
         self._states = {name: states[name] for name in dict.fromkeys(name for _, name in plan)}
         # (max rows, run, state) per bucket: all forward looks at
         self._steps = [(limit, KERNELS[name][1], self._states[name]) for limit, name in plan]
+
+    def within_budget(self, kernel: str) -> bool:
+        return self.accuracy is None or self.accuracy.within(kernel)
+
+    @property
+    def lossy_kernels(self) -> list[str]:
+        """The kernels this layer runs that lose more than its accuracy budget (asked for, or pinned)."""
+        return [name for name in dict.fromkeys(name for _, name in self.plan) if not self.within_budget(name)]
 
     def state(self, name: str) -> object | None:
         """The prepared state of kernel `name` when the plan uses it, else None."""
@@ -408,6 +421,29 @@ def _check_pins(pins: Pins, linears: dict[str, list[tuple[nn.Linear, tuple[int, 
                         f"{linear.weight.dtype} weight on this machine; the kernels that can: {', '.join(fitting)}")
 
 
+def lossy_linear_kernels(model: nn.Module) -> tuple[str, ...]:
+    """"LAYER: KERNEL" for each kernel the model's linears run past their accuracy budget (GetEngineInfo)."""
+    return tuple(sorted({f"{name.rsplit('.', 1)[-1]}: {kernel}" for name, module in model.named_modules()
+                         if isinstance(module, CpuLinear) for kernel in module.lossy_kernels}))
+
+
+_CALIBRATION_OUTPUTS = 512  # outputs of a weight the accuracy verdict runs (a slice stands for the rest)
+
+
+def _accuracy_verdict(linear: nn.Linear, kernels: tuple[str, ...], role: LinearRole) -> AccuracyVerdict:
+    """Each of `kernels` measured against this layer's accuracy budget (kernels/accuracy_budget.py), on
+    the first outputs of its weight."""
+    weight = linear.weight.detach()[:_CALIBRATION_OUTPUTS]
+    bias = None if linear.bias is None else linear.bias.detach()[:_CALIBRATION_OUTPUTS]
+    fits = [name for name in dict.fromkeys(kernels) if kernel_fits(name, weight)]
+
+    def run(name: str, x: torch.Tensor) -> torch.Tensor:
+        with one_thread():
+            state = KERNELS[name][0](weight, bias)
+        return KERNELS[name][1](state, x)
+    return accuracy_budget.measure(weight, bias, fits, FLOAT_KERNELS, run, outliers=role is LinearRole.OUTLIER_INPUT)
+
+
 @torch.no_grad()
 def use_measured_linears(model: nn.Module, quantization: str = "none", buckets: tuple[int, ...] = BUCKETS,
                          timer: Timer | None = None, roles: Mapping[str, LinearRole] | None = None,
@@ -440,12 +476,16 @@ def use_measured_linears(model: nn.Module, quantization: str = "none", buckets: 
         pinned = dict(pinned_items)
         timed_buckets = tuple(b for b in _buckets_for(role, buckets) if b not in pinned)
         plan, states, count, described, note = [], {}, 0, [], ""
+        verdict = _accuracy_verdict(members[0][2], tuple(pinned.values()), role)
         if timed_buckets:
             weight_bytes = out_f * in_f * members[0][2].weight.element_size()
             count = max(1, min(len(members), _TIMING_BYTES // max(weight_bytes, 1)))
             sample = [(m.weight, m.bias) for _, _, m in members[:count]]
             with one_thread():
                 kernels = _kernels_for(quantization, [m.weight for _, _, m in members], role)
+            verdict = _accuracy_verdict(members[0][2], (*kernels, *pinned.values()), role)
+            if quantization == "auto":  # lossier kernels are the user's to ask for (--quantization)
+                kernels = tuple(name for name in kernels if verdict.within(name)) or kernels
             entry = (f"linear {out_f}x{in_f} bias={members[0][2].bias is not None} role={role.value} "
                      f"{members[0][2].weight.dtype} kernels={','.join(kernels)} buckets={timed_buckets}")
             stored = linear_plan_cache.lookup(entry) if cached else None
@@ -465,8 +505,15 @@ def use_measured_linears(model: nn.Module, quantization: str = "none", buckets: 
         with one_thread():
             for i, (parent, child_name, child) in enumerate(members):
                 prepared = {name: states[name][i] for name in states} if i < count else None
-                setattr(parent, child_name, CpuLinear(child.weight, child.bias, plan, prepared, pinned))
+                linear = CpuLinear(child.weight, child.bias, plan, prepared, pinned)
+                linear.accuracy = verdict
+                setattr(parent, child_name, linear)
         plans[(out_f, in_f)] = plan
-        logger.info("linear %dx%d %s (x%d): %s%s", out_f, in_f, ",".join(dict.fromkeys(n for _, n, _ in members)),
-                    len(members), ", ".join(described), note)
+        logger.info("linear %dx%d %s (x%d): %s%s; accuracy: %s", out_f, in_f,
+                    ",".join(dict.fromkeys(n for _, n, _ in members)), len(members), ", ".join(described), note,
+                    verdict.describe(dict.fromkeys(name for _, name in plan)))
+        lossy = [name for name in dict.fromkeys(name for _, name in plan) if not verdict.within(name)]
+        if lossy:
+            logger.warning("linear %dx%d runs %s, past its accuracy budget (%s): asked for with --quantization or "
+                           "--linear-kernels", out_f, in_f, ", ".join(lossy), verdict.describe(lossy))
     return plans

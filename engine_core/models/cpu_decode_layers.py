@@ -197,6 +197,9 @@ def choose_decode_layers(
     gemv_candidates = {"one_op": int8_gemvs}
     if _kernel_names(int4_gemvs) != _kernel_names(int8_gemvs):  # some weights are int4
         gemv_candidates["one_op_int4"] = int4_gemvs
+    if quantization == "auto":  # a GEMV past a linear's accuracy budget is the user's to ask for, as in the linears
+        gemv_candidates = {name: candidate for name, candidate in gemv_candidates.items()
+                           if _within_budget(candidate, linears)}
     chosen: dict[int, list[LayerLinears]] = {}
     results = []
     for rows in (b for b in BUCKETS if b <= MAX_ROWS):
@@ -249,6 +252,12 @@ def _int4_gemv_or(int8_gemv: tuple[str, object], linear, weight: torch.Tensor, q
     if not (int4_allowed(quantization, weight) and kernel_fits(INT4_GEMV, weight)):
         return int8_gemv
     return INT4_GEMV, linear.state(INT4_GEMV) or prepare_int4_gemv(weight, None)
+
+
+def _within_budget(candidate: list[LayerLinears], linears) -> bool:
+    """Whether every linear's kernel in `candidate` is within that linear's accuracy budget."""
+    return all(linear.within_budget(kernel) for layer, layer_linears in zip(candidate, linears)
+               for (kernel, _), linear in zip(layer, layer_linears))
 
 
 def _keep_pins(candidate: list[LayerLinears], plans: list[LayerLinears],

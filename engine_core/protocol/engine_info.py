@@ -18,3 +18,6 @@ class EngineInfo:
     dtype: str = ""
     device: str = ""
     attention_backend: str = ""
+    # CPU linear kernels in use past their layer's accuracy budget, "LAYER: KERNEL" (asked for with
+    # --quantization int8/int4 or pinned; kernels/accuracy_budget.py); empty: every answer is within it
+    lossy_linear_kernels: tuple[str, ...] = ()

@@ -194,7 +194,8 @@ def engine_info_from_proto(info: engine_core_pb2.GetEngineInfoResponse) -> Engin
                       vocab_size=info.vocab_size, eos_token_ids=tuple(info.eos_token_ids), block_size=info.block_size,
                       num_blocks=info.num_blocks,
                       bos_token_id=info.bos_token_id if info.HasField("bos_token_id") else None,
-                      dtype=info.dtype, device=info.device, attention_backend=info.attention_backend)
+                      dtype=info.dtype, device=info.device, attention_backend=info.attention_backend,
+                      lossy_linear_kernels=tuple(info.lossy_linear_kernels))
 
 
 def message_from_proto(batch: engine_core_pb2.EngineCoreOutputs) -> EngineCoreOutputs:
