@@ -67,10 +67,10 @@ class ModelConfig:
     model: str | None = None  # HF folder, .gguf file, or None for the embedded SmolLM2
     dtype: str = "auto"  # auto: on CPU the faster of bf16 / fp32 measured at load; bf16 on CUDA
     # CPU linear layers, each batch bucket taking the kernel measured fastest at load. none: float
-    # weights; int8: int8 weight-only or W8A8 (activations rounded to 8 bits per token, small drift);
-    # int4: GGUF-style 4-bit groups of 32 (lossy on float checkpoints); auto: float or int8
-    # weight-only, int4 where it holds the weights exactly (a Q4_0/Q4_1 GGUF), and none when dtype
-    # is float32 (the exact path)
+    # weights; int8: int8 weight-only or W8A8 (activations rounded to 8 bits, lossy);
+    # int4: GGUF-style 4-bit groups of 32 (lossy on float checkpoints); auto: the kernels within each
+    # layer's accuracy budget (kernels/accuracy_budget.py: float, int4 where it holds the weights
+    # exactly as in a Q4_0/Q4_1 GGUF), and none when dtype is float32 (the exact path)
     quantization: str = "auto"
     # Pins CPU linear kernels instead of timing them: "LAYER[@ROWS]=KERNEL,..." (parse_linear_kernels). A
     # pinned layer and bucket is never timed nor cached, and overrides `quantization`; None: every kernel timed

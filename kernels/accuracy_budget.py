@@ -1,16 +1,21 @@
-"""Which linear kernels `auto` may choose: those that lose no more on a layer than the accuracy budget allows.
+"""Which linear kernels `auto` may choose: those that lose no more on a layer than its accuracy budget.
 
-The budget of a layer is what the model's own arithmetic already loses there: for weights that came from a
-GGUF's blocks (Q4_0 / Q4_1 / Q8_0, `int8_blockwise_is_exact`), llama.cpp's arithmetic on the same weights
-(their own codes times activations rounded to int8 per block of 32); for any other weight, the product in the
-weight's own dtype (`F.linear`). A kernel is within it when its relative error against the exact product
-(fp32, the weight as stored) is at most `MARGIN` times the budget's, measured at load on calibration rows.
-
+The budget of a layer is what the model's own float arithmetic loses there: the product in the weight's dtype
+(`F.linear`, bf16 for a bf16 model). A kernel is within it when its relative error against the exact product
+(fp32, the weight as stored) is at most `MARGIN` times the budget's, measured at load on calibration rows: a
+few roundings to the dtype, as a layer's own ops round its activations, weights and outputs.
 Float kernels in the weight's dtype are the budget's own arithmetic (kernels/cpu_linear.py checks them against
-`F.linear` already) and always within it. Every other kernel is measured: per-token W8A8 on 4-bit weights
-rounds the weights a second time and lands at 3-4x llama.cpp's error, so `auto` leaves it out; it stays
-available as a lossy option the user asks for (`--quantization int8`), and the log and GetEngineInfo name it
-(docs/cpu-kernels.md#accuracy, docs/quality.md for the end-to-end figures).
+`F.linear` already) and always within it; every other kernel is measured.
+
+Why not llama.cpp's loss, the figure users compare with: on SmolLM2's GGUF, llama.cpp's arithmetic (the
+weights' own codes times activations rounded to int8 per block of 32, `int8_blockwise`) moves each layer's
+outputs 3x as far as bf16 does (0.7 % against 0.2 %), and with it on the q/k/v projections alone the greedy
+answer to "What is the capital of France?" turns from Paris to "L'Étoile, ..." (tests/test_default_model.py).
+Within the bf16 budget, `auto` keeps the GGUF's exact 4-bit GEMVs and bf16 products, and the whole model
+stays within llama.cpp's perplexity loss (docs/quality.md). The verdict still reports llama.cpp's error on
+GGUF weights, for the log. Kernels past the budget (int8_blockwise, per-token W8A8, int8 weight-only where
+it loses more) run only when asked for (`--quantization int8`, `--linear-kernels`), and the log and
+GetEngineInfo name them.
 
 Calibration rows are fixed random activations shaped like the real ones: channels of very different size
 (an RMSNorm's gain), and, for an input with outlier channels (an MLP's SiLU·mul before down_proj), a few
@@ -27,7 +32,10 @@ import torch.nn.functional as F
 from kernels.int8_blockwise import int8_blockwise_is_exact
 from kernels.reference import linear as reference_linear
 
-MARGIN = 1.25  # a kernel may lose this many times the budget's error (its output rounding, summation order)
+# A kernel may move a layer's outputs as far as this many roundings to the dtype do: the GGUF's exact 4-bit
+# GEMVs on bf16-rounded weights measure 1.5-2.7x bf16 F.linear, activations rounded to int8 per block of 32
+# (llama.cpp's arithmetic) 5-8x, per token 15-25x (docs/cpu-kernels.md#the-accuracy-budget).
+MARGIN = 3.0
 CALIBRATION_ROWS = 64
 _SEED = 20261128
 _OUTLIER_CHANNELS = 8  # per outlier input: a few channels ...
@@ -55,8 +63,9 @@ def relative_error(y: torch.Tensor, exact: torch.Tensor) -> float:
 class AccuracyVerdict:
     """The budget of one layer shape and role and each measured kernel's error (relative, see above)."""
 
-    reference: str  # whose arithmetic sets the budget: "llama.cpp (int8 per block of 32)" or "bfloat16 F.linear"
-    budget: float  # the budget's own error
+    budget: float  # the error of the product in the weight's own dtype
+    dtype: str  # that dtype, e.g. "bfloat16"
+    llama_cpp: float | None = None  # llama.cpp's arithmetic's error on these weights, where they are GGUF blocks
     errors: dict[str, float] = field(default_factory=dict)
 
     def within(self, kernel: str) -> bool:
@@ -65,7 +74,8 @@ class AccuracyVerdict:
     def describe(self, kernels) -> str:
         parts = [f"{name} {self.errors[name] * 100:.2f} %{'' if self.within(name) else ' (lossy)'}"
                  for name in kernels if name in self.errors]
-        return (f"budget {self.budget * 100:.2f} % ({self.reference}) x {MARGIN:g}"
+        llama_cpp = "" if self.llama_cpp is None else f"; llama.cpp's arithmetic {self.llama_cpp * 100:.2f} %"
+        return (f"budget {self.budget * 100:.2f} % ({self.dtype} F.linear) x {MARGIN:g}{llama_cpp}"
                 + (f"; {', '.join(parts)}" if parts else ""))
 
 
@@ -75,12 +85,10 @@ def measure(weight: torch.Tensor, bias: torch.Tensor | None, kernels, float_kern
     caller prepared its state); the kernels in `float_kernels` are not run (within by definition)."""
     x = calibration_rows(weight.shape[1], weight.dtype, outliers)
     exact = reference_linear.float_linear(x, weight, bias)
+    dtype = str(weight.dtype).removeprefix("torch.")
+    verdict = AccuracyVerdict(relative_error(F.linear(x, weight, bias), exact), dtype)
     if int8_blockwise_is_exact(weight):
-        verdict = AccuracyVerdict("llama.cpp: the weights' codes x int8 activations per block of 32",
-                                  relative_error(reference_linear.int8_blockwise(x, weight, bias), exact))
-    else:
-        dtype = str(weight.dtype).removeprefix("torch.")
-        verdict = AccuracyVerdict(f"{dtype} F.linear", relative_error(F.linear(x, weight, bias), exact))
+        verdict.llama_cpp = relative_error(reference_linear.int8_blockwise(x, weight, bias), exact)
     for name in kernels:
         if name not in float_kernels:
             verdict.errors[name] = relative_error(run(name, x), exact)

@@ -430,11 +430,12 @@ def lossy_linear_kernels(model: nn.Module) -> tuple[str, ...]:
 _CALIBRATION_OUTPUTS = 512  # outputs of a weight the accuracy verdict runs (a slice stands for the rest)
 
 
-def _accuracy_verdict(linear: nn.Linear, kernels: tuple[str, ...], role: LinearRole) -> AccuracyVerdict:
+def accuracy_verdict(weight: torch.Tensor, bias: torch.Tensor | None, kernels: tuple[str, ...],
+                     role: LinearRole) -> AccuracyVerdict:
     """Each of `kernels` measured against this layer's accuracy budget (kernels/accuracy_budget.py), on
     the first outputs of its weight."""
-    weight = linear.weight.detach()[:_CALIBRATION_OUTPUTS]
-    bias = None if linear.bias is None else linear.bias.detach()[:_CALIBRATION_OUTPUTS]
+    weight = weight.detach()[:_CALIBRATION_OUTPUTS]
+    bias = None if bias is None else bias.detach()[:_CALIBRATION_OUTPUTS]
     fits = [name for name in dict.fromkeys(kernels) if kernel_fits(name, weight)]
 
     def run(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -442,6 +443,15 @@ def _accuracy_verdict(linear: nn.Linear, kernels: tuple[str, ...], role: LinearR
             state = KERNELS[name][0](weight, bias)
         return KERNELS[name][1](state, x)
     return accuracy_budget.measure(weight, bias, fits, FLOAT_KERNELS, run, outliers=role is LinearRole.OUTLIER_INPUT)
+
+
+def auto_kernels(weights: list[torch.Tensor], bias: torch.Tensor | None, role: LinearRole) -> tuple[str, ...]:
+    """The kernels `auto` may time for a group of same-shape weights in `role`: those that fit, within the
+    first weight's accuracy budget."""
+    with one_thread():
+        kernels = _kernels_for("auto", weights, role)
+    verdict = accuracy_verdict(weights[0], bias, kernels, role)
+    return tuple(name for name in kernels if verdict.within(name)) or kernels
 
 
 @torch.no_grad()
@@ -476,14 +486,15 @@ def use_measured_linears(model: nn.Module, quantization: str = "none", buckets: 
         pinned = dict(pinned_items)
         timed_buckets = tuple(b for b in _buckets_for(role, buckets) if b not in pinned)
         plan, states, count, described, note = [], {}, 0, [], ""
-        verdict = _accuracy_verdict(members[0][2], tuple(pinned.values()), role)
+        first = members[0][2]
+        verdict = accuracy_verdict(first.weight, first.bias, tuple(pinned.values()), role)
         if timed_buckets:
             weight_bytes = out_f * in_f * members[0][2].weight.element_size()
             count = max(1, min(len(members), _TIMING_BYTES // max(weight_bytes, 1)))
             sample = [(m.weight, m.bias) for _, _, m in members[:count]]
             with one_thread():
                 kernels = _kernels_for(quantization, [m.weight for _, _, m in members], role)
-            verdict = _accuracy_verdict(members[0][2], (*kernels, *pinned.values()), role)
+            verdict = accuracy_verdict(first.weight, first.bias, (*kernels, *pinned.values()), role)
             if quantization == "auto":  # lossier kernels are the user's to ask for (--quantization)
                 kernels = tuple(name for name in kernels if verdict.within(name)) or kernels
             entry = (f"linear {out_f}x{in_f} bias={members[0][2].bias is not None} role={role.value} "

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from engine_core.config import EngineConfig, ModelConfig
+from engine_core.config import CacheConfig, EngineConfig, ModelConfig
 from engine_core.llm_engine import LLMEngine
 from engine_core.loader import default_model_path
+from engine_core.models.layers import LINEAR_ROLES
 from engine_core.protocol import SamplingParams
+from kernels.cpu_linear import KERNELS, MAX_ROWS, CpuLinear, LinearRole, auto_kernels
 from services.frontend.chat_template import render_chat
 from services.frontend.tokenizer import load_tokenizer
 from tests.engine_core.test_loader import CHAT_PROMPT
@@ -76,3 +78,63 @@ def answer_logprobs(engine, prompt: list[int], answer: list[int]) -> list[tuple[
     forced = output.prompt_logprobs[len(prompt) - 1:]  # entry i scores prompt token i + 1
     assert [p.token_ids[0] for p in forced] == list(answer)
     return [(p.logprobs[0], p.rank) for p in forced]
+
+
+# ---- every kernel the accuracy budget admits keeps the answer (issue 49) --------------------------------------
+LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+
+
+@pytest.fixture(scope="module")
+def bf16_on_float_kernels():
+    """bf16 SmolLM2 with every linear pinned to F.linear (nothing timed, the one-op decode layers off), so
+    a test can put any kernel on any layer in place; no prefix cache: each answer is computed anew."""
+    return LLMEngine(EngineConfig(model=ModelConfig(dtype="bfloat16", linear_kernels="*=linear", max_model_len=512),
+                                  cache=CacheConfig(enable_prefix_caching=False)))
+
+
+def admissible_plans(model) -> list[dict[str, str]]:
+    """Each kernel `auto` may choose here for each layer, alone ({layer: kernel}), then each such kernel on
+    every layer that admits it at once."""
+    alone, together = [], {}
+    for layer in LAYERS:
+        linears = layer_linears(model, layer)
+        weights = [linear.state("linear")[0] for linear in linears]
+        for kernel in auto_kernels(weights, linears[0].state("linear")[1], LINEAR_ROLES.get(layer, LinearRole.ANY)):
+            if kernel != "linear":
+                alone.append({layer: kernel})
+                together.setdefault(kernel, {})[layer] = kernel
+    return alone + list(together.values())
+
+
+def layer_linears(model, layer: str) -> list[CpuLinear]:
+    return [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == layer and isinstance(m, CpuLinear)]
+
+
+def test_every_kernel_auto_may_choose_here_answers_paris(tokenizer, bf16_on_float_kernels):
+    """The default model's answer survives each kernel the accuracy budget admits on this machine, put on
+    each layer alone and on every layer that admits it, in every bucket it may serve: what `auto` might
+    pick, whatever the timing on a busy or quiet machine."""
+    engine = bf16_on_float_kernels
+    model = engine.engine_core.model
+    prompt = chat_prompt_ids(tokenizer, QUESTION)
+    floats = {id(linear): (linear.plan, linear.state("linear"))
+              for layer in LAYERS for linear in layer_linears(model, layer)}
+    plans = admissible_plans(model)
+    assert any(len(plan) > 1 for plan in plans)  # at least one kernel serves several layers
+    wrong = {}
+    for plan in plans:
+        for layer, kernel in plan.items():
+            for linear in layer_linears(model, layer):
+                rows, (weight, bias) = floats[id(linear)]
+                limit = MAX_ROWS.get(kernel, rows[-1][0])
+                kernel_plan = [(bucket, kernel if bucket <= limit else name) for bucket, name in rows]
+                linear._use(kernel_plan, {"linear": (weight, bias), kernel: KERNELS[kernel][0](weight, bias)})
+        answer = tokenizer.decode(engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))[0]
+                                  .outputs[0].token_ids)
+        if "Paris" not in answer:
+            wrong[str(plan)] = answer
+        for layer in plan:
+            for linear in layer_linears(model, layer):
+                rows, state = floats[id(linear)]
+                linear._use(rows, {"linear": state})
+    assert not wrong, wrong

@@ -97,10 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "on CPU the faster of bf16/fp32 measured at load")
     m.add_argument("--quantization", default=model.quantization, choices=["auto", "int8", "int4", "none"],
                    help="CPU linear layers, the fastest kernel measured per batch size: none keeps float weights; "
-                        "int8 quantizes on load (weight-only, or W8A8 with activations rounded per token); "
+                        "int8 quantizes on load (weight-only, or W8A8 with activations rounded to 8 bits; lossy); "
                         "int4 quantizes to 4-bit groups of 32 (GGUF Q4_0/Q4_1 style); "
-                        "auto: float or int8 weight-only, int4 where exact (a Q4_0/Q4_1 GGUF), "
-                        "none with --dtype float32")
+                        "auto: the kernels within each layer's accuracy budget (float, int4 where exact as in a "
+                        "Q4_0/Q4_1 GGUF; docs/cpu-kernels.md#the-accuracy-budget), none with --dtype float32")
     m.add_argument("--linear-kernels", default=model.linear_kernels, metavar="SPEC",
                    help="pin CPU linear kernels instead of timing them: comma-separated LAYER[@ROWS]=KERNEL, "
                         "LAYER a linear's name in the model (qkv_proj, o_proj, gate_up_proj, down_proj, lm_head) "
