@@ -225,6 +225,9 @@ def choose_decode_layers(
             break
         else:
             candidates = {"one_op": plans}
+        if not candidates:
+            results.append(f"{rows} rows: no GEMV within the linears' accuracy budget")
+            break
         timings = _time_passes(model, {name: CpuDecodeLayers(model, {rows: candidate})
                                        for name, candidate in candidates.items()}, rows, timer)
         best = min(candidates, key=timings.get)
