@@ -25,6 +25,14 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return super()._get_help_string(action)
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
 def connection_parent(default_timeout: float = 120.0,
                       token_envs: tuple[str, ...] = (TOKEN_ENV,)) -> argparse.ArgumentParser:
     """A parent parser with --address, --timeout, --retries, TLS, token and metadata flags; without

@@ -17,7 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
-from clients.cli_options import HelpFormatter
+from clients.cli_options import HelpFormatter, positive_int
 from clients.local_stack import LocalStack, RestartPolicy
 
 ENGINE_EXTRA = "pip install 'tandem[engine]'"
@@ -53,12 +53,6 @@ REFUSED_ENGINE_FLAGS = {
 class ServeError(ValueError):
     """A command line tandem serve refuses; str() is the one line that says why."""
 
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _port(text: str) -> int:
@@ -109,14 +103,14 @@ def add_parser(subcommands) -> argparse.ArgumentParser:
     frontend.add_argument("--metrics-port", type=_port, metavar="PORT", default=argparse.SUPPRESS,
                           help="the frontend's Prometheus /metrics (0 picks a free one; default: none); the engine "
                                "core's: `-- --metrics-port PORT`")
-    frontend.add_argument("--max-tokens", type=_positive_int, metavar="N", default=argparse.SUPPRESS,
+    frontend.add_argument("--max-tokens", type=positive_int, metavar="N", default=argparse.SUPPRESS,
                           help="the largest max_tokens accepted, and the value when a request leaves it unset "
                                "(default: up to the model's max_model_len)")
-    frontend.add_argument("--max-n", type=_positive_int, metavar="N", default=argparse.SUPPRESS,
+    frontend.add_argument("--max-n", type=positive_int, metavar="N", default=argparse.SUPPRESS,
                           help="the largest n (completions per request) accepted (default: tandem-frontend's)")
-    frontend.add_argument("--max-prompt-tokens", type=_positive_int, metavar="N", default=argparse.SUPPRESS,
+    frontend.add_argument("--max-prompt-tokens", type=positive_int, metavar="N", default=argparse.SUPPRESS,
                           help="the longest prompt accepted, in tokens (default: max_model_len - 1)")
-    frontend.add_argument("--max-waiting-requests", type=_positive_int, metavar="N", default=argparse.SUPPRESS,
+    frontend.add_argument("--max-waiting-requests", type=positive_int, metavar="N", default=argparse.SUPPRESS,
                           help="requests in flight before new ones get RESOURCE_EXHAUSTED (default: tandem-frontend's)")
     frontend.add_argument("--chat-template", metavar="FILE", default=argparse.SUPPRESS,
                           help="render chats with this Jinja template (see tandem-frontend --help)")
@@ -126,7 +120,7 @@ def add_parser(subcommands) -> argparse.ArgumentParser:
                           help="require 'authorization: Bearer <token>' with this token ($TANDEM_API_TOKEN works too)")
     frontend.add_argument("--admin-token-file", metavar="PATH", default=argparse.SUPPRESS,
                           help="a separate token for tandem.v1.AdminService calls")
-    frontend.add_argument("--max-message-bytes", type=_positive_int, metavar="N", default=argparse.SUPPRESS,
+    frontend.add_argument("--max-message-bytes", type=positive_int, metavar="N", default=argparse.SUPPRESS,
                           help="the frontend's largest message (default: tandem-frontend's)")
     serve.set_defaults(engine_args=[])
     return serve

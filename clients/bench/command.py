@@ -22,7 +22,7 @@ from clients.bench.metrics import summarize
 from clients.bench.plot import plot_sweep
 from clients.bench.prompts import BenchPrompt, jsonl_prompts, repeat_to, synthetic_prompts
 from clients.bench.report import format_table, write_json
-from clients.cli_options import HelpFormatter, client_from_args, client_kwargs_from_args
+from clients.cli_options import HelpFormatter, client_from_args, client_kwargs_from_args, positive_int
 
 EXAMPLES = """examples:
   tandem bench                                         # 32 requests, 1 at a time, 128 in / 128 out tokens
@@ -39,14 +39,14 @@ def add_parser(subcommands, connection: argparse.ArgumentParser) -> argparse.Arg
         description=__doc__.strip(), epilog=EXAMPLES, parents=[connection],
         formatter_class=HelpFormatter)
     load = parser.add_argument_group("load").add_mutually_exclusive_group()
-    load.add_argument("--concurrency", type=_positive_int, nargs="+", metavar="N",
+    load.add_argument("--concurrency", type=positive_int, nargs="+", metavar="N",
                       help="closed loop: N requests in flight; several values sweep (default: 1)")
     load.add_argument("--rate", type=_positive_float, nargs="+", metavar="R",
                       help="open loop: Poisson arrivals at R requests/s; several values sweep")
     prompts = parser.add_argument_group("prompts")
-    prompts.add_argument("--num-requests", type=_positive_int, default=32, metavar="N", help="requests per point")
-    prompts.add_argument("--input-len", type=_positive_int, default=128, metavar="T", help="synthetic prompt tokens")
-    prompts.add_argument("--output-len", type=_positive_int, default=128, metavar="T",
+    prompts.add_argument("--num-requests", type=positive_int, default=32, metavar="N", help="requests per point")
+    prompts.add_argument("--input-len", type=positive_int, default=128, metavar="T", help="synthetic prompt tokens")
+    prompts.add_argument("--output-len", type=positive_int, default=128, metavar="T",
                          help="tokens generated per request (greedy, EOS ignored)")
     prompts.add_argument("--words", action="store_true",
                          help="synthetic prompts of --input-len words (no Tokenize calls) instead of tokens")
@@ -225,12 +225,6 @@ def print_ratios(result: dict) -> None:
     for peer, why in result["skipped"].items():
         print(f"  {peer}: {why}")
 
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 def _positive_float(text: str) -> float:
