@@ -17,6 +17,9 @@ else
   for _ in $(seq "$(nproc)"); do "$PY" -c 'while True: pass' & done
 fi
 trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
-echo "test-shake: $ROUNDS rounds, random order (seed printed below), $(nproc) cores kept busy"
-"$PY" -m pytest -q -p no:cacheprovider --random-order-bucket=module --count="$ROUNDS" \
-  -m "not slow and not install and not compose" "${TESTS[@]}" "$@"
+SEED=${SHAKE_SEED:-$RANDOM}
+echo "test-shake: $ROUNDS rounds, random order (SHAKE_SEED=$SEED replays it), $(nproc) cores kept busy"
+# --tb=line: a long traceback's source is not parsed (CPython 3.11's parser can fail there under this load);
+# --timeout: a test that hangs fails with its stack instead of stopping the run
+"$PY" -m pytest -q -p no:cacheprovider --random-order-bucket=module --random-order-seed="$SEED" --count="$ROUNDS" \
+  --timeout=600 --tb=line -rfE -m "not slow and not install and not compose" "${TESTS[@]}" "$@"

@@ -4,15 +4,21 @@ in the protocol smg reads (a real engine's prefix cache, not the fake's)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from tests.event_loops import close_loop
 
+_RUNS = itertools.count()
+
 
 def test_a_prompts_blocks_reach_a_subscriber_with_their_tokens(gateway_stack):
-    prompt = list(range(1000, 1040))  # two full 16-token blocks (the last token is never cached as a full block)
+    # two full 16-token blocks (the last token is never cached as a full block), new to the shared stack's cache
+    # on every run: a prompt cached by an earlier run (make test-shake repeats tests) stores no block
+    first_token = 1000 + 40 * next(_RUNS)
+    prompt = list(range(first_token, first_token + 40))
 
     async def run():
         async with grpc.aio.insecure_channel(gateway_stack.frontend_address) as channel:
@@ -26,7 +32,9 @@ def test_a_prompts_blocks_reach_a_subscriber_with_their_tokens(gateway_stack):
             [response] = [r async for r in stub.Generate(request)]
             assert response.complete.finish_reason
             stored = {}
+            deadline = asyncio.get_running_loop().time() + 30  # load reports keep coming: bound the wait itself
             while len(stored) < 2:
+                assert asyncio.get_running_loop().time() < deadline, f"blocks stored so far: {stored}"
                 batch = await asyncio.wait_for(events.read(), 10)
                 assert batch.sequence_number >= 1 and batch.HasField("load")
                 for event in batch.events:
