@@ -402,33 +402,36 @@ def main() -> int:
                 ("Tandem --quantization int8", {"quantization": "int8"})]
     forced = [(f"Tandem --linear-kernels '{spec}'", {"dtype": args.dtype, "linear_kernels": spec})
               for spec in args.linear_kernels]
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"benchmark": "quality against the fp32 model", "date": time.strftime("%Y-%m-%d"),
+              "machine": cpu_model(), "threads": torch.get_num_threads(), "python": platform.python_version(),
+              "model": str(model_path.name), "text": {"source": f"pydoc_data.topics {list(TOPICS)}",
+                                                      "sha256": text_digest},
+              "method": {"chunk": CHUNK, "chunks": CHUNKS, "first_scored_position": FIRST, "scored": CHUNKS * SCORED},
+              "rows": rows, "roles": None}
     for name, options in ([] if args.skip_main else standard) + forced:
         print(f"{name} ...", flush=True)
         rows.append({"name": name, "options": options, **measure_tandem(chunks, reference, **options)})
+        print(f"  prefill {cells(rows[-1], 'prefill', reference_ppl)}; "
+              f"decode {cells(rows[-1], 'decode', reference_ppl)}", flush=True)
+        out.write_text(json.dumps(result, indent=1))  # a long run keeps what it measured
         gc.collect()
     if not (args.no_llama or args.skip_main):
         print("llama.cpp llama-perplexity ...", flush=True)
         rows.append({"name": "llama.cpp llama-perplexity (same GGUF)", **measure_llama(model_path, chunks, reference)})
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    matrix = None
     if args.roles:
         print(f"per-role matrix, dtype {args.dtype} ...", flush=True)
-        matrix = role_matrix(chunks, reference, args.dtype, args.roles_kernels, out.with_name(out.stem + "_roles.json"))
+        result["roles"] = role_matrix(chunks, reference, args.dtype, args.roles_kernels,
+                                      out.with_name(out.stem + "_roles.json"))
 
     print_table(rows, reference_ppl)
     for row in rows:
         if "plan" in row:
             print(f"  {row['name']} ({row['dtype']}): " + ", ".join(
                 f"{role} {'/'.join(kernels.values())}" for role, kernels in row["plan"].items()))
-    if matrix is not None:
-        print_roles(matrix, reference_ppl)
-    result = {"benchmark": "quality against the fp32 model", "date": time.strftime("%Y-%m-%d"),
-              "machine": cpu_model(), "threads": torch.get_num_threads(), "python": platform.python_version(),
-              "model": str(model_path.name), "text": {"source": f"pydoc_data.topics {list(TOPICS)}",
-                                                      "sha256": text_digest},
-              "method": {"chunk": CHUNK, "chunks": CHUNKS, "first_scored_position": FIRST, "scored": CHUNKS * SCORED},
-              "rows": rows, "roles": matrix}
+    if result["roles"] is not None:
+        print_roles(result["roles"], reference_ppl)
     out.write_text(json.dumps(result, indent=1))
     print(f"\nwrote {out}")
     return 0
