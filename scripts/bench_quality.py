@@ -376,7 +376,7 @@ def main() -> int:
                              "repeatable), in --dtype")
     parser.add_argument("--roles", action="store_true",
                         help="also each kernel forced on each layer role, the rest on F.linear, in --dtype "
-                             "(~15 min on 2 cores)")
+                             "(~30 min on 2 busy cores)")
     parser.add_argument("--roles-kernels", type=lambda text: text.split(","), metavar="K1,K2",
                         help="the matrix's kernels (default: every kernel but those repeating another's arithmetic)")
     parser.add_argument("--dtype", default="auto", help="of the --linear-kernels rows and the matrix (default: auto)")
