@@ -8,8 +8,9 @@ weights dequantized and run in fp32 by transformers; every figure compares a sys
 
   prefill  each chunk as one prompt with prompt log-probs: the prefill-bucket kernels (steps of 2,048 rows,
            four chunks, as llama-perplexity batches them; the LM head on its 128-row bucket's kernel)
-  decode   each chunk's first 256 tokens as a prompt, the rest fed one token per step as if sampled
-           (teacher forcing), the 8 chunks as 8 concurrent sequences: the 8-row decode bucket's kernels
+  decode   each chunk's first token as a prompt, the other 511 fed one token per step as if sampled
+           (teacher forcing), the 8 chunks as 8 concurrent sequences: every step, the KV cache of the
+           context included, runs the 8-row decode bucket's kernels
   llama.cpp  `llama-perplexity --kl-divergence` over a base file holding our token ids and the fp32
            reference's log-probs (its own format), so llama.cpp scores the same ids against the same reference
 
@@ -19,7 +20,7 @@ computes (and, in decode, replaces the sampled token by the text's), without cha
 
     python scripts/bench_quality.py                                  # the main table (+ llama.cpp when it builds)
     python scripts/bench_quality.py --linear-kernels 'down_proj=int8_dynamic'   # + a row for a forced plan
-    python scripts/bench_quality.py --roles                          # + each kernel forced on each layer role
+    python scripts/bench_quality.py --roles --skip-main              # each kernel forced on each layer role
 """
 
 from __future__ import annotations
@@ -215,8 +216,8 @@ def measure_tandem(chunks: list[list[int]], reference: torch.Tensor, dtype: str 
         model=ModelConfig(model=model, dtype=dtype, quantization=quantization, linear_kernels=linear_kernels,
                           max_model_len=CHUNK + 16),
         cache=CacheConfig(enable_prefix_caching=False, kv_cache_memory_gib=0.5),
-        # all 8 half-chunk prompts in one prefill step, so that every decode step has exactly CHUNKS rows
-        scheduler=SchedulerConfig(max_num_batched_tokens=CHUNKS * FIRST, max_num_seqs=CHUNKS),
+        # prefill: four 512-token chunks a step; decode: the 8 one-token prompts in one step, then 8 rows a step
+        scheduler=SchedulerConfig(max_num_batched_tokens=4 * CHUNK, max_num_seqs=CHUNKS),
         device=device or DeviceConfig(),
     ))
     result: dict = {"dtype": engine.info.dtype, "plan": plan_of(engine)}
@@ -229,8 +230,8 @@ def measure_tandem(chunks: list[list[int]], reference: torch.Tensor, dtype: str 
             run_requests(engine, {rid: chunks[i] for rid, i in ids.items()},
                          SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1))
         else:
-            run_requests(engine, {rid: chunks[i][:FIRST] for rid, i in ids.items()},
-                         SamplingParams(temperature=0.0, max_tokens=CHUNK - FIRST, ignore_eos=True))
+            run_requests(engine, {rid: chunks[i][:1] for rid, i in ids.items()},
+                         SamplingParams(temperature=0.0, max_tokens=CHUNK - 1, ignore_eos=True))
         result[mode] = scores.summary()
     result["seconds"] = round(time.perf_counter() - started, 1)
     return result
@@ -333,15 +334,16 @@ def print_roles(matrix: dict, reference_ppl: float) -> None:
                                             for role in roles) + " |")
 
 
-# Left out of the matrix unless --all-kernels: the float kernels that multiply the base's bf16 products in
+# Left out of the matrix unless --roles-kernels names them: the float kernels that multiply the base's bf16 products in
 # another order only (the `--quantization none` row measures them), and torch's W8A8 where int8_vnni, the
 # same arithmetic (per-token int8 activations x per-channel int8 weights, int32 sums), runs
 SAME_AS = {"linear_colmajor": "linear", "linear_onednn": "linear", "int8_dynamic": "int8_vnni"}
 
 
-def role_matrix(chunks, reference, dtype: str, all_kernels: bool, out: Path) -> dict:
-    """For each role and each kernel that can hold its weight: the model with that role on that kernel, the
-    others on ROLE_BASE; written to `out` after each cell (a long run keeps what it measured)."""
+def role_matrix(chunks, reference, dtype: str, kernels: list[str] | None, out: Path) -> dict:
+    """For each role and each kernel that can hold its weight (`kernels`: only these; None: all but SAME_AS's):
+    the model with that role on that kernel, the others on ROLE_BASE; written to `out` after each cell (a long
+    run keeps what it measured)."""
     from kernels.cpu_linear import KERNELS, kernel_fits
 
     engine = LLMEngine(EngineConfig(model=ModelConfig(dtype=dtype, linear_kernels=ROLE_BASE, max_model_len=64)))
@@ -355,7 +357,8 @@ def role_matrix(chunks, reference, dtype: str, all_kernels: bool, out: Path) -> 
     for role, attr in ROLES.items():
         matrix[role] = {}
         for kernel in fits[role]:
-            if kernel == "linear" or (not all_kernels and SAME_AS.get(kernel) in fits[role]):
+            wanted = kernel in kernels if kernels else SAME_AS.get(kernel) not in fits[role]
+            if kernel == "linear" or not wanted:
                 continue
             print(f"  {role} on {kernel} ...", flush=True)
             matrix[role][kernel] = measure_tandem(chunks, reference, dtype=dtype,
@@ -370,14 +373,16 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--linear-kernels", action="append", default=[], metavar="SPEC",
                         help="one more Tandem row with these kernels pinned (tandem-engine's --linear-kernels; "
-                             "repeatable); with --dtype and --quantization of the default row")
+                             "repeatable), in --dtype")
     parser.add_argument("--roles", action="store_true",
-                        help="also each kernel forced on each layer role, the rest on F.linear in the default "
-                             "row's dtype (~30 min on 2 cores)")
-    parser.add_argument("--roles-only", action="store_true", help="the per-role matrix without the main table")
-    parser.add_argument("--all-kernels", action="store_true",
-                        help="the matrix with the kernels that repeat another's arithmetic too (SAME_AS)")
-    parser.add_argument("--dtype", default="auto", help="the matrix's dtype with --roles-only (default: auto)")
+                        help="also each kernel forced on each layer role, the rest on F.linear, in --dtype "
+                             "(~30 min on 2 busy cores)")
+    parser.add_argument("--roles-kernels", type=lambda text: text.split(","), metavar="K1,K2",
+                        help="the matrix's kernels (default: every kernel but those repeating another's arithmetic)")
+    parser.add_argument("--dtype", default="auto", help="of the --linear-kernels rows and the matrix (default: auto)")
+    parser.add_argument("--skip-main", action="store_true",
+                        help="without the five standard Tandem rows and llama.cpp (only the reference, the "
+                             "--linear-kernels rows and the matrix)")
     parser.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
     parser.add_argument("--output", default="bench_results/quality.json")
     args = parser.parse_args()
@@ -391,39 +396,42 @@ def main() -> int:
     rows = [{"name": "fp32 reference (transformers)", "prefill": reference_summary(reference, chunks)}]
     reference_ppl = rows[0]["prefill"]["perplexity"]
     print(f"fp32 reference perplexity {reference_ppl:.3f}", flush=True)
-    tandem = [("Tandem default (auto)", {}), ("Tandem --dtype float32", {"dtype": "float32"}),
-              ("Tandem --quantization none", {"quantization": "none"}),
-              ("Tandem --quantization int4", {"quantization": "int4"}),
-              ("Tandem --quantization int8", {"quantization": "int8"}),
-              *((f"Tandem --linear-kernels '{spec}'", {"linear_kernels": spec}) for spec in args.linear_kernels)]
-    for name, options in [] if args.roles_only else tandem:
-        print(f"{name} ...", flush=True)
-        rows.append({"name": name, "options": options, **measure_tandem(chunks, reference, **options)})
-        gc.collect()
-    if not (args.no_llama or args.roles_only):
-        print("llama.cpp llama-perplexity ...", flush=True)
-        rows.append({"name": "llama.cpp llama-perplexity (same GGUF)", **measure_llama(model_path, chunks, reference)})
+    standard = [("Tandem default (auto)", {}), ("Tandem --dtype float32", {"dtype": "float32"}),
+                ("Tandem --quantization none", {"quantization": "none"}),
+                ("Tandem --quantization int4", {"quantization": "int4"}),
+                ("Tandem --quantization int8", {"quantization": "int8"})]
+    forced = [(f"Tandem --linear-kernels '{spec}'", {"dtype": args.dtype, "linear_kernels": spec})
+              for spec in args.linear_kernels]
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    matrix = None
-    if args.roles or args.roles_only:
-        dtype = args.dtype if args.roles_only else rows[1]["dtype"]
-        print(f"per-role matrix in {dtype} ...", flush=True)
-        matrix = role_matrix(chunks, reference, dtype, args.all_kernels, out.with_name(out.stem + "_roles.json"))
+    result = {"benchmark": "quality against the fp32 model", "date": time.strftime("%Y-%m-%d"),
+              "machine": cpu_model(), "threads": torch.get_num_threads(), "python": platform.python_version(),
+              "model": str(model_path.name), "text": {"source": f"pydoc_data.topics {list(TOPICS)}",
+                                                      "sha256": text_digest},
+              "method": {"chunk": CHUNK, "chunks": CHUNKS, "first_scored_position": FIRST, "scored": CHUNKS * SCORED},
+              "rows": rows, "roles": None}
+    for name, options in ([] if args.skip_main else standard) + forced:
+        print(f"{name} ...", flush=True)
+        rows.append({"name": name, "options": options, **measure_tandem(chunks, reference, **options)})
+        print(f"  prefill {cells(rows[-1], 'prefill', reference_ppl)}; "
+              f"decode {cells(rows[-1], 'decode', reference_ppl)}", flush=True)
+        out.write_text(json.dumps(result, indent=1))  # a long run keeps what it measured
+        gc.collect()
+    if not (args.no_llama or args.skip_main):
+        print("llama.cpp llama-perplexity ...", flush=True)
+        rows.append({"name": "llama.cpp llama-perplexity (same GGUF)", **measure_llama(model_path, chunks, reference)})
+    if args.roles:
+        print(f"per-role matrix, dtype {args.dtype} ...", flush=True)
+        result["roles"] = role_matrix(chunks, reference, args.dtype, args.roles_kernels,
+                                      out.with_name(out.stem + "_roles.json"))
 
     print_table(rows, reference_ppl)
     for row in rows:
         if "plan" in row:
             print(f"  {row['name']} ({row['dtype']}): " + ", ".join(
                 f"{role} {'/'.join(kernels.values())}" for role, kernels in row["plan"].items()))
-    if matrix is not None:
-        print_roles(matrix, reference_ppl)
-    result = {"benchmark": "quality against the fp32 model", "date": time.strftime("%Y-%m-%d"),
-              "machine": cpu_model(), "threads": torch.get_num_threads(), "python": platform.python_version(),
-              "model": str(model_path.name), "text": {"source": f"pydoc_data.topics {list(TOPICS)}",
-                                                      "sha256": text_digest},
-              "method": {"chunk": CHUNK, "chunks": CHUNKS, "first_scored_position": FIRST, "scored": CHUNKS * SCORED},
-              "rows": rows, "roles": matrix}
+    if result["roles"] is not None:
+        print_roles(result["roles"], reference_ppl)
     out.write_text(json.dumps(result, indent=1))
     print(f"\nwrote {out}")
     return 0
