@@ -6,6 +6,7 @@ adapter of its blocks."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 
 import grpc
@@ -163,11 +164,17 @@ def test_python_client_and_cli(lora_services, tiny_model_dir, adapters):
     assert refused.returncode != 0 and "max_lora_rank" in refused.stderr
 
 
+_KV_EVENT_RUNS = itertools.count()
+
+
 def test_a_gateways_kv_events_name_the_adapter_of_its_blocks(lora_services, adapters):
     """SubscribeKvEvents (the worker protocol smg reads) on the frontend: the blocks of a tandem.v1 request under
     an adapter are announced with its lora_name (smg folds it into its hashes), the same prompt's base blocks
     with none."""
-    prompt = list(range(1000, 1040))  # two full 16-token blocks
+    # two full 16-token blocks, new to the shared stack's cache on every run: blocks an earlier run cached (make
+    # test-shake repeats tests) are not stored again, and the wait below would never end
+    first_token = 1000 + 40 * next(_KV_EVENT_RUNS)
+    prompt = list(range(first_token, first_token + 40))
 
     async def run():
         async with grpc.aio.insecure_channel(lora_services.frontend_address) as channel:
@@ -181,7 +188,9 @@ def test_a_gateways_kv_events_name_the_adapter_of_its_blocks(lora_services, adap
             for lora_name in ("kv", ""):
                 await stream_tokens(generation, generation_pb2.GenerateRequest(
                     token_ids=generation_pb2.TokenIds(ids=prompt), sampling_params=greedy(2), lora_name=lora_name))
+            deadline = asyncio.get_running_loop().time() + 30  # load reports keep coming: bound the wait itself
             while len(stored) < 4:
+                assert asyncio.get_running_loop().time() < deadline, f"blocks stored so far: {stored}"
                 batch = await asyncio.wait_for(events.read(), 10)
                 for event in batch.events:
                     if event.WhichOneof("data") == "stored":
