@@ -450,7 +450,11 @@ def auto_kernels(weights: list[torch.Tensor], bias: torch.Tensor | None, role: L
     first weight's accuracy budget."""
     with one_thread():
         kernels = _kernels_for("auto", weights, role)
-    verdict = accuracy_verdict(weights[0], bias, kernels, role)
+    return _within(kernels, accuracy_verdict(weights[0], bias, kernels, role))
+
+
+def _within(kernels: tuple[str, ...], verdict: AccuracyVerdict) -> tuple[str, ...]:
+    """The kernels within the verdict's budget (the float ones always are, so never none in auto)."""
     return tuple(name for name in kernels if verdict.within(name)) or kernels
 
 
@@ -487,16 +491,17 @@ def use_measured_linears(model: nn.Module, quantization: str = "none", buckets: 
         timed_buckets = tuple(b for b in _buckets_for(role, buckets) if b not in pinned)
         plan, states, count, described, note = [], {}, 0, [], ""
         first = members[0][2]
-        verdict = accuracy_verdict(first.weight, first.bias, tuple(pinned.values()), role)
+        kernels: tuple[str, ...] = ()
         if timed_buckets:
-            weight_bytes = out_f * in_f * members[0][2].weight.element_size()
-            count = max(1, min(len(members), _TIMING_BYTES // max(weight_bytes, 1)))
-            sample = [(m.weight, m.bias) for _, _, m in members[:count]]
             with one_thread():
                 kernels = _kernels_for(quantization, [m.weight for _, _, m in members], role)
-            verdict = accuracy_verdict(first.weight, first.bias, (*kernels, *pinned.values()), role)
+        verdict = accuracy_verdict(first.weight, first.bias, (*kernels, *pinned.values()), role)
+        if timed_buckets:
+            weight_bytes = out_f * in_f * first.weight.element_size()
+            count = max(1, min(len(members), _TIMING_BYTES // max(weight_bytes, 1)))
+            sample = [(m.weight, m.bias) for _, _, m in members[:count]]
             if quantization == "auto":  # lossier kernels are the user's to ask for (--quantization)
-                kernels = tuple(name for name in kernels if verdict.within(name)) or kernels
+                kernels = _within(kernels, verdict)
             entry = (f"linear {out_f}x{in_f} bias={members[0][2].bias is not None} role={role.value} "
                      f"{members[0][2].weight.dtype} kernels={','.join(kernels)} buckets={timed_buckets}")
             stored = linear_plan_cache.lookup(entry) if cached else None
