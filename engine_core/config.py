@@ -154,6 +154,11 @@ class DeviceConfig:
     # Overlapped steps (engine_core/overlap.py): schedule and prepare the next step while this one runs.
     # auto: on for CUDA, off on CPU (docs/gpu.md has the measurements)
     overlap: str = "auto"
+    # Batch-invariant kernels (vLLM's VLLM_BATCH_INVARIANT, SGLang's deterministic inference): a request's
+    # greedy tokens and logprobs are the same alone or in any batch, with its prefix cached or not, across
+    # chunked-prefill splits. Linears run one fixed-order kernel at every batch size, attention never splits
+    # a context across threads, no one-op decode layers (docs/batch-invariance.md has the cost)
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         _require(self.device in _DEVICES, f"device must be one of {_DEVICES}, got {self.device!r}")

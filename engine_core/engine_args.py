@@ -24,6 +24,7 @@ class EngineArgs:
     max_num_seqs: int = 128
     device: str = "auto"
     enforce_eager: bool = False
+    batch_invariant: bool = False  # vLLM: VLLM_BATCH_INVARIANT=1
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16
@@ -36,6 +37,7 @@ class EngineArgs:
                               enable_prefix_caching=self.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs),
-            device=DeviceConfig(device=self.device, enforce_eager=self.enforce_eager),
+            device=DeviceConfig(device=self.device, enforce_eager=self.enforce_eager,
+                                batch_invariant=self.batch_invariant),
             lora=LoraConfig(enable=self.enable_lora, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank),
         )

@@ -33,7 +33,15 @@ from engine_core.profiler import Profiler
 from engine_core.protocol import EngineInfo
 from engine_core.scheduler import Scheduler
 from engine_core.structured.masks import StructuredOutputs
-from kernels import AttentionBackend, fastest_float_dtype, lossy_linear_kernels, select_backend, select_fused_ops
+from kernels import (
+    AttentionBackend,
+    Pins,
+    batch_invariant_kernel,
+    fastest_float_dtype,
+    lossy_linear_kernels,
+    select_backend,
+    select_fused_ops,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +64,8 @@ class EngineStartup:
         torch.manual_seed(config.model.seed)
         device = resolve_device(config.device.device)
         dtype = resolve_dtype(config.model.dtype, device)
-        self.attention = select_backend(device.type, config.device.attention_backend)
+        invariant = config.device.batch_invariant
+        self.attention = select_backend(device.type, config.device.attention_backend, batch_invariant=invariant)
         fused = None if config.device.enforce_eager else select_fused_ops(device.type, dtype)
         logger.info("attention backend %s, fused layer ops %s", self.attention.name, fused.name if fused else "off")
 
@@ -66,8 +75,10 @@ class EngineStartup:
         pins = parse_linear_kernels(config.model.linear_kernels)
         if pins and device.type != "cpu":
             raise ValueError("linear_kernels pins CPU kernels; leave it unset on CUDA")
+        if invariant:
+            pins = batch_invariant_pins(pins, quantization, dtype, device)
         if device.type == "cpu":
-            prepare_for_cpu(self.model, quantization, pins=pins)
+            prepare_for_cpu(self.model, quantization, pins=pins, decode_layers=not invariant)
         self.model_path = str(Path(config.model.model) if config.model.model else default_model_path())
         logger.info("loaded %s in %.1f s", self.model_path, time.perf_counter() - started)
 
@@ -107,7 +118,7 @@ class EngineStartup:
         self.asleep = False  # the KV cache is freed (sleep / wake_up)
         self._profiler = Profiler(device)
         self.info = engine_info(self.model_path, self.arch, self.max_model_len, block_size, num_blocks, dtype, device,
-                                self.attention.name, lossy_linear_kernels(self.model))
+                                self.attention.name, lossy_linear_kernels(self.model), invariant)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -135,6 +146,17 @@ def resolve_quantization(name: str, dtype_name: str, device: torch.device) -> st
             raise ValueError(f"quantization {name!r} runs on CPU only; use quantization='none' on CUDA")
         return "none"
     return "none" if name == "auto" and dtype_name == "float32" else name
+
+
+def batch_invariant_pins(pins: Pins, quantization: str, dtype: torch.dtype, device: torch.device) -> Pins:
+    """The linear kernels batch-invariant mode runs: on the CPU one fixed-order float kernel for every layer and
+    batch size (kernels.batch_invariant_kernel). ValueError where the user asked for kernels of their own."""
+    if pins:
+        raise ValueError("batch_invariant chooses the linear kernels itself; leave linear_kernels unset")
+    if quantization not in ("auto", "none"):
+        raise ValueError(f"batch_invariant runs float linears; quantization {quantization!r} cannot be combined "
+                         "with it (leave it auto)")
+    return {"*": {None: batch_invariant_kernel(dtype)}} if device.type == "cpu" else {}
 
 
 def resolve_scheduler(config: SchedulerConfig, device: torch.device, max_model_len: int) -> SchedulerConfig:
@@ -202,7 +224,7 @@ def num_blocks_for_memory(config: EngineConfig, arch: ModelArchConfig, max_model
 
 def engine_info(model_path: str, arch: ModelArchConfig, max_model_len: int, block_size: int, num_blocks: int,
                 dtype: torch.dtype, device: torch.device, attention_backend: str,
-                lossy_kernels: tuple[str, ...] = ()) -> EngineInfo:
+                lossy_kernels: tuple[str, ...] = (), batch_invariant: bool = False) -> EngineInfo:
     """What the engine tells its callers about itself (GetEngineInfo), as resolved above."""
     return EngineInfo(
         model_name=Path(model_path).stem if model_path.endswith(".gguf") else Path(model_path).name,
@@ -217,4 +239,5 @@ def engine_info(model_path: str, arch: ModelArchConfig, max_model_len: int, bloc
         device=str(device),
         attention_backend=attention_backend,
         lossy_linear_kernels=lossy_kernels,
+        batch_invariant=batch_invariant,
     )

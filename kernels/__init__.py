@@ -23,6 +23,10 @@ have the same signature on every backend:
 
     paged_attention(query, key_cache, value_cache, metadata, scale) -> [T, num_heads, head_dim]
 
+`batch_invariant=True` asks for a backend whose output rows do not depend on the rows beside them (the
+engine's --batch-invariant): the C++ kernel and Triton's split no context by batch; the torch reference,
+whose matmul shapes follow each request's length, cannot promise it.
+
 "torch" is the pure-torch reference (any device, kernels/reference/attention.py); "cpp" is the
 C++ CPU kernel that reads K/V blocks in place (kernels/cpu_attention.py, built on first use by
 kernels/cpu_extension.py);
@@ -36,6 +40,7 @@ host lists, so it runs eagerly only.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -48,11 +53,12 @@ class AttentionBackend:
     write_kv_cache: Callable
     paged_attention: Callable
     supports_cuda_graphs: bool = False
+    batch_invariant: bool = False
 
 
-def select_backend(device: str, name: str = "auto") -> AttentionBackend:
+def select_backend(device: str, name: str = "auto", batch_invariant: bool = False) -> AttentionBackend:
     """Triton on CUDA; on the CPU the C++ kernel, or the torch reference when it cannot be
-    built (no compiler); `name` overrides (tests, debugging)."""
+    built (no compiler); `name` overrides (tests, debugging). `batch_invariant`: see above."""
     if name == "auto":
         if device.startswith("cuda"):
             name = "triton"
@@ -65,7 +71,12 @@ def select_backend(device: str, name: str = "auto") -> AttentionBackend:
 
         if not cpu_extension.load():
             raise ValueError("attention backend 'cpp' needs a C++ compiler (see the log); use 'torch' or 'auto'")
-        return AttentionBackend("cpp", cpu_attention.write_kv_cache, cpu_attention.paged_attention)
+        attend = functools.partial(cpu_attention.paged_attention, batch_invariant=True) if batch_invariant else \
+            cpu_attention.paged_attention
+        return AttentionBackend("cpp", cpu_attention.write_kv_cache, attend, batch_invariant=batch_invariant)
+    if batch_invariant and name == "torch":
+        raise ValueError("batch-invariant mode needs the 'cpp' or 'triton' attention backend: the torch reference's "
+                         "matmuls change shape with each request's length")
     if name == "torch":
         from kernels import reference
 
@@ -73,9 +84,11 @@ def select_backend(device: str, name: str = "auto") -> AttentionBackend:
     if name == "triton":
         from kernels import triton_kv_write, triton_paged_attention
 
+        attend = functools.partial(triton_paged_attention.paged_attention, batch_invariant=True) \
+            if batch_invariant else triton_paged_attention.paged_attention
         return AttentionBackend(
-            "triton", triton_kv_write.write_kv_cache, triton_paged_attention.paged_attention,
-            supports_cuda_graphs=True,
+            "triton", triton_kv_write.write_kv_cache, attend, supports_cuda_graphs=True,
+            batch_invariant=batch_invariant,
         )
     raise ValueError(f"attention backend must be 'auto', 'torch', 'cpp' or 'triton', got {name!r}")
 
@@ -87,6 +100,7 @@ from kernels.cpu_linear import (  # noqa: E402
     LinearRole,
     Pins,
     allowed_kernels,
+    batch_invariant_kernel,
     int4_allowed,
     kernel_fits,
     lossy_linear_kernels,
@@ -102,7 +116,7 @@ from kernels.lora_ops import LORA_KERNELS, LoraOps, LoraPlan, select_lora_ops  #
 
 __all__ = [
     "AttentionBackend", "AttentionMetadata", "BUCKETS", "FusedOps", "LORA_KERNELS", "LinearRole", "LoraOps",
-    "LoraPlan", "Pins", "LoraStepIndex", "Timer", "allowed_kernels",
+    "LoraPlan", "Pins", "LoraStepIndex", "Timer", "allowed_kernels", "batch_invariant_kernel",
     "argmax", "fastest_float_dtype", "fastest_uncontended", "int4_allowed", "kernel_fits", "lossy_linear_kernels",
     "one_thread",
     "prepare_int4_gemv", "prepare_int8_gemv", "reference", "select_backend", "select_fused_ops", "select_lora_ops",

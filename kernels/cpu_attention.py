@@ -3,7 +3,8 @@
 Same signatures as its reference, kernels/reference/attention.py. The kernel walks each request's
 block table and reads K/V blocks where they lie in the cache, with an online softmax in fp32, so no
 layer gathers a request's context into a dense copy. It handles fp32 and bf16; other dtypes (and
-tensors off the CPU) take the reference path.
+tensors off the CPU) take the reference path. `batch_invariant`: a row's output never depends on the rows
+beside it (the kernel splits no context across threads; chunks start at the same positions).
 """
 
 from __future__ import annotations
@@ -43,12 +44,13 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    batch_invariant: bool = False,  # never split a context across threads: each row's sums in one order
 ) -> torch.Tensor:  # [T, H, D]
     if not _supported(query, key_cache) or query.dtype != key_cache.dtype:
         return reference.paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, logit_softcap)
     out = torch.empty(query.shape, dtype=query.dtype)
     torch.ops.tandem.paged_attention(
         out, query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
-        metadata.query_start_loc, scale, sliding_window or 0, logit_softcap or 0.0,
+        metadata.query_start_loc, scale, sliding_window or 0, logit_softcap or 0.0, batch_invariant,
     )
     return out

@@ -109,6 +109,10 @@ BLOCKWISE_KERNELS = ("int8_blockwise",)
 # is level with int8_gemv by 8, where its group-by-group fp32 sums cost as much as the reads saved.
 MAX_ROWS = {"int8_vnni": 512, "linear_bf16_packed": 32, "int4_gemv": 8}
 INT4_KERNELS = ("int4", "int4_gemv")  # only where the weights are int4 (see _kernels_for)
+# Kernels whose every output is one row's sums in an order fixed by the kernel, whatever the number of rows
+# or threads (split by output only): what --batch-invariant runs (`batch_invariant_kernel`). Pinned, never
+# timed: linear_bf16_packed's register tiles keep each row's k order, linear_rowwise calls F.linear per row.
+BATCH_INVARIANT_KERNELS = ("linear_bf16_packed", "linear_rowwise")
 QUANTIZATIONS = ("auto", "int8", "int4", "none")
 _TIMING_BYTES = 64 * 2**20  # weights timed in turn: enough to leave the caches, as a real step does
 _MIN_CALLS = 8  # timed calls per kernel and bucket at least (more while under _BUDGET_S)
@@ -141,9 +145,21 @@ def _run_colmajor(state, x):
     return torch.mm(x, wt) if b is None else torch.addmm(b, x, wt)
 
 
+def _run_rowwise(state, x):
+    """`F.linear` one row at a time: every row goes through the same call on the same shape, so its sums
+    never depend on the batch (a BLAS picks its blocking, and its order of sums, by the number of rows).
+    Batch-invariant mode's kernel where `linear_bf16_packed` cannot run; it reads the weight once a row."""
+    w, b = state
+    out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype)
+    for i in range(x.shape[0]):
+        out[i : i + 1] = F.linear(x[i : i + 1], w, b)
+    return out
+
+
 KERNELS = {
     "linear": (_prep_linear, _run_linear),
     "linear_colmajor": (_prep_colmajor, _run_colmajor),
+    "linear_rowwise": (_prep_linear, _run_rowwise),
     "int8_weight_only": (prepare_int8_weight_only, run_int8_weight_only),
     "int8_dynamic": (prepare_int8_dynamic, run_int8_dynamic),
     "int8_gemv": (prepare_int8_gemv, run_int8_gemv),
@@ -182,6 +198,14 @@ def kernel_fits(kernel: str, weight: torch.Tensor) -> bool:
     if kernel == "int8_blockwise":
         return int8_blockwise_fits(weight)
     return True
+
+
+def batch_invariant_kernel(dtype: torch.dtype) -> str:
+    """The linear kernel batch-invariant mode runs for weights of `dtype` on this CPU: the bf16 GEMM over
+    packed tiles where the CPU has AVX512-BF16, else F.linear row by row (slower: the weight read per row)."""
+    if dtype == torch.bfloat16 and bf16_packed_supported():
+        return "linear_bf16_packed"
+    return "linear_rowwise"
 
 
 def int4_is_exact(weight: torch.Tensor) -> bool:

@@ -240,8 +240,11 @@ def paged_attention(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     num_splits: int | None = None,  # None: choose from metadata; tests force it
+    batch_invariant: bool = False,
 ) -> torch.Tensor:  # [T, H, D]
-    """Causal paged attention for every token of the batch, decodes and prefill chunks alike."""
+    """Causal paged attention for every token of the batch, decodes and prefill chunks alike.
+    `batch_invariant`: one tiling whatever the batch (prefill's query blocks and key tiles for decodes too,
+    no context splits), so a row's sums never depend on the rows beside it."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[1]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads"
@@ -253,16 +256,24 @@ def paged_attention(
         query = query.contiguous()
     assert key_cache.stride() == value_cache.stride() and key_cache.stride(-1) == 1
 
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     # decode-only batches need one token per program; prefill gets taller query blocks
-    block_m = max(16 if metadata.max_query_len == 1 else 64, triton.next_power_of_2(queries_per_kv))
+    decode_only = metadata.max_query_len == 1 and not batch_invariant
+    block_m = max(16 if decode_only else 64, triton.next_power_of_2(queries_per_kv))
     block_q = block_m // queries_per_kv
-    tile_n = 32 if metadata.max_query_len == 1 else 64
+    tile_n = 32 if decode_only else 64
+    if batch_invariant and interpreted:
+        # the interpreter's tl.dot is numpy's BLAS, whose sums depend on a row's place in the block (a GPU's
+        # MMA computes every row alike): one token per block there, so a token's rows always lie at the top
+        block_m, block_q = max(16, triton.next_power_of_2(queries_per_kv)), 1
     num_q_blocks = num_tokens // block_q + metadata.num_reqs  # upper bound, see module docstring
-    if num_splits is None:
+    if batch_invariant:
+        num_splits = 1
+    elif num_splits is None:
         num_splits = choose_num_splits(metadata, num_kv_heads)
     dim_pad = max(16, triton.next_power_of_2(head_dim))
     dot_dtype = _DOT_DTYPES[query.dtype]
-    if dot_dtype == tl.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+    if dot_dtype == tl.bfloat16 and interpreted:
         dot_dtype = tl.float32  # the CPU interpreter multiplies bf16 bit patterns as integers
 
     if num_splits == 1:

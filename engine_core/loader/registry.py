@@ -58,16 +58,17 @@ def load_model(
 
 
 def prepare_for_cpu(model: LlamaForCausalLM, quantization: str = "none", timer: Timer | None = None,
-                    pins: Pins | None = None) -> None:
+                    pins: Pins | None = None, decode_layers: bool = True) -> None:
     """Give a tied LM head its own linear over the embedding, let every linear layer take the kernel
     measured fastest here per batch bucket among those its role allows (`quantization`: none | int8 |
     int4 | auto; the roles: LINEAR_ROLES) or the one `pins` names (`--linear-kernels`), then time the
     decoder layers as one C++ op each at small decode batches (engine_core/models/cpu_decode_layers.py;
-    it keeps pinned kernels)."""
+    it keeps pinned kernels; `decode_layers` False: never, as batch-invariant mode wants)."""
     if model.lm_head is None:
         embedding = model.model.embed_tokens.weight
         model.lm_head = torch.nn.Linear(embedding.shape[1], embedding.shape[0], bias=False, device="meta")
         model.lm_head.weight = embedding
     weights = layer_weights(model.model)  # the float weights, before the CpuLinears may free them
     use_measured_linears(model, quantization, timer=timer, roles=LINEAR_ROLES, pins=pins)
-    model.model.decode_layers = choose_decode_layers(model.model, weights, quantization, timer or wall_timer)
+    if decode_layers:
+        model.model.decode_layers = choose_decode_layers(model.model, weights, quantization, timer or wall_timer)

@@ -69,7 +69,7 @@ void llama_decode_layer(
   rotary_embedding(qk, cos, sin);
   write_kv_cache(k, v, key_cache, value_cache, slot_mapping);
   paged_attention(attn, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window,
-                  softcap);
+                  softcap, /*batch_invariant=*/false);  // the engine runs no one-op layers in that mode
   linear(o_kind, o, attn_rows, o_a, o_b, o_c, o_d);
   adapters(o, attn_rows, o_lora_a, o_lora_b, o_lora_pieces, lora_row_slots);
   // MLP: o <- norm(o + residual); its output goes to hidden, the next layer's input

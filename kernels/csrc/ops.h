@@ -28,7 +28,8 @@ void bf16_packed_gemm(Tensor out, Tensor x, Tensor packed, Tensor bias);
 void lora_add(Tensor y, Tensor x, Tensor a, Tensor b, Tensor row_slots, Tensor pieces);
 // paged_attention.cpp
 void paged_attention(Tensor out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables,
-                     Tensor seq_lens, Tensor query_start_loc, double scale, int64_t window, double softcap);
+                     Tensor seq_lens, Tensor query_start_loc, double scale, int64_t window, double softcap,
+                     bool batch_invariant);
 void write_kv_cache(Tensor key, Tensor value, Tensor key_cache, Tensor value_cache, Tensor slot_mapping);
 
 }  // namespace tandem

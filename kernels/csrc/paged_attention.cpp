@@ -5,7 +5,9 @@
 // with an online softmax in fp32 (attention_tile.h), so each K/V block is read once per
 // item and no layer gathers a request's context. Decodes are tiles of one token; prefill
 // chunks are causal over their prefix plus themselves. Items go to torch's threads
-// dynamically, longest first; a few long decodes split their contexts across threads.
+// dynamically, longest first; a few long decodes split their contexts across threads, unless the
+// caller asks for batch invariance: then every row walks its context alone, in chunks aligned to
+// position 0, so its sums never depend on the batch, its tile or the thread count.
 //
 // Cache layout [num_blocks, num_kv_heads, block_size, head_dim]: one (block, kv head) is a
 // contiguous [block_size, head_dim] slab.
@@ -38,7 +40,7 @@ struct Plan {
 // Tiles of query rows per (request, kv head). When there are too few items to keep every
 // thread busy (a few long decodes), each long decode's context is split into runs of whole
 // chunks, flash-decoding style, and the runs' partial results merged.
-Plan plan(const Layout& L, int64_t num_reqs, int64_t threads) {
+Plan plan(const Layout& L, int64_t num_reqs, int64_t threads, bool batch_invariant) {
   Plan p;
   const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / L.group);
   for (int64_t b = 0; b < num_reqs; ++b) {
@@ -50,7 +52,8 @@ Plan plan(const Layout& L, int64_t num_reqs, int64_t threads) {
       const int64_t t_end = std::min(end, t + tile_tokens);
       const int64_t keys = seq_len - (end - t_end);  // keys visible to the tile's last token
       // the first token's window start: keys before it are hidden from every row of the tile
-      const int64_t key_begin = std::max<int64_t>(0, seq_len - (end - t) - L.window + 1);
+      int64_t key_begin = std::max<int64_t>(0, seq_len - (end - t) - L.window + 1);
+      if (batch_invariant) key_begin -= key_begin % kChunk;  // chunks at the same positions in every tile
       for (int64_t h = 0; h < L.num_kv_heads; ++h) {
         const int64_t cost = (t_end - t) * L.group * (keys - key_begin);
         p.items.push_back({int32_t(b), int32_t(h), int32_t(t), int32_t(t_end), key_begin, keys, cost, -1});
@@ -59,7 +62,7 @@ Plan plan(const Layout& L, int64_t num_reqs, int64_t threads) {
     }
   }
   const int64_t wanted = 2 * threads, have = p.items.size();
-  if (threads > 1 && p.work >= kSerialWork && have < wanted) {
+  if (!batch_invariant && threads > 1 && p.work >= kSerialWork && have < wanted) {
     std::vector<WorkItem> items;
     for (const WorkItem& w : p.items) {
       const int64_t chunks = (w.keys - w.key_begin + kChunk - 1) / kChunk;
@@ -89,7 +92,8 @@ Plan plan(const Layout& L, int64_t num_reqs, int64_t threads) {
 }  // namespace
 
 void paged_attention(Tensor out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables,
-                     Tensor seq_lens, Tensor query_start_loc, double scale, int64_t window, double softcap) {
+                     Tensor seq_lens, Tensor query_start_loc, double scale, int64_t window, double softcap,
+                     bool batch_invariant) {
   const ScalarType dtype = query.scalar_type();
   check_rows(query, 3, "query");
   check_rows(out, 3, "out");
@@ -129,7 +133,7 @@ void paged_attention(Tensor out, Tensor query, Tensor key_cache, Tensor value_ca
   const int64_t num_tokens = query.size(0), num_real = L.query_start_loc[num_reqs];
   TANDEM_CHECK(num_real <= num_tokens && out.size(0) == num_tokens, "query_start_loc runs past the query rows");
 
-  const Plan work = plan(L, num_reqs, torch::stable::get_num_threads());
+  const Plan work = plan(L, num_reqs, torch::stable::get_num_threads(), batch_invariant);
   std::vector<float> partials(work.partial_floats);
 
   dispatch_float_bf16(query, [&](auto tag) {
@@ -215,7 +219,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int window, "
-      "float softcap) -> ()");
+      "float softcap, bool batch_invariant=False) -> ()");
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping) -> ()");
 }

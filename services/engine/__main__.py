@@ -148,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--overlap", default=device.overlap, choices=["auto", "on", "off"],
                    help="schedule and prepare the next step while this one runs (docs/gpu.md); "
                         "auto: on for cuda, off on cpu")
+    d.add_argument("--batch-invariant", action="store_true",
+                   help="a request's greedy tokens and logprobs do not depend on its batch, a cached prefix or "
+                        "chunked prefill: fixed-order kernels at every batch size, at a measured cost "
+                        "(docs/batch-invariance.md); float linears only, no --linear-kernels")
 
     lora = defaults.lora
     la = p.add_argument_group("LoRA adapters (docs/lora.md)")
@@ -195,7 +199,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         device=DeviceConfig(
             device=args.device, attention_backend=args.attention_backend, num_threads=args.num_threads,
             enforce_eager=args.enforce_eager, cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
-            overlap=args.overlap,
+            overlap=args.overlap, batch_invariant=args.batch_invariant,
         ),
         lora=LoraConfig(enable=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                         max_cpu_loras=args.max_cpu_loras, kernel=args.lora_kernel, adapters=dict(args.lora or ())),
