@@ -7,7 +7,8 @@ With --tools FILE (a JSON list of {"name", "description", "parameters"}), the mo
 printed as JSON lines {"tool_call": {"id", "name", "arguments"}}; "/tool ID RESULT" answers one and the
 model goes on (an ID the model never called is refused, naming the known ones). A call that max_tokens cut
 is printed as {"cut_tool_call": {"id", "name", "finish_reason": "length", "arguments_json": unfinished text}}
-and left out of the history.
+and left out of the history. A forced --tool-choice (required or a tool's name) applies to the answer to
+each message you type; the turn after a /tool result uses auto, so the model can answer with text.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class ChatSession:
         request, when the history has no call `call_id`)."""
         self.check_call_id(call_id)
         return self._reply([*self.history, {"role": "tool", "content": result, "tool_call_id": call_id}],
-                           self.sampling, out)
+                           self._sampling_after_tool_result(), out)
 
     def known_call_ids(self) -> list[str]:
         """The ids of the whole calls in the history: the ones a tool result can answer."""
@@ -60,6 +61,12 @@ class ChatSession:
             return
         why = "was cut by max_tokens and cannot be answered" if call_id in self.cut_call_ids else "is unknown"
         raise UnknownToolCallId(f"tool call id {call_id!r} {why}; known ids: {', '.join(known) or 'none'}")
+
+    def _sampling_after_tool_result(self) -> dict:
+        # A forced choice (required or a name) would make the model call again instead of answering the result.
+        if self.sampling.get("tool_choice") in (None, "auto", "none"):
+            return self.sampling
+        return {**self.sampling, "tool_choice": "auto"}
 
     def _reply(self, messages: list[dict], sampling: dict, out) -> str:
         answer, calls, finish = [], (), None

@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--tools", metavar="FILE", help="a JSON file with a list of tools the model may call: "
                       '[{"name": ..., "description": ..., "parameters": JSON schema}]; see docs/tools.md')
     chat.add_argument("--tool-choice", metavar="CHOICE", help="auto (default), none, required, or a tool's name "
-                      "to force that call")
+                      "to force that call; a forced choice (required or a name) applies to the answer to each "
+                      "message you type, and the turn after a /tool result uses auto so the model can answer")
     chat.set_defaults(run=chat_session.run)
 
     tokenize = _add(subcommands, "tokenize", "token ids of text (or text of token ids)", [connection],

@@ -190,3 +190,26 @@ def test_a_tool_result_for_an_unknown_id_is_refused_naming_the_known_ones(script
     run_cli(scripted, scenario)
     assert len(requests(scripted)) == 2  # the refused results sent nothing
     assert "12 C, rain" in prompt_of(scripted, requests(scripted)[1])
+
+
+def test_a_forced_tool_choice_forces_the_first_turn_only_and_the_model_answers_the_result(scripted):
+    scripted.replies += ['{"city": "Oslo"}', "12 C and rain in Oslo.", '{"city": "Lima"}']
+
+    async def scenario(start) -> None:
+        chat = await start("chat", "--tools", str(TOOLS_FILE), "--tool-choice", "get_weather", "--temperature", "0",
+                           "--max-tokens", "64")
+        for city in ("Oslo", "Lima"):
+            await chat.say(f"Weather in {city}?")
+            assert await chat.stdout_line() == ""
+            call = json.loads(await chat.stdout_line())["tool_call"]
+            assert (call["name"], call["arguments"]) == ("get_weather", {"city": city})
+            if city == "Oslo":
+                await chat.say(f"/tool {call['id']} 12 C, rain")
+                assert await chat.stdout_line() == "12 C and rain in Oslo."
+        code, _, err = await chat.finish()
+        assert code == 0, err
+
+    run_cli(scripted, scenario)
+    forced, after_result, next_message = (r.sampling_params.structured for r in requests(scripted))
+    assert json.loads(forced.json_schema) == json.loads(next_message.json_schema) == WEATHER_SCHEMA
+    assert after_result.WhichOneof("constraint") is None  # auto: the model may write text
