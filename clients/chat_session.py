@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from clients.cli_options import client_from_args, sampling_from_args, tools_from_args
+from clients.cli_options import client_from_args, lora_from_args, sampling_from_args, tools_from_args
 from clients.client import TandemClient
 
 
@@ -30,7 +30,7 @@ class ChatSession:
 
     def __init__(self, client: TandemClient, sampling: dict, system: str | None = None) -> None:
         self.client = client
-        self.sampling = sampling  # sampling keywords, and tools / tool_choice when given
+        self.sampling = sampling  # sampling keywords, lora_name, and tools / tool_choice when given
         self.system = system
         self.history: list[dict] = []
         self.cut_call_ids: set[str] = set()
@@ -105,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             pass
     with client_from_args(args) as client:
-        session = ChatSession(client, {**sampling_from_args(args), **tools_from_args(args)}, args.system)
+        options = {**sampling_from_args(args), **lora_from_args(args), **tools_from_args(args)}
+        session = ChatSession(client, options, args.system)
         if interactive:
             print(f"chatting with {args.address}; /reset forgets the history, /exit or Ctrl-D quits", file=sys.stderr)
         while True:

@@ -213,3 +213,28 @@ def test_a_forced_tool_choice_forces_the_first_turn_only_and_the_model_answers_t
     forced, after_result, next_message = (r.sampling_params.structured for r in requests(scripted))
     assert json.loads(forced.json_schema) == json.loads(next_message.json_schema) == WEATHER_SCHEMA
     assert after_result.WhichOneof("constraint") is None  # auto: the model may write text
+
+
+def test_lora_names_the_adapter_on_generate_and_chat_requests(scripted):
+    scripted.replies += ["SELECT 1;", "Hello.", "Hi."]
+
+    async def scenario(start) -> None:
+        scripted.engine.announce(lora_names=["sql"])  # as an engine that loaded the adapter says
+        await wait_until(lambda: "sql" in scripted.client.engines()[0].state.lora_names)
+        generate = await start("generate", "Top customers:", "--lora", "sql", "--request-id", "lora-generate")
+        code, out, err = await generate.finish()
+        assert (code, out) == (0, "SELECT 1;\n"), err
+        for flags, reply in ((["--lora", "sql"], "Hello."), ([], "Hi.")):
+            chat = await start("chat", *flags)
+            await chat.say("Hi")
+            assert await chat.stdout_line() == reply
+            code, _, err = await chat.finish()
+            assert code == 0, err
+        missing = await start("generate", "Top customers:", "--lora", "nope")
+        code, out, err = await missing.finish()
+        assert code == 1 and err.startswith("tandem: NOT_FOUND: no engine has the LoRA adapter 'nope' loaded"), err
+
+    run_cli(scripted, scenario)
+    assert scripted.engine.added["lora-generate"].lora_name == "sql"
+    generated, with_adapter, base_model = requests(scripted)
+    assert (with_adapter.lora_name, base_model.lora_name) == ("sql", "")
