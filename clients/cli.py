@@ -31,7 +31,8 @@ _EXAMPLES = {
   tandem generate "A haiku about gRPC:" --n 3 --temperature 0.8 --max-tokens 32   # three samples, labelled
   tandem generate "Tell a story" --stop "The end" --seed 7 --address gpu-box:50051 --tls-ca ca.pem
   tandem generate "A user profile as JSON:" --json-schema docs/examples/person.schema.json --max-tokens 128
-  tandem generate "Is gRPC fast? Answer:" --choice yes --choice no""",
+  tandem generate "Is gRPC fast? Answer:" --choice yes --choice no
+  tandem generate "SELECT" --lora sql --max-tokens 32    # with the loaded LoRA adapter sql""",
     "chat": """examples:
   tandem chat                                   # on a terminal: you> ... assistant> ...
   tandem chat --system "Answer in one sentence." --temperature 0
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--n", type=int, default=1, metavar="N",
                           help="completions of the prompt; with N > 1 each is printed, labelled, once it finishes")
     generate.add_argument("--request-id", help="the request's id (default: the server makes one)")
+    _add_lora_flag(generate)
     generate.add_argument("--json", action="store_true",
                           help="one JSON object (index, text, token_ids, finish_reason, usage) per completion "
                                "in each streamed message")
@@ -79,10 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat = _add(subcommands, "chat", "chat in the terminal (streams tokens, keeps history)", [connection, sampling],
                 chat_session.__doc__.strip())
     chat.add_argument("--system", help="a system message that starts the conversation")
+    _add_lora_flag(chat)
     chat.add_argument("--tools", metavar="FILE", help="a JSON file with a list of tools the model may call: "
                       '[{"name": ..., "description": ..., "parameters": JSON schema}]; see docs/tools.md')
     chat.add_argument("--tool-choice", metavar="CHOICE", help="auto (default), none, required, or a tool's name "
-                      "to force that call")
+                      "to force that call; a forced choice (required or a name) applies to the answer to each "
+                      "message you type, and the turn after a /tool result uses auto so the model can answer")
     chat.set_defaults(run=chat_session.run)
 
     tokenize = _add(subcommands, "tokenize", "token ids of text (or text of token ids)", [connection],
@@ -128,6 +132,11 @@ def package_version() -> str:
         return importlib.metadata.version("tandem")
     except importlib.metadata.PackageNotFoundError:
         return "(version unknown: run from a source tree that is not installed)"
+
+
+def _add_lora_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lora", metavar="NAME", help="answer with this loaded LoRA adapter (docs/lora.md); "
+                        "NOT_FOUND when no engine has it")
 
 
 def _add(subcommands, name: str, help_text: str, parents: list, description: str) -> argparse.ArgumentParser:

@@ -106,6 +106,11 @@ def sampling_from_args(args: argparse.Namespace) -> dict:
     return sampling
 
 
+def lora_from_args(args: argparse.Namespace) -> dict:
+    """lora_name for the client when --lora is given (none: the base model)."""
+    return {"lora_name": args.lora} if getattr(args, "lora", None) else {}
+
+
 def tools_from_args(args: argparse.Namespace) -> dict:
     """tools (the --tools file: a JSON list of tools) and tool_choice for the client, when given."""
     if getattr(args, "tools", None) is None:

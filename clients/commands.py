@@ -14,14 +14,14 @@ import time
 from google.protobuf.json_format import MessageToDict
 
 from clients.admin import engine_state, server_state
-from clients.cli_options import client_from_args, sampling_from_args
+from clients.cli_options import client_from_args, lora_from_args, sampling_from_args
 
 
 def generate(args: argparse.Namespace) -> int:
     prompt = _parse_ids(args.token_ids, "--token-ids") if args.token_ids else args.prompt
     if prompt is None:
         raise ValueError("give a prompt, or --token-ids")
-    options = sampling_from_args(args)
+    options = {**sampling_from_args(args), **lora_from_args(args)}
     if args.n != 1:
         options["n"] = args.n
     if args.request_id:

@@ -16,7 +16,8 @@ TOOL_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls")
 
 @dataclass(frozen=True)
 class ToolCall:
-    """A finished call (in a completion's last message): arguments_json is a JSON object as text."""
+    """A call in a completion's last message: arguments_json is a JSON object as text, or, when max_tokens cut
+    the call (the completion's finish_reason is "length"), the unfinished text it got (`complete` is False)."""
 
     id: str
     index: int
@@ -24,8 +25,19 @@ class ToolCall:
     arguments_json: str
 
     @property
-    def arguments(self) -> dict:
-        return json.loads(self.arguments_json)
+    def arguments(self) -> dict | None:
+        """The arguments as a dict; None for a cut call (its raw text stays in arguments_json)."""
+        try:
+            arguments = json.loads(self.arguments_json)
+        except ValueError:
+            return None
+        return arguments if isinstance(arguments, dict) else None
+
+    @property
+    def complete(self) -> bool:
+        """Whether the arguments are a whole JSON object: a cut call can be neither run nor sent back in the
+        history (the server refuses history calls whose arguments are not an object)."""
+        return self.arguments is not None
 
 
 @dataclass(frozen=True)

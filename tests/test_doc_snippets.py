@@ -51,6 +51,9 @@ SKIPPED = [
     (r"tandem admin lora (load|list|pin|unload)\b",
      "needs a PEFT adapter folder at /adapters/sql (a placeholder) and an engine started with LoRA; "
      "tests/test_lora_stack.py runs tandem admin lora against one"),
+    (r"tandem (generate|chat) .*--lora sql\b",
+     "needs an engine with the adapter sql loaded (from a placeholder folder); "
+     "tests/clients/test_chat_cli_scripted.py sends --lora to a scripted engine that has it"),
     (r"(docker|open|kubectl|REGISTRY=|bash scripts/docker_standins\.sh|build/compose-venv/)",
      "Docker, Kubernetes or a browser, which the test machines do not have; tests/compose, tests/deploy and "
      "tests/observability/test_compose.py check the files these use"),

@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 
 from clients.client import TandemClient
+from clients.tools import ToolCall
 from engine_core.loader import default_model_path
 from tests.clients.conftest import REPO, run_cli
 from tests.clients.test_node_client import node, node_chat  # noqa: F401 - the node fixture
@@ -95,6 +96,17 @@ def test_node_client_prints_the_same_call(node, tools_frontend):  # noqa: F811 -
         chunks = list(client.chat([{"role": "user", "content": "Weather in Lima?"}], tools=TOOLS,
                                   tool_choice={"name": "get_weather"}, **SAMPLING))
     assert [(c["name"], c["arguments"]) for c in node_calls] == [(c.name, c.arguments) for c in chunks[-1].tool_calls]
+
+
+@pytest.mark.parametrize("arguments_json", ['{"city": "Os', "", '{"city": "Oslo"', '"Oslo"', "[1]"])
+def test_a_call_whose_arguments_are_not_a_whole_object_reads_as_cut_without_raising(arguments_json):
+    call = ToolCall("call_1", 0, "get_weather", arguments_json)  # as max_tokens leaves it
+    assert (call.complete, call.arguments, call.arguments_json) == (False, None, arguments_json)
+
+
+def test_a_whole_call_reads_as_complete():
+    call = ToolCall("call_1", 0, "get_weather", '{"city": "Oslo", "days": 2}')
+    assert (call.complete, call.arguments) == (True, {"city": "Oslo", "days": 2})
 
 
 def test_serve_passes_the_template_and_parser_flags_to_the_frontend(monkeypatch, tmp_path):
