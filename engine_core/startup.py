@@ -151,12 +151,15 @@ def resolve_quantization(name: str, dtype_name: str, device: torch.device) -> st
 def batch_invariant_pins(pins: Pins, quantization: str, dtype: torch.dtype, device: torch.device) -> Pins:
     """The linear kernels batch-invariant mode runs: on the CPU one fixed-order float kernel for every layer and
     batch size (kernels.batch_invariant_kernel). ValueError where the user asked for kernels of their own."""
+    if device.type != "cpu":
+        raise ValueError("batch_invariant runs on the CPU only for now: on CUDA the linears are cuBLAS, whose tiling "
+                         "follows the batch (docs/batch-invariance.md)")
     if pins:
         raise ValueError("batch_invariant chooses the linear kernels itself; leave linear_kernels unset")
     if quantization not in ("auto", "none"):
         raise ValueError(f"batch_invariant runs float linears; quantization {quantization!r} cannot be combined "
                          "with it (leave it auto)")
-    return {"*": {None: batch_invariant_kernel(dtype)}} if device.type == "cpu" else {}
+    return {"*": {None: batch_invariant_kernel(dtype)}}
 
 
 def resolve_scheduler(config: SchedulerConfig, device: torch.device, max_model_len: int) -> SchedulerConfig:

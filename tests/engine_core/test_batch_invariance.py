@@ -12,10 +12,12 @@ import os
 import random
 
 import pytest
+import torch
 
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine_core.llm_engine import LLMEngine
 from engine_core.protocol import SamplingParams
+from engine_core.startup import batch_invariant_pins
 from kernels import cpu_extension
 from tests.engine_core.tiny_models import write_tiny_model
 
@@ -119,7 +121,9 @@ def test_chunked_prefill_splits_give_one_answer(model_folder, backend, dtype):
     assert results[7] == results[16] == results[512]
 
 
-def test_quantization_and_pinned_kernels_are_refused(model_folder):
+def test_quantization_pinned_kernels_and_cuda_are_refused(model_folder):
+    with pytest.raises(ValueError, match="CPU only for now"):  # cuBLAS tiles by the batch (docs/batch-invariance.md)
+        batch_invariant_pins({}, "auto", torch.bfloat16, torch.device("cuda"))
     with pytest.raises(ValueError, match="quantization 'int8' cannot be combined"):
         LLMEngine(EngineConfig(model=ModelConfig(model=model_folder, dtype="bfloat16", quantization="int8"),
                                device=DeviceConfig(device="cpu", batch_invariant=True)))
