@@ -24,11 +24,11 @@ EXAMPLES = """examples:
   tandem plans --json                           # the file itself
   tandem plans --clear                          # delete it: the next engine load times every kernel again
   TANDEM_CACHE_DIR=/srv/tandem-cache tandem plans   # the cache of engines started with that folder"""
-MACHINE = "machine"  # each key's description (kernels/linear_plan_cache.py writes it)
+MACHINE = "machine"  # each key's description (kernels/cpu/linear_plan_cache.py writes it)
 
 
 def plan_cache_path() -> Path:
-    """Where the engine keeps its plans (kernels/linear_plan_cache.py's cache_path, without torch)."""
+    """Where the engine keeps its plans (kernels/cpu/linear_plan_cache.py's cache_path, without torch)."""
     return Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem") / "linear_plans.json"
 
 

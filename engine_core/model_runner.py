@@ -210,7 +210,7 @@ class ModelRunner:
     def _prepare_batch(self, scheduler_output: SchedulerOutput) -> _Batch:
         num_scheduled = scheduler_output.num_scheduled_tokens
         # decodes (one query token) first, then prefill chunks: the attention layout; with LoRA, each adapter's
-        # rows together within them (runs the LoRA kernels take as one: kernels/cpu_lora.py)
+        # rows together within them (runs the LoRA kernels take as one: kernels/cpu/lora.py)
         only_decodes = scheduler_output.total_num_scheduled_tokens == len(num_scheduled)
         requests = scheduler_output.scheduled_requests if only_decodes and self.lora is None else sorted(
             scheduler_output.scheduled_requests,

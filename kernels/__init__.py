@@ -28,8 +28,8 @@ engine's --batch-invariant): the C++ kernel and Triton's split no context by bat
 whose matmul shapes follow each request's length, cannot promise it.
 
 "torch" is the pure-torch reference (any device, kernels/reference/attention.py); "cpp" is the
-C++ CPU kernel that reads K/V blocks in place (kernels/cpu_attention.py, built on first use by
-kernels/cpu_extension.py);
+C++ CPU kernel that reads K/V blocks in place (kernels/cpu/attention.py, built on first use by
+kernels/cpu/extension.py);
 "triton" runs the Triton kernels (CUDA, or the CPU interpreter under TRITON_INTERPRET=1).
 
 `supports_cuda_graphs` says a backend may be captured in a CUDA graph: it reads every
@@ -63,11 +63,12 @@ def select_backend(device: str, name: str = "auto", batch_invariant: bool = Fals
         if device.startswith("cuda"):
             name = "triton"
         else:
-            from kernels import cpu_extension
+            from kernels.cpu import extension as cpu_extension
 
             name = "cpp" if cpu_extension.load() else "torch"
     if name == "cpp":
-        from kernels import cpu_attention, cpu_extension
+        from kernels.cpu import attention as cpu_attention
+        from kernels.cpu import extension as cpu_extension
 
         if not cpu_extension.load():
             raise ValueError("attention backend 'cpp' needs a C++ compiler (see the log); use 'torch' or 'auto'")
@@ -82,7 +83,8 @@ def select_backend(device: str, name: str = "auto", batch_invariant: bool = Fals
 
         return AttentionBackend("torch", reference.write_kv_cache, reference.paged_attention)
     if name == "triton":
-        from kernels import triton_kv_write, triton_paged_attention
+        from kernels.triton import kv_write as triton_kv_write
+        from kernels.triton import paged_attention as triton_paged_attention
 
         attend = functools.partial(triton_paged_attention.paged_attention, batch_invariant=True) \
             if batch_invariant else triton_paged_attention.paged_attention
@@ -95,7 +97,8 @@ def select_backend(device: str, name: str = "auto", batch_invariant: bool = Fals
 
 # ---- the rest of the front door (imported after AttentionBackend: these modules import this package)
 from kernels import reference  # noqa: E402
-from kernels.cpu_linear import (  # noqa: E402
+from kernels.cpu.float_dtype import fastest_float_dtype  # noqa: E402
+from kernels.cpu.linear import (  # noqa: E402
     BUCKETS,
     LinearRole,
     Pins,
@@ -108,9 +111,8 @@ from kernels.cpu_linear import (  # noqa: E402
     prepare_int8_gemv,
     use_measured_linears,
 )
-from kernels.float_dtype import fastest_float_dtype  # noqa: E402
+from kernels.cpu.linear_timing import Timer, fastest_uncontended, one_thread, wall_timer  # noqa: E402
 from kernels.fused_ops import FusedOps, argmax, select_fused_ops  # noqa: E402
-from kernels.linear_timing import Timer, fastest_uncontended, one_thread, wall_timer  # noqa: E402
 from kernels.lora_index import LoraStepIndex  # noqa: E402
 from kernels.lora_ops import LORA_KERNELS, LoraOps, LoraPlan, select_lora_ops  # noqa: E402
 

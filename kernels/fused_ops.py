@@ -1,4 +1,4 @@
-"""The elementwise chain of a decoder layer as single C++ passes (kernels/csrc/fused_ops.cpp).
+"""The elementwise chain of a decoder layer as single C++ passes (kernels/cpu/csrc/fused_ops.cpp).
 
 A Llama layer between its matmuls is RMSNorm, rotary on q/k, SiLU * mul and two residual
 adds: in eager torch that is some 20 small ops and their temporaries per layer, which at
@@ -6,12 +6,12 @@ decode batch sizes cost more than the arithmetic. `FusedOps` does each in one pa
 rows, in place where the inputs are the step's own temporaries.
 
 `select_fused_ops(device, dtype)` returns them for CPU fp32 / bf16 models when the C++
-kernels are built (kernels/cpu_extension.py), their Triton twins for CUDA models
-(kernels/triton_fused_ops.py), else None: the model's layers then run their plain torch
+kernels are built (kernels/cpu/extension.py), their Triton twins for CUDA models
+(kernels/triton/fused_ops.py), else None: the model's layers then run their plain torch
 code (engine_core/models/layers.py), which calls the reference.
 
 `argmax` is greedy sampling's pick, exactly torch.argmax's answer, several times faster on
-CPU fp32 logits (kernels/csrc/argmax.cpp) and the reference everywhere else.
+CPU fp32 logits (kernels/cpu/csrc/argmax.cpp) and the reference everywhere else.
 
 Reference: kernels/reference/layer_ops.py (`rms_norm`, `fused_add_rms_norm`, `apply_rotary`,
 `silu_and_mul`, `argmax`).
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_extension
+from kernels.cpu import extension as cpu_extension
 from kernels.reference import layer_ops as reference
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -63,8 +63,8 @@ def select_fused_ops(device: str, dtype: torch.dtype):
     """FusedOps for a CPU model in fp32 / bf16 when the C++ kernels load, TritonFusedOps for
     a CUDA model, else None."""
     if device.startswith("cuda"):
-        from kernels.triton_fused_ops import DTYPES as TRITON_DTYPES
-        from kernels.triton_fused_ops import TritonFusedOps
+        from kernels.triton.fused_ops import DTYPES as TRITON_DTYPES
+        from kernels.triton.fused_ops import TritonFusedOps
 
         return TritonFusedOps() if dtype in TRITON_DTYPES else None
     if device != "cpu" or dtype not in DTYPES or not cpu_extension.load():

@@ -2,11 +2,11 @@
 
 `select_lora_ops(device, kernel, attention_backend)` returns a `LoraOps`; the engine asks it for
 each LoRA layer's `LoraPlan` (`plan_for(in, out, rank)`), whose `add(y, x, A, B, index)` adds
-every row's adapter product into y in place (the contract of kernels/cpu_lora.py).
+every row's adapter product into y in place (the contract of kernels/cpu/lora.py).
 
-On the CPU "auto" times the kernels of kernels/cpu_lora.py on each layer shape at each row
+On the CPU "auto" times the kernels of kernels/cpu/lora.py on each layer shape at each row
 bucket, with the step's rows spread over every slot in adapter order (as the runner orders them),
-against the plain per-slot matmul, and keeps the fastest per bucket, as kernels/cpu_linear.py
+against the plain per-slot matmul, and keeps the fastest per bucket, as kernels/cpu/linear.py
 does for the linears; a kernel name forces one kernel everywhere (tests, debugging).
 """
 
@@ -18,8 +18,8 @@ from typing import Callable
 
 import torch
 
-from kernels.cpu_lora import CPU_LORA_KERNELS, MAX_ROWS, cpu_lora_kernel_available
-from kernels.linear_timing import Timer, fastest_uncontended, wall_timer
+from kernels.cpu.linear_timing import Timer, fastest_uncontended, wall_timer
+from kernels.cpu.lora import CPU_LORA_KERNELS, MAX_ROWS, cpu_lora_kernel_available
 from kernels.lora_index import LoraStepIndex
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class LoraPlan:
 
 
 def _triton_add(y, x, a, b, index):
-    from kernels.triton_lora import add_lora_triton
+    from kernels.triton.lora import add_lora_triton
 
     add_lora_triton(y, x, a, b, index)
 
@@ -93,7 +93,7 @@ def select_lora_ops(device: str, num_slots: int, dtype: torch.dtype, kernel: str
                     attention_backend: str = "auto") -> LoraOps:
     """Triton on CUDA (and wherever attention runs Triton, as the interpreter tests do); on the CPU
     the measured kernels; `kernel` names one kernel instead. The adapters' weights are kept in fp32 on the
-    CPU (their products cost a fraction of bf16's there, kernels/cpu_lora.py), in `dtype` on CUDA."""
+    CPU (their products cost a fraction of bf16's there, kernels/cpu/lora.py), in `dtype` on CUDA."""
     if kernel not in LORA_KERNELS:
         raise ValueError(f"lora kernel must be one of {LORA_KERNELS}, got {kernel!r}")
     if kernel == "auto" and (device.startswith("cuda") or attention_backend == "triton"):

@@ -27,8 +27,8 @@ import torch  # noqa: E402
 from gguf import GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 
-from kernels.cpu_linear import KERNELS, kernel_fits  # noqa: E402
-from kernels.linear_timing import fastest, rotating  # noqa: E402
+from kernels.cpu.linear import KERNELS, kernel_fits  # noqa: E402
+from kernels.cpu.linear_timing import fastest, rotating  # noqa: E402
 
 HIDDEN, INTER, VOCAB = 576, 1536, 49152
 SHAPES = {"qkv": (HIDDEN, HIDDEN + 2 * 192), "o": (HIDDEN, HIDDEN), "gate_up": (HIDDEN, 2 * INTER),
@@ -124,7 +124,7 @@ def llama_cpp_like(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def accuracy(dtype: torch.dtype) -> None:
-    from kernels.int8_blockwise import int8_blockwise_is_exact
+    from kernels.cpu.int8_blockwise import int8_blockwise_is_exact
 
     _, inputs, weights = smollm2_inputs()
     columns = ("llama.cpp (emulated)",) + ACCURACY_KERNELS

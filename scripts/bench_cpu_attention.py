@@ -4,7 +4,7 @@ One run, two tables and one JSON file:
 
 1. attention per layer, SmolLM2's shapes (9 query / 3 kv heads, dim 64, blocks of 16): the
    torch reference (kernels/reference/attention.py: gathers each request's rows with index_select,
-   then matmuls) against the C++ kernel (kernels/cpu_attention.py: reads blocks in place),
+   then matmuls) against the C++ kernel (kernels/cpu/attention.py: reads blocks in place),
    decodes at batch 1 / 32 x context 128 / 1k / 3k, plus prefill chunks over a prefix. Each
    case cycles through 30 layers' caches, as a step does, so K/V come from memory, not cache;
 2. the in-process decode step of the embedded SmolLM2 (EngineCore.step, greedy) at batch 1
@@ -39,7 +39,8 @@ from engine_core.protocol import (
     EngineCoreRequest,  # noqa: E402
     SamplingParams,  # noqa: E402
 )
-from kernels import AttentionMetadata, cpu_extension, select_backend  # noqa: E402
+from kernels import AttentionMetadata, select_backend
+from kernels.cpu import extension as cpu_extension  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M
 LAYERS = 30

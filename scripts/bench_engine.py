@@ -121,7 +121,7 @@ def print_report(result: dict) -> None:
 
 def linear_kernels(engine, rows: int) -> dict[str, int]:
     """The kernel each of the engine's linears runs at `rows` rows, as weight elements per kernel name."""
-    from kernels.cpu_linear import CpuLinear
+    from kernels.cpu.linear import CpuLinear
 
     kernels: dict[str, int] = {}
     for module in engine.engine_core.runner.model.modules():

@@ -3,7 +3,7 @@
 One run, one table per part, one JSON file:
 
 1. the device's copy bandwidth: a 1 GiB device-to-device copy, bytes read + written / time;
-2. attention: the Triton kernel (kernels/triton_paged_attention.py, reading K/V through
+2. attention: the Triton kernel (kernels/triton/paged_attention.py, reading K/V through
    shuffled block tables) against torch.nn.functional.scaled_dot_product_attention over
    the same K/V stored dense (enable_gqa), on decode shapes (batch 1/16/64 x context
    512/2k/8k) and prefill shapes, for SmolLM2's heads (9 query / 3 kv, dim 64) and a

@@ -1,4 +1,4 @@
-"""SmolLM2-135M's linear layers alone, each CPU kernel of kernels/cpu_linear.py per batch size,
+"""SmolLM2-135M's linear layers alone, each CPU kernel of kernels/cpu/linear.py per batch size,
 beside ../shared/tools/cpu_floor.py in the same run; optionally the in-process decode step.
 
 One step = the 30 layers' qkv, o, gate_up and down projections plus the LM head (random weights,
@@ -34,9 +34,9 @@ limit_openmp_spinning()  # as tandem-engine does, before torch loads
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from kernels.cpu_linear import KERNELS, CpuLinear, kernel_fits, use_measured_linears  # noqa: E402
-from kernels.int4_linear import dequantize_int4, quantize_int4  # noqa: E402
-from kernels.linear_timing import fastest  # noqa: E402
+from kernels.cpu.int4_linear import dequantize_int4, quantize_int4  # noqa: E402
+from kernels.cpu.linear import KERNELS, CpuLinear, kernel_fits, use_measured_linears  # noqa: E402
+from kernels.cpu.linear_timing import fastest  # noqa: E402
 
 HIDDEN, INTER, VOCAB, LAYERS = 576, 1536, 49152, 30
 QKV = HIDDEN + 2 * 192

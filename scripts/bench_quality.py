@@ -195,7 +195,7 @@ def run_requests(engine: LLMEngine, prompts: dict[str, list[int]], params: Sampl
 def plan_of(engine: LLMEngine) -> dict[str, dict[str, str]]:
     """The kernel each role runs at the prefill and decode steps measured here (the first layer's; the LM
     head's largest bucket is 128 rows) and the dtype."""
-    from kernels.cpu_linear import CpuLinear
+    from kernels.cpu.linear import CpuLinear
 
     model = engine.engine_core.model
     named = {name.rpartition(".")[2]: m for name, m in model.named_modules() if isinstance(m, CpuLinear)}
@@ -344,7 +344,7 @@ def role_matrix(chunks, reference, dtype: str, kernels: list[str] | None, out: P
     """For each role and each kernel that can hold its weight (`kernels`: only these; None: all but SAME_AS's):
     the model with that role on that kernel, the others on ROLE_BASE; written to `out` after each cell (a long
     run keeps what it measured)."""
-    from kernels.cpu_linear import KERNELS, kernel_fits
+    from kernels.cpu.linear import KERNELS, kernel_fits
 
     engine = LLMEngine(EngineConfig(model=ModelConfig(dtype=dtype, linear_kernels=ROLE_BASE, max_model_len=64)))
     named = {name.rpartition(".")[2]: m for name, m in engine.engine_core.model.named_modules()

@@ -3,7 +3,7 @@
 Linear plans and the dtype race are measured anew in it, so a plan an earlier run timed (perhaps on a busy
 machine) decides nothing in this one, and nothing this run times is left behind for the user's server. The
 compiled C++ kernels are kept between runs in build/test-cache beside the tree: building them takes a minute,
-and their build name already names the CPU, the flags and the sources (kernels/cpu_extension.py).
+and their build name already names the CPU, the flags and the sources (kernels/cpu/extension.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-CACHE_ENV = "TANDEM_CACHE_DIR"  # read by kernels/cpu_extension.py's cache_root()
+CACHE_ENV = "TANDEM_CACHE_DIR"  # read by kernels/cpu/extension.py's cache_root()
 COMPILED_KERNELS = Path(__file__).resolve().parents[1] / "build" / "test-cache" / "torch_extensions"
 
 

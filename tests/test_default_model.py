@@ -9,7 +9,7 @@ from engine_core.llm_engine import LLMEngine
 from engine_core.loader import default_model_path
 from engine_core.models.layers import LINEAR_ROLES
 from engine_core.protocol import SamplingParams
-from kernels.cpu_linear import KERNELS, MAX_ROWS, CpuLinear, LinearRole, auto_kernels
+from kernels.cpu.linear import KERNELS, MAX_ROWS, CpuLinear, LinearRole, auto_kernels
 from services.frontend.chat_template import render_chat
 from services.frontend.tokenizer import load_tokenizer
 from tests.engine_core.test_loader import CHAT_PROMPT

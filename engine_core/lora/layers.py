@@ -46,7 +46,8 @@ class LoraSlots(nn.Module):
         self.register_buffer("lora_b", torch.zeros(num_slots, rank, target.out_features, dtype=dtype, device=device),
                              persistent=False)
         # per slot and block of max_rank ranks: the (first, end) outputs its B rows reach, (0, 0) for a block
-        # the adapter leaves empty; the CPU kernel expands each block over those outputs only (kernels/csrc/lora.cpp)
+        # the adapter leaves empty; the CPU kernel expands each block over those outputs only
+        # (kernels/cpu/csrc/lora.cpp)
         self.register_buffer("lora_pieces", torch.zeros(num_slots, target.num_pieces, 2, dtype=torch.int64),
                              persistent=False)
 

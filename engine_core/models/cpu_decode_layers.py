@@ -1,4 +1,4 @@
-"""Llama decoder layers as one C++ op each at decode, on the CPU (kernels/csrc/decode_layer.cpp).
+"""Llama decoder layers as one C++ op each at decode, on the CPU (kernels/cpu/csrc/decode_layer.cpp).
 
 At a one-row decode step a SmolLM2 layer is ten small kernels (two norms, four int8 GEMVs,
 rotary, the KV write, attention, SiLU * mul), and reaching each from Python (module calls,
@@ -7,7 +7,7 @@ on the 2-core EPYC, and the same ~7 ms a step at 32 or 128 rows. Where the layer
 and attention and every linear runs one of Tandem's own kernels (`OP_KERNELS`), `CpuDecodeLayers`
 runs each layer as one op over scratch tensors made once per step. The op calls the same kernels
 in the same order as the module path, so the outputs are the same. With LoRA it also adds each
-adapter row's products after each linear (`attach_lora`, kernels/csrc/lora.cpp), so decode steps
+adapter row's products after each linear (`attach_lora`, kernels/cpu/csrc/lora.cpp), so decode steps
 that mix adapters stay one op per layer.
 
 Whether it pays is measured at load like every kernel choice (`choose_decode_layers`), per
@@ -53,7 +53,7 @@ GEMV = "int8_gemv"
 INT4_GEMV = "int4_gemv"  # the GEMV buckets' other candidate, for linears whose weights are int4
 GEMV_MAX_ROWS = 8  # up to here the op runs every linear on a GEMV; above, each linear's own plan
 MAX_ROWS = 128  # the decode buckets the op is timed for
-# the op's kernels (kinds, kernels/csrc/decode_layer.cpp)
+# the op's kernels (kinds, kernels/cpu/csrc/decode_layer.cpp)
 OP_KERNELS = {"int8_gemv": 0, "int8_vnni": 1, "linear_bf16_packed": 2, "int4_gemv": 3, "int8_grouped": 4}
 # the timed op variants, as logged
 CANDIDATES = {"one_op": "op", "one_op_int4": "op with int4 GEMVs", "one_op_plans": "op on the linears' plans"}
@@ -94,7 +94,7 @@ def layer_weights(model: LlamaModel) -> list[list[torch.Tensor]] | None:
 
 def _op_args(kernel: str, state) -> tuple:
     """One linear's arguments to the op: its kind and four tensors from the kernel's prepared state
-    (kernels/int8_linear.py, kernels/bf16_linear.py)."""
+    (kernels/cpu/int8_linear.py, kernels/cpu/bf16_linear.py)."""
     if kernel == "int8_gemv":
         packed, scale = state[:2]
         return OP_KERNELS[kernel], packed, scale, _EMPTY, _EMPTY
@@ -140,7 +140,7 @@ class CpuDecodeLayers:
     def attach_lora(self, slots_by_layer: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]]) -> None:
         """Each layer's adapter slots, (A, B, pieces) per linear in the op's order (None: a linear without
         adapters; engine_core/lora/layers.py): the op adds their products for the rows that name a slot
-        (kernels/csrc/lora.cpp)."""
+        (kernels/cpu/csrc/lora.cpp)."""
         self.lora_slots = [tuple(t for slots in layer for t in (slots or (_EMPTY,) * 3)) for layer in slots_by_layer]
         self.serves_lora = True
 

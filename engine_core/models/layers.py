@@ -19,7 +19,7 @@ from torch import nn
 from kernels import FusedOps, LinearRole, reference
 
 # What the kernels must know of these layers' linears, by attribute name (the CPU linears' choice,
-# kernels/cpu_linear.py): the LM head sees decode-sized batches and loses most to int4; the MLP's down
+# kernels/cpu/linear.py): the LM head sees decode-sized batches and loses most to int4; the MLP's down
 # projection reads the SiLU·mul product, whose outlier channels per-token W8A8 crushes.
 LINEAR_ROLES = {"lm_head": LinearRole.OUTPUT_HEAD, "down_proj": LinearRole.OUTLIER_INPUT}
 

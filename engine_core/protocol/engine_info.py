@@ -19,6 +19,6 @@ class EngineInfo:
     device: str = ""
     attention_backend: str = ""
     # CPU linear kernels in use past their layer's accuracy budget, "LAYER: KERNEL" (asked for with
-    # --quantization int8/int4 or pinned; kernels/accuracy_budget.py); empty: every answer is within it
+    # --quantization int8/int4 or pinned; kernels/cpu/accuracy_budget.py); empty: every answer is within it
     lossy_linear_kernels: tuple[str, ...] = ()
     batch_invariant: bool = False  # --batch-invariant: answers independent of the batch (docs/batch-invariance.md)

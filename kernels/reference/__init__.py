@@ -16,7 +16,7 @@ One module per family, each kernel (module under kernels/) -> its reference:
     `layer_ops.fused_add_rms_norm`, `layer_ops.apply_rotary`, `layer_ops.silu_and_mul`
     (`layer_ops.gelu_and_mul`: Gemma's activation, no kernel yet)
   - fused_ops.argmax (C++) -> `layer_ops.argmax`
-- linear.py: the CPU linears (kernels/cpu_linear.py's names)
+- linear.py: the CPU linears (kernels/cpu/linear.py's names)
   - linear, linear_colmajor (cpu_linear), onednn (onednn_linear) -> `linear.float_linear`
   - linear_bf16_packed (bf16_linear) -> `linear.bf16_linear`
   - int8, int8_gemv (int8_linear, weight-only) -> `linear.int8_weight_only`

@@ -1,5 +1,5 @@
 """The fused layer ops and argmax in plain torch: the reference of kernels/fused_ops.py (C++) and
-kernels/triton_fused_ops.py, and the torch path of the decoder layers (engine_core/models/layers.py
+kernels/triton/fused_ops.py, and the torch path of the decoder layers (engine_core/models/layers.py
 calls these when no fused ops are selected).
 
 Shapes as the kernels take them: x [T, hidden] for the norms, [T, H, D] with cos, sin [T, 1, D/2]

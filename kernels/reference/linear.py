@@ -1,7 +1,7 @@
 """The CPU linears in plain torch: x [N, in] times the weight [out, in] the kernel holds, plus bias.
 
 Each reference takes the float weight, quantizes it exactly as its kernel does (the quantizers are
-the formats' own, from kernels/int8_linear.py and kernels/int4_linear.py), rounds the activations
+the formats' own, from kernels/cpu/int8_linear.py and kernels/cpu/int4_linear.py), rounds the activations
 where the kernel rounds them, and multiplies in float64. What a kernel may differ by is then its
 own rounding: the order of its fp32 sums, fp16/bf16 scales, its output dtype (each test says
 how much).
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.int4_linear import dequantize_int4, quantize_int4
-from kernels.int8_blockwise import BLOCK, quantize_activation_blocks, quantize_blockwise
-from kernels.int8_linear import ACTIVATION_GROUP, quantize_int8
+from kernels.cpu.int4_linear import dequantize_int4, quantize_int4
+from kernels.cpu.int8_blockwise import BLOCK, quantize_activation_blocks, quantize_blockwise
+from kernels.cpu.int8_linear import ACTIVATION_GROUP, quantize_int8
 
 
 def _int8_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -39,7 +39,7 @@ def int8_weight_only(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """W8A8's activations (the C++ pass `quantize_rows_int8`, kernels/csrc/int8_rows.cpp): each row of
+    """W8A8's activations (the C++ pass `quantize_rows_int8`, kernels/cpu/csrc/int8_rows.cpp): each row of
     x [N, in] -> (int8 codes [N, in], fp32 scale [N]), scale = absmax / 127, rounded half to even."""
     xf = x.float()
     scale = (xf.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12)

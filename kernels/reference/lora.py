@@ -1,5 +1,5 @@
-"""LoRA's shrink and expand in plain torch, row by row: the reference of kernels/cpu_lora.py's five
-CPU kernels (csrc/lora.cpp's among them) and kernels/triton_lora.py.
+"""LoRA's shrink and expand in plain torch, row by row: the reference of kernels/cpu/lora.py's five
+CPU kernels (csrc/lora.cpp's among them) and kernels/triton/lora.py.
 
 y [T, out], x [T, in], the slot tensors A [S, R, in] and B [S, R, out] (the scaling folded in), and
 each row's slot (-1: the base model's row, left as it is).

@@ -1,5 +1,5 @@
 """`tandem plans` shows the plans the engine cached (written here by the engine's own writer,
-kernels/linear_plan_cache.py) and `--clear` deletes them; each test has its own TANDEM_CACHE_DIR."""
+kernels/cpu/linear_plan_cache.py) and `--clear` deletes them; each test has its own TANDEM_CACHE_DIR."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 
 from clients import plans_command
 from clients.cli import main
-from kernels import linear_plan_cache
-from kernels.linear_timing import NOISE_LIMIT, Race
+from kernels.cpu import linear_plan_cache
+from kernels.cpu.linear_timing import NOISE_LIMIT, Race
 from tests.clients.conftest import REPO, run_cli
 
 PLAN = [(1, "int8_gemv"), (8, "int8_vnni"), (32, "linear_onednn")]

@@ -18,7 +18,7 @@ from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelCon
 from engine_core.llm_engine import LLMEngine
 from engine_core.protocol import SamplingParams
 from engine_core.startup import batch_invariant_pins
-from kernels import cpu_extension
+from kernels.cpu import extension as cpu_extension
 from tests.engine_core.tiny_models import write_tiny_model
 
 VOCAB = 512
@@ -137,7 +137,7 @@ def test_quantization_pinned_kernels_and_cuda_are_refused(model_folder):
 
 def test_every_linear_runs_one_kernel_at_every_batch_size(model_folder):
     llm = engine(model_folder, "cpp", "bfloat16")
-    from kernels.cpu_linear import BATCH_INVARIANT_KERNELS, CpuLinear
+    from kernels.cpu.linear import BATCH_INVARIANT_KERNELS, CpuLinear
 
     model = llm.engine_core.runner.model
     linears = [m for m in model.modules() if isinstance(m, CpuLinear)]

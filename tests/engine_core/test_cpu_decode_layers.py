@@ -15,8 +15,8 @@ from engine_core.llm_engine import LLMEngine
 from engine_core.loader import registry
 from engine_core.models.cpu_decode_layers import GEMV_MAX_ROWS, MAX_ROWS, OP_KERNELS
 from engine_core.protocol import SamplingParams
-from kernels import cpu_extension
-from kernels.int8_linear import int8_vnni_supported
+from kernels.cpu import extension as cpu_extension
+from kernels.cpu.int8_linear import int8_vnni_supported
 from tests.engine_core.tiny_models import write_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_extension.compiler() is None, reason="needs a C++ compiler for the CPU kernels")
@@ -55,7 +55,7 @@ def make_engine(folder, monkeypatch, winner="one_op", dtype="float32", quantizat
     (else measured, or read from this machine's plan cache)."""
     monkeypatch.setattr(registry, "wall_timer", timer_preferring(winner, costs))
     if costs is not None:
-        import kernels.cpu_linear as cpu_linear
+        import kernels.cpu.linear as cpu_linear
 
         monkeypatch.setattr(cpu_linear, "_wall_timer", timer_preferring(winner, costs))
     return LLMEngine(EngineConfig(
@@ -132,7 +132,7 @@ def test_the_op_stops_below_a_bucket_whose_plan_it_cannot_run(tiny_model_dir, mo
 def test_above_the_gemv_buckets_the_op_runs_each_linears_plan(tiny_model_dir, monkeypatch, dtype, quantization, down,
                                                               at_gemv_rows):
     """Above 8 rows the op calls the kernels the linears' plans name there, so it answers as the modules."""
-    from kernels.bf16_linear import bf16_packed_supported
+    from kernels.cpu.bf16_linear import bf16_packed_supported
 
     if "linear_bf16_packed" in (down, at_gemv_rows) and not bf16_packed_supported():
         pytest.skip("needs the AVX512-BF16 build (linear_bf16_packed)")

@@ -14,7 +14,7 @@ from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelCon
 from engine_core.engine_core import EngineCore
 from engine_core.llm_engine import LLMEngine
 from engine_core.protocol import EngineCoreRequest, FinishReason, OutputKind, SamplingParams
-from kernels import cpu_extension
+from kernels.cpu import extension as cpu_extension
 from tests.engine_core.tiny_models import write_tiny_model
 
 BLOCK_SIZE = 4

@@ -19,7 +19,8 @@ from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelCon
 from engine_core.llm_engine import LLMEngine
 from engine_core.loader import load_model
 from engine_core.protocol import OutputKind, SamplingParams
-from kernels import cpu_extension, select_backend
+from kernels import select_backend
+from kernels.cpu import extension as cpu_extension
 from tests.engine_core.tiny_models import PagedBatch, run_step, write_tiny_model
 
 ATOL = 1e-4

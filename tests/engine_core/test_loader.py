@@ -14,7 +14,7 @@ from engine_core.loader import default_model_path, load_model
 from engine_core.loader.gguf import arch_config, read_gguf
 from engine_core.loader.safetensors import read_hf_config
 from kernels import select_backend
-from kernels.cpu_linear import CpuLinear
+from kernels.cpu.linear import CpuLinear
 from tests.engine_core.tiny_models import PagedBatch, run_step, write_tiny_model
 
 TORCH = select_backend("cpu", "torch")

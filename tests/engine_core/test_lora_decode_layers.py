@@ -1,5 +1,5 @@
 """The CPU's one-op decoder layers beside LoRA: they serve the steps with adapter rows too, adding each
-row's adapter products inside the op (kernels/csrc/lora.cpp), and give the module path's answers."""
+row's adapter products inside the op (kernels/cpu/csrc/lora.cpp), and give the module path's answers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, LoraConf
 from engine_core.llm_engine import LLMEngine
 from engine_core.loader import registry
 from engine_core.protocol import SamplingParams
-from kernels import cpu_extension
+from kernels.cpu import extension as cpu_extension
 from tests.engine_core.test_cpu_decode_layers import timer_preferring
 from tests.engine_core.tiny_lora import write_tiny_adapter
 from tests.engine_core.tiny_models import write_tiny_model
@@ -26,7 +26,7 @@ def model_and_adapter(tmp_path_factory):
 
 def test_one_op_layers_serve_adapter_rows_as_the_module_path_does(model_and_adapter, monkeypatch):
     base, adapter = model_and_adapter
-    import kernels.cpu_linear as cpu_linear
+    import kernels.cpu.linear as cpu_linear
 
     monkeypatch.setattr(registry, "wall_timer", timer_preferring("one_op", {"int8_gemv": 1.0}))
     monkeypatch.setattr(cpu_linear, "_wall_timer", timer_preferring("one_op", {"int8_gemv": 1.0}))

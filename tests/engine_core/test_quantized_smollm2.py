@@ -10,7 +10,7 @@ from engine_core.config import CacheConfig, EngineConfig, ModelConfig
 from engine_core.llm_engine import LLMEngine
 from engine_core.loader import default_model_path, registry
 from engine_core.protocol import SamplingParams
-from kernels import cpu_linear
+from kernels.cpu import linear as cpu_linear
 from services.frontend.tokenizer import load_tokenizer
 from tests.engine_core.test_loader import CHAT_PROMPT
 

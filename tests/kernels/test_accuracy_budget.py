@@ -1,4 +1,4 @@
-"""`auto` chooses CPU linear kernels only within each layer's accuracy budget (kernels/accuracy_budget.py):
+"""`auto` chooses CPU linear kernels only within each layer's accuracy budget (kernels/cpu/accuracy_budget.py):
 no more error than the product in the weight's own dtype. Lossier kernels run only when asked for, and then
 the engine names them."""
 
@@ -11,8 +11,9 @@ from torch import nn
 
 from engine_core.config import CacheConfig, EngineConfig, ModelConfig
 from engine_core.engine_core import EngineCore
-from kernels import accuracy_budget
-from kernels.cpu_linear import (
+from kernels.cpu import accuracy_budget
+from kernels.cpu.int8_linear import int8_vnni_supported
+from kernels.cpu.linear import (
     FLOAT_KERNELS,
     KERNELS,
     LinearRole,
@@ -22,7 +23,6 @@ from kernels.cpu_linear import (
     lossy_linear_kernels,
     use_measured_linears,
 )
-from kernels.int8_linear import int8_vnni_supported
 from tests.engine_core.tiny_gguf import write_gguf_twin
 from tests.engine_core.tiny_models import write_tiny_model
 from tests.kernels.test_int8_blockwise import gguf

@@ -9,8 +9,9 @@ import os
 import pytest
 import torch
 
-from kernels import cpu_extension, select_backend
+from kernels import select_backend
 from kernels.attention_metadata import AttentionMetadata
+from kernels.cpu import extension as cpu_extension
 from tests.kernels.paged_batch import make_batch
 
 CONTEXT, CHUNK = 5000, 40  # long enough that a lone decode is worth splitting on two threads

@@ -1,4 +1,4 @@
-"""The packed bf16 GEMM (kernels/csrc/bf16_packed.cpp) against its reference, the exact product of its
+"""The packed bf16 GEMM (kernels/cpu/csrc/bf16_packed.cpp) against its reference, the exact product of its
 bf16 inputs (`bf16_linear`, kernels/reference/linear.py).
 
 vdpbf16ps multiplies bf16 pairs exactly and sums in fp32, in another order than a float64
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.bf16_linear import bf16_packed_supported, prepare_bf16_packed, run_bf16_packed
+from kernels.cpu.bf16_linear import bf16_packed_supported, prepare_bf16_packed, run_bf16_packed
 from kernels.reference.linear import bf16_linear
 
 pytestmark = pytest.mark.skipif(not bf16_packed_supported(),

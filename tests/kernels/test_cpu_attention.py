@@ -1,4 +1,4 @@
-"""The C++ CPU paged-attention kernel (kernels/cpu_attention.py) against the torch reference
+"""The C++ CPU paged-attention kernel (kernels/cpu/attention.py) against the torch reference
 and a dense float64 attention computed from scratch.
 
 Skipped only where no C++ compiler exists; with one, a failed build fails these tests.
@@ -16,7 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import cpu_attention, cpu_extension, reference
+from kernels import reference
+from kernels.cpu import attention as cpu_attention
+from kernels.cpu import extension as cpu_extension
 from tests.kernels.paged_batch import cache_by_slot, dense_attention, make_batch, ragged_batches
 
 pytestmark = pytest.mark.skipif(cpu_extension.compiler() is None, reason="needs a C++ compiler for the CPU kernels")

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_extension, select_backend
+from kernels import select_backend
+from kernels.cpu import extension as cpu_extension
 from kernels.fused_ops import select_fused_ops
 
 
@@ -21,7 +22,7 @@ def no_compiler(monkeypatch):
 
 
 def test_without_a_compiler_the_cpu_path_is_pure_torch(no_compiler, caplog):
-    with caplog.at_level("INFO", logger="kernels.cpu_extension"):
+    with caplog.at_level("INFO", logger="kernels.cpu.extension"):
         assert cpu_extension.compiler() is None and cpu_extension.load() is False
     assert "no C++ compiler" in caplog.text
     assert select_backend("cpu").name == "torch"
@@ -65,7 +66,7 @@ def test_a_build_is_announced_before_it_starts(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(cpp_extension, "load", fake_build)
     cpu_extension.load.cache_clear()
     try:
-        with caplog.at_level("INFO", logger="kernels.cpu_extension"):
+        with caplog.at_level("INFO", logger="kernels.cpu.extension"):
             assert cpu_extension.load()
             assert logged_before_the_build == [True] and "tens of seconds" in caplog.text
             caplog.clear()

@@ -1,4 +1,4 @@
-"""CPU linear kernels (kernels/cpu_linear.py): each kernel against the float product of the weight it
+"""CPU linear kernels (kernels/cpu/linear.py): each kernel against the float product of the weight it
 holds (kernels/reference/linear.py), the int8 round trip, selection by measurement with a fake timer,
 and int8 models against their dequantized twin."""
 
@@ -12,7 +12,10 @@ from engine_core.loader.registry import prepare_for_cpu
 from engine_core.loader.safetensors import load_hf
 from engine_core.models.llama import LlamaForCausalLM
 from kernels import LinearRole, select_backend
-from kernels.cpu_linear import (
+from kernels.cpu.float_dtype import fastest_float_dtype
+from kernels.cpu.int4_linear import dequantize_int4, quantize_int4
+from kernels.cpu.int8_blockwise import dequantize_blockwise, quantize_blockwise
+from kernels.cpu.linear import (
     BLOCKWISE_KERNELS,
     FLOAT_KERNELS,
     GROUPED_KERNELS,
@@ -29,10 +32,7 @@ from kernels.cpu_linear import (
     quantize_int8,
     use_measured_linears,
 )
-from kernels.float_dtype import fastest_float_dtype
-from kernels.int4_linear import dequantize_int4, quantize_int4
-from kernels.int8_blockwise import dequantize_blockwise, quantize_blockwise
-from kernels.linear_timing import fastest
+from kernels.cpu.linear_timing import fastest
 from kernels.reference.linear import float_linear
 from tests.engine_core.tiny_models import PagedBatch, run_step, write_tiny_model
 
@@ -111,12 +111,13 @@ def test_fastest_takes_each_candidate_minimum_across_interleaved_rounds():
 
 
 def test_choose_plan_keeps_the_fastest_kernel_per_bucket(monkeypatch):
-    import kernels.cpu_linear as cpu_linear
+    import kernels.cpu.linear as cpu_linear
 
     monkeypatch.setattr(cpu_linear, "int_mm_is_exact", lambda: True)  # a candidate even where it saturates
     weights = [(torch.randn(32, 16), None) for _ in range(3)]
     # costs scale with rows except int8_dynamic, flat: it loses at 1 row and wins from 8 on
-    costs = {"linear": 1.0, "linear_colmajor": 2.0, "linear_onednn": 1.5, "int8_weight_only": 0.5, "int8_gemv": 0.6}
+    costs = {"linear": 1.0, "linear_colmajor": 2.0, "linear_onednn": 1.5, "int8_weight_only": 0.5, "int8_gemv": 0.6,
+             "linear_rowwise": 4.0}
     kernels = tuple(k for k in KERNELS if kernel_fits(k, weights[0][0]) and k != "int8_vnni")  # int4 cannot pack 32x16
     assert "int4" not in kernels
     def timer(kernel, rows, fn):
@@ -131,7 +132,7 @@ def test_choose_plan_keeps_the_fastest_kernel_per_bucket(monkeypatch):
 def test_a_float_kernel_that_rounds_below_the_weights_dtype_is_never_timed(monkeypatch, rounding):
     """An fp32 kernel that multiplies in bf16 or fp16 (as oneDNN may under a reduced fpmath mode) is
     dropped from the race however fast it is; fp32 is what an fp32 model asked for."""
-    import kernels.cpu_linear as cpu_linear
+    import kernels.cpu.linear as cpu_linear
 
     def rounded(state, x):
         w, b = state
@@ -150,7 +151,7 @@ def test_a_float_kernel_that_rounds_below_the_weights_dtype_is_never_timed(monke
 def test_a_small_batch_kernel_is_never_planned_above_its_rows(monkeypatch):
     """A kernel in MAX_ROWS (int8_vnni: 32) is not timed at larger buckets, however fast: the last
     bucket's kernel serves every larger batch too, prefill chunks its timing never saw."""
-    import kernels.cpu_linear as cpu_linear
+    import kernels.cpu.linear as cpu_linear
 
     monkeypatch.setitem(cpu_linear.KERNELS, "small_batch", KERNELS["linear"])
     monkeypatch.setitem(cpu_linear.MAX_ROWS, "small_batch", 8)
@@ -188,7 +189,7 @@ def test_use_measured_linears_replaces_every_linear_with_one_plan_per_shape():
 def test_the_prefill_bucket_is_timed_for_every_linear_but_the_lm_head():
     """Prefill chunks take the largest bucket's kernel, timed at prefill-like rows (512); the LM head
     sees one row per sampling request, so timing it there would only slow the load."""
-    from kernels.cpu_linear import BUCKETS, HEAD_MAX_ROWS
+    from kernels.cpu.linear import BUCKETS, HEAD_MAX_ROWS
 
     class Head(torch.nn.Module):
         def __init__(self):
@@ -280,7 +281,7 @@ def test_w8a8_is_never_planned_where_the_int8_gemm_saturates(tmp_path, monkeypat
     """int_mm_is_exact() False (oneDNN's AVX2 path without VNNI sums u8 x s8 pairs in saturating
     16-bit lanes): --quantization int8 never plans torch._int_mm's W8A8. (int8_vnni, int8_grouped and
     int8_blockwise sum exactly and exist only where the CPU has VNNI; here they are the slowest candidates.)"""
-    import kernels.cpu_linear as cpu_linear
+    import kernels.cpu.linear as cpu_linear
 
     monkeypatch.setattr(cpu_linear, "int_mm_is_exact", lambda: False)
     model = build_model(write_tiny_model(tmp_path))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_extension
+from kernels.cpu import extension as cpu_extension
 from kernels.fused_ops import FusedOps, argmax, select_fused_ops
 from kernels.reference import layer_ops as reference
 from tests.kernels.fused_op_checks import check_rms_norm, check_rotary, check_silu_and_mul, randn
@@ -64,7 +64,7 @@ def test_rotary_on_the_qk_view_of_a_fused_projection(fused, dtype, tokens, head_
 def test_selection():
     assert isinstance(select_fused_ops("cpu", torch.bfloat16), FusedOps)
     assert select_fused_ops("cpu", torch.float16) is None  # no fp16 kernels: the torch layers
-    assert select_fused_ops("cuda", torch.bfloat16).name == "triton"  # kernels/triton_fused_ops.py
+    assert select_fused_ops("cuda", torch.bfloat16).name == "triton"  # kernels/triton/fused_ops.py
 
 
 @pytest.mark.parametrize("shape", [(1, 49152), (33, 1000), (2, 17), (3, 8)])

@@ -1,7 +1,7 @@
-"""The C++ int4 GEMV (kernels/csrc/int4_gemv.cpp) against the dequantized weight's product (its
+"""The C++ int4 GEMV (kernels/cpu/csrc/int4_gemv.cpp) against the dequantized weight's product (its
 reference, `int4_weight_only` in kernels/reference/linear.py).
 
-Its weight is `quantize_int4`'s (kernels/int4_linear.py) with each group's scale and min kept in
+Its weight is `quantize_int4`'s (kernels/cpu/int4_linear.py) with each group's scale and min kept in
 fp16: each moves by at most 2^-11 of itself, so an output moves by at most 2^-11 times
 sum_k |x_k| (15 |scale| + |min|) over its column's groups. Its activations are int8_gemv's
 16-bit rows (max|x_row| / 65024 at most per element) and its sums exact integers per group, then
@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_extension
-from kernels.int4_linear import dequantize_int4, prepare_int4_gemv, quantize_int4, run_int4_gemv
-from kernels.int8_linear import int8_vnni_supported
+from kernels.cpu import extension as cpu_extension
+from kernels.cpu.int4_linear import dequantize_int4, prepare_int4_gemv, quantize_int4, run_int4_gemv
+from kernels.cpu.int8_linear import int8_vnni_supported
 from kernels.reference.linear import int4_weight_only
 
 pytestmark = pytest.mark.skipif(not (cpu_extension.load() and int8_vnni_supported()),

@@ -1,4 +1,4 @@
-"""Int4 linear weights (kernels/int4_linear.py): GGUF Q4_0 / Q4_1 blocks come back exactly,
+"""Int4 linear weights (kernels/cpu/int4_linear.py): GGUF Q4_0 / Q4_1 blocks come back exactly,
 float weights round to their group's grid, and the kernel matches its reference (`int4_weight_only`,
 kernels/reference/linear.py) on its own weights."""
 
@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from kernels.int4_linear import (
+from kernels.cpu.int4_linear import (
     GROUP_SIZE,
     dequantize_int4,
     int4_supported,

@@ -1,4 +1,4 @@
-"""Int4 in the measured CPU linear choice (kernels/cpu_linear.py): `auto` takes int4 only where
+"""Int4 in the measured CPU linear choice (kernels/cpu/linear.py): `auto` takes int4 only where
 it holds the weights exactly (a Q4_0/Q4_1 GGUF), `int4` falls back to int8 where torch cannot
 pack, and a model on GGUF-4-bit weights gives the logits of its dequantized float twin."""
 
@@ -12,7 +12,7 @@ from engine_core.loader.registry import prepare_for_cpu
 from engine_core.loader.safetensors import load_hf
 from engine_core.models.llama import LlamaForCausalLM
 from kernels import LinearRole, select_backend
-from kernels.cpu_linear import INT8_KERNELS, CpuLinear, int4_allowed, int4_is_exact, use_measured_linears
+from kernels.cpu.linear import INT8_KERNELS, CpuLinear, int4_allowed, int4_is_exact, use_measured_linears
 from tests.engine_core.tiny_models import PagedBatch, run_step, write_tiny_model
 
 

@@ -1,5 +1,5 @@
-"""W8A8 in blocks of 32 k on GGUF block-quantized weights (kernels/int8_blockwise.py,
-kernels/csrc/int8_blockwise.cpp): the weight's own codes, exactly; activations rounded to int8 per row
+"""W8A8 in blocks of 32 k on GGUF block-quantized weights (kernels/cpu/int8_blockwise.py,
+kernels/cpu/csrc/int8_blockwise.cpp): the weight's own codes, exactly; activations rounded to int8 per row
 and block of 32 (llama.cpp's q8_1 rounding); integer block sums; fp32 scales.
 
 Against its reference (`int8_blockwise`, kernels/reference/linear.py), the same rounding in float64:
@@ -14,13 +14,12 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-import kernels.int8_blockwise as blockwise
+import kernels.cpu.int8_blockwise as blockwise
 from engine_core.loader.registry import prepare_for_cpu
 from engine_core.loader.safetensors import load_hf
 from engine_core.models.llama import LlamaForCausalLM
 from kernels import LinearRole, select_backend
-from kernels.cpu_linear import CpuLinear, _kernels_for
-from kernels.int8_blockwise import (
+from kernels.cpu.int8_blockwise import (
     BLOCK,
     dequantize_blockwise,
     int8_blockwise_fits,
@@ -30,7 +29,8 @@ from kernels.int8_blockwise import (
     quantize_blockwise,
     run_int8_blockwise,
 )
-from kernels.int8_linear import int8_vnni_supported
+from kernels.cpu.int8_linear import int8_vnni_supported
+from kernels.cpu.linear import CpuLinear, _kernels_for
 from kernels.reference.linear import float_linear, int8_blockwise
 from tests.engine_core.tiny_models import PagedBatch, run_step, write_tiny_model
 

@@ -1,4 +1,4 @@
-"""The C++ int8 GEMV (kernels/csrc/int8_gemv.cpp) against the dequantized weight's product (its
+"""The C++ int8 GEMV (kernels/cpu/csrc/int8_gemv.cpp) against the dequantized weight's product (its
 reference, `int8_weight_only` in kernels/reference/linear.py).
 
 Two paths: fp32 sums in another order than torch's, so within fp32 rounding of the sums; and,
@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_extension
-from kernels.int8_linear import dequantize_int8, prepare_int8_gemv, quantize_int8, run_int8_gemv
+from kernels.cpu import extension as cpu_extension
+from kernels.cpu.int8_linear import dequantize_int8, prepare_int8_gemv, quantize_int8, run_int8_gemv
 from kernels.reference.linear import int8_weight_only
 
 pytestmark = pytest.mark.skipif(not cpu_extension.load(), reason="the C++ CPU kernels need a C++ compiler")

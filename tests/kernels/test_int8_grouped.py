@@ -1,4 +1,4 @@
-"""down_proj's W8A8 GEMM (kernels/csrc/int8_grouped.cpp): activations rounded to int8 per token and
+"""down_proj's W8A8 GEMM (kernels/cpu/csrc/int8_grouped.cpp): activations rounded to int8 per token and
 group of ACTIVATION_GROUP k, each group's exact int32 sums added in fp32 with its scale.
 
 Against its reference (`int8_grouped`, kernels/reference/linear.py), the same rounding in float64:
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.int8_linear import (
+from kernels.cpu.int8_linear import (
     ACTIVATION_GROUP,
     dequantize_int8,
     int8_grouped_fits,

@@ -1,4 +1,4 @@
-"""W8A8's C++ passes (kernels/csrc/int8_rows.cpp) against the torch ops they replace: the rounding of
+"""W8A8's C++ passes (kernels/cpu/csrc/int8_rows.cpp) against the torch ops they replace: the rounding of
 each row against its reference (`quantize_rows_int8`, kernels/reference/linear.py), the whole product
 against int8_dynamic's torch path.
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_extension
-from kernels.int8_linear import _run_int8_dynamic_torch, int_mm_is_exact, prepare_int8_dynamic, run_int8_dynamic
+from kernels.cpu import extension as cpu_extension
+from kernels.cpu.int8_linear import _run_int8_dynamic_torch, int_mm_is_exact, prepare_int8_dynamic, run_int8_dynamic
 from kernels.reference.linear import quantize_rows_int8
 
 pytestmark = pytest.mark.skipif(not cpu_extension.load(), reason="the C++ CPU kernels need a C++ compiler")

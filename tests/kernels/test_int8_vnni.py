@@ -1,4 +1,4 @@
-"""The VNNI W8A8 GEMM (kernels/csrc/int8_vnni.cpp) against int8_dynamic, the same arithmetic
+"""The VNNI W8A8 GEMM (kernels/cpu/csrc/int8_vnni.cpp) against int8_dynamic, the same arithmetic
 through torch._int_mm, and against their reference (`int8_per_token`, kernels/reference/linear.py).
 
 Both round the activations with the same op, sum int8 products exactly in int32 and rescale with
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.int8_linear import (
+from kernels.cpu.int8_linear import (
     int8_vnni_supported,
     int_mm_is_exact,
     prepare_int8_dynamic,

@@ -1,5 +1,5 @@
 """Kernels pinned by the user (`--linear-kernels`, ModelConfig.linear_kernels) instead of timed
-(kernels/cpu_linear.py): a pinned plan is the one that runs, it is never timed nor cached, the decoder
+(kernels/cpu/linear.py): a pinned plan is the one that runs, it is never timed nor cached, the decoder
 layers' one-op path never swaps it, and a spec the model cannot take fails at load naming the choices."""
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from engine_core.config import (
     parse_linear_kernels,
 )
 from engine_core.loader import registry
-from kernels import cpu_extension, cpu_linear, linear_plan_cache
-from kernels.cpu_linear import BUCKETS, KERNELS, CpuLinear, LinearRole, kernel_fits, use_measured_linears
+from kernels.cpu import extension as cpu_extension
+from kernels.cpu import linear as cpu_linear
+from kernels.cpu import linear_plan_cache
+from kernels.cpu.linear import BUCKETS, KERNELS, CpuLinear, LinearRole, kernel_fits, use_measured_linears
 from tests.engine_core.tiny_models import write_tiny_model
 from tests.kernels.test_linear_plan_cache import install_clock
 

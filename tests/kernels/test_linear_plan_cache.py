@@ -1,5 +1,5 @@
 """Load-time linear plans and the dtype=auto answer are measured once per machine and read back
-(kernels/linear_plan_cache.py); TANDEM_REMEASURE, another machine, changed kernel code or a kernel
+(kernels/cpu/linear_plan_cache.py); TANDEM_REMEASURE, another machine, changed kernel code or a kernel
 no longer allowed measure again. Only quiet races are kept, with when and how noisy they were; an
 entry in the older format is timed again.
 
@@ -17,8 +17,9 @@ import pytest
 import torch
 from torch import nn
 
-from kernels import cpu_linear, float_dtype, linear_plan_cache, linear_timing
-from kernels.cpu_linear import CpuLinear, use_measured_linears
+from kernels.cpu import float_dtype, linear_plan_cache, linear_timing
+from kernels.cpu import linear as cpu_linear
+from kernels.cpu.linear import CpuLinear, use_measured_linears
 
 
 @pytest.fixture(autouse=True)
@@ -178,7 +179,7 @@ def test_a_kept_plan_records_when_it_was_measured_and_how_noisy():
 def test_a_plan_timed_while_a_neighbour_was_busy_is_retaken_and_not_kept(monkeypatch, caplog, two_threads):
     install_clock(monkeypatch, NeighbourHalfway())
     races = record_races(monkeypatch)
-    with caplog.at_level(logging.WARNING, logger="kernels.linear_plan_cache"):
+    with caplog.at_level(logging.WARNING, logger="kernels.cpu.linear_plan_cache"):
         use_measured_linears(tiny_mlp(), "none", buckets=(1, 8))
     for plan_races in races:
         assert plan_races[1].noisy and plan_races[1].retakes == linear_timing.RETAKES

@@ -1,4 +1,4 @@
-"""Load-time timing helpers (kernels/linear_timing.py): rounds, the one-thread check, the noise of a
+"""Load-time timing helpers (kernels/cpu/linear_timing.py): rounds, the one-thread check, the noise of a
 race and its retakes, and a race timed while competing processes take the core."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from kernels import linear_timing
-from kernels.linear_timing import (
+from kernels.cpu import linear_timing
+from kernels.cpu.linear_timing import (
     NOISE_LIMIT,
     RETAKES,
     Race,

@@ -1,4 +1,4 @@
-"""LoRA shrink/expand kernels (kernels/cpu_lora.py, kernels/triton_lora.py) against a row-by-row reference.
+"""LoRA shrink/expand kernels (kernels/cpu/lora.py, kernels/triton/lora.py) against a row-by-row reference.
 
 Rows of slot -1 are the base model's and must come back untouched; the other rows gain
 x A_s^T B_s. The Triton kernels run in the CPU interpreter here (tests/conftest.py), on tiny shapes.
@@ -12,10 +12,10 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from kernels import LoraStepIndex, select_lora_ops
-from kernels.cpu_lora import CPU_LORA_KERNELS, NEEDS_EXTENSION, cpu_lora_kernel_available
+from kernels.cpu.lora import CPU_LORA_KERNELS, NEEDS_EXTENSION, cpu_lora_kernel_available
 from kernels.lora_ops import LoraPlan, choose_lora_plan
 from kernels.reference.lora import add_lora as reference
-from kernels.triton_lora import add_lora_triton
+from kernels.triton.lora import add_lora_triton
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs on CPU tensors

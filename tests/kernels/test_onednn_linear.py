@@ -1,4 +1,4 @@
-"""Float linears on oneDNN-prepacked weights (kernels/onednn_linear.py) against their reference, the
+"""Float linears on oneDNN-prepacked weights (kernels/cpu/onednn_linear.py) against their reference, the
 float product (`float_linear`, kernels/reference/linear.py)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.onednn_linear import onednn_supported, prepare_onednn, run_onednn
+from kernels.cpu.onednn_linear import onednn_supported, prepare_onednn, run_onednn
 from kernels.reference.linear import float_linear
 
 

@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import cpu_extension, select_backend
+from kernels import select_backend
+from kernels.cpu import extension as cpu_extension
 from tests.kernels.paged_batch import DEVICE, dense_attention, make_batch, ragged_batches
 
 BACKENDS = [

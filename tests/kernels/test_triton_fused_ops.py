@@ -1,4 +1,4 @@
-"""The Triton fused layer ops (kernels/triton_fused_ops.py) against the torch layers they
+"""The Triton fused layer ops (kernels/triton/fused_ops.py) against the torch layers they
 replace, whose torch path is the reference (kernels/reference/layer_ops.py).
 
 On a CUDA GPU they run there; without one, in Triton's CPU interpreter (tests/conftest.py).
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.triton_fused_ops import TritonFusedOps
+from kernels.triton.fused_ops import TritonFusedOps
 from tests.kernels.fused_op_checks import check_rms_norm, check_rotary, check_silu_and_mul, randn
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

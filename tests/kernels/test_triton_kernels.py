@@ -16,7 +16,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from kernels import reference, select_backend
-from kernels.triton_paged_attention import choose_num_splits
+from kernels.triton.paged_attention import choose_num_splits
 from tests.kernels.paged_batch import DEVICE, cache_by_slot, make_batch, ragged_batches
 
 TRITON = select_backend(DEVICE.type, "triton")

@@ -3,7 +3,7 @@
 The layout is GGUF's own 4-bit block (32 weights, a scale and a zero). Two kernels multiply by it:
 torch's `_weight_int4pack_mm_for_cpu` (`int4`: w = (q - 8) * scale + zero per group; bf16
 activations: its fp32 path is exact but 10-60x slower), and for a few rows Tandem's C++ GEMV
-(`int4_gemv`, kernels/csrc/int4_gemv.cpp, where the CPU has AVX512-VNNI: 5 bits a weight read
+(`int4_gemv`, kernels/cpu/csrc/int4_gemv.cpp, where the CPU has AVX512-VNNI: 5 bits a weight read
 at close to memory speed, activations rounded to 16 bits per row as int8_gemv's are, fp16 scales
 and mins). Each group keeps whichever of two grids reconstructs it better:
 
@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.int8_linear import int8_vnni_supported
-from kernels.packed_weights import COLUMNS, padded_columns
+from kernels.cpu.int8_linear import int8_vnni_supported
+from kernels.cpu.packed_weights import COLUMNS, padded_columns
 
 GROUP_SIZE = 32  # GGUF's block; torch's kernel takes 32, 64, 128 or 256
 _N_MULTIPLE = 16  # torch's CPU int4 packing wants out_features divisible by 16

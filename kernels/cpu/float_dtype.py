@@ -1,8 +1,8 @@
 """dtype=auto on CPU: bfloat16 or float32, whichever multiplies the model's shapes faster here.
 
 The CPU's flags name the expected winner (AVX-512 BF16 or AMX: bf16), a short race between the
-two dtypes' fastest float kernels (kernels/cpu_linear.py) can overturn it, and the answer is kept
-per machine in kernels/linear_plan_cache.py like the linear plans.
+two dtypes' fastest float kernels (kernels/cpu/linear.py) can overturn it, and the answer is kept
+per machine in kernels/cpu/linear_plan_cache.py like the linear plans.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import logging
 
 import torch
 
-from kernels import linear_plan_cache, linear_timing
-from kernels.cpu_linear import _BUDGET_S, _MIN_CALLS, _TIMING_BYTES, FLOAT_KERNELS, KERNELS, kernel_fits
-from kernels.linear_timing import RETAKES, Timer, one_thread, rotating, settled_race
-from kernels.linear_timing import wall_timer as _wall_timer  # a module global: tests swap the clock here
+from kernels.cpu import linear_plan_cache, linear_timing
+from kernels.cpu.linear import _BUDGET_S, _MIN_CALLS, _TIMING_BYTES, FLOAT_KERNELS, KERNELS, kernel_fits
+from kernels.cpu.linear_timing import RETAKES, Timer, one_thread, rotating, settled_race
+from kernels.cpu.linear_timing import wall_timer as _wall_timer  # a module global: tests swap the clock here
 
 logger = logging.getLogger(__name__)
 

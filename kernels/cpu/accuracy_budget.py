@@ -4,7 +4,7 @@ The budget of a layer is what the model's own float arithmetic loses there: the 
 (`F.linear`, bf16 for a bf16 model). A kernel is within it when its relative error against the exact product
 (fp32, the weight as stored) is at most `MARGIN` times the budget's, measured at load on calibration rows: a
 few roundings to the dtype, as a layer's own ops round its activations, weights and outputs.
-Float kernels in the weight's dtype are the budget's own arithmetic (kernels/cpu_linear.py checks them against
+Float kernels in the weight's dtype are the budget's own arithmetic (kernels/cpu/linear.py checks them against
 `F.linear` already) and always within it; every other kernel is measured.
 
 Why not llama.cpp's loss, the figure users compare with: on SmolLM2's GGUF, llama.cpp's arithmetic (the
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels.int8_blockwise import int8_blockwise_is_exact
+from kernels.cpu.int8_blockwise import int8_blockwise_is_exact
 from kernels.reference import linear as reference_linear
 
 # A kernel may move a layer's outputs as far as this many roundings to the dtype do: the GGUF's exact 4-bit

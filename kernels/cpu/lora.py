@@ -13,7 +13,7 @@ fp32's on CPUs without native bf16: docs/lora.md), x cast to it and the sum cast
   every row at once; the gathered weights grow with the rows, so it is timed up to 32 rows only.
 - `stacked`: every slot at once: x times all the A's ([T, S*R]), the other slots' columns zeroed
   by the row mask, times all the B's; S times the arithmetic, two GEMMs whatever the mix.
-- `cpp`: BGMV in C++ (kernels/csrc/lora.cpp): up to four rows of one adapter per pass, rows over
+- `cpp`: BGMV in C++ (kernels/cpu/csrc/lora.cpp): up to four rows of one adapter per pass, rows over
   the threads, the ranks an adapter leaves empty skipped; one call whatever the mix. The CPU's
   one-op decoder layers run it inside the op (engine_core/models/cpu_decode_layers.py).
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_extension
+from kernels.cpu import extension as cpu_extension
 from kernels.lora_index import LoraStepIndex
 
 
@@ -83,7 +83,7 @@ CPU_LORA_KERNELS = {
     "cpp": add_lora_cpp,
 }
 MAX_ROWS = {"gather_bmm": 32}  # per-row gathered weights: [T, R, in] + [T, R, out]
-NEEDS_EXTENSION = {"cpp"}  # kernels of the C++ extension (kernels/cpu_extension.py): none without a compiler
+NEEDS_EXTENSION = {"cpp"}  # kernels of the C++ extension (kernels/cpu/extension.py): none without a compiler
 
 
 def cpu_lora_kernel_available(name: str) -> bool:

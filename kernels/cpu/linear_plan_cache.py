@@ -1,6 +1,6 @@
 """Load-time kernel choices kept on disk, so only the first load on a machine pays for timing.
 
-`kernels/cpu_linear.py` times each linear kernel on the model's shapes at load (a few seconds for
+`kernels/cpu/linear.py` times each linear kernel on the model's shapes at load (a few seconds for
 SmolLM2) and `dtype=auto` races bf16 against fp32. Both answers depend only on the machine, the
 torch build, the thread count, the kernels' own code and the shapes, so they are written to
 `~/.cache/tandem/linear_plans.json` (`TANDEM_CACHE_DIR` moves it) under a key naming all of
@@ -9,7 +9,7 @@ the next load with the same key. `TANDEM_REMEASURE=1` times again and overwrites
 timings in the log).
 
 Only answers timed on a quiet machine are kept (`keep`): a race that stayed noisy after its retakes
-(kernels/linear_timing.py) serves its load and is timed again by the next. Each kept answer records
+(kernels/cpu/linear_timing.py) serves its load and is timed again by the next. Each kept answer records
 when it was measured and how noisy its races were, and each key a readable `machine` entry, for
 `tandem plans` (clients/plans_command.py reads this file without torch):
 
@@ -33,14 +33,15 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_extension import build_name, cache_root, cpu_signature
-from kernels.linear_timing import NOISE_LIMIT, Race
+from kernels.cpu.extension import build_name, cache_root, cpu_signature
+from kernels.cpu.linear_timing import NOISE_LIMIT, Race
 
 logger = logging.getLogger(__name__)
 
 _ENV_THAT_CHANGES_KERNELS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
                              "MKL_CBWR", "TANDEM_CPU_ARCH")
-_KERNEL_SOURCES = ("cpu_linear.py", "int4_linear.py", "int8_linear.py", "onednn_linear.py")
+_KERNEL_SOURCES = ("linear.py", "int4_linear.py", "int8_linear.py", "int8_blockwise.py", "bf16_linear.py",
+                   "onednn_linear.py")
 MACHINE = "machine"  # each key's entry that describes it (never an answer's entry name)
 
 

@@ -1,4 +1,4 @@
-"""Paged attention on the CPU through Tandem's C++ kernels (kernels/csrc/paged_attention.cpp).
+"""Paged attention on the CPU through Tandem's C++ kernels (kernels/cpu/csrc/paged_attention.cpp).
 
 Same signatures as its reference, kernels/reference/attention.py. The kernel walks each request's
 block table and reads K/V blocks where they lie in the cache, with an online softmax in fp32, so no

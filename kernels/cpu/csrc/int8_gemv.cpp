@@ -2,7 +2,7 @@
 //
 // At decode's one row the product is a matrix-vector one and reading the weight is the whole
 // cost: torch._weight_int8pack_mm reads SmolLM2's int8 LM head at ~12 GB/s on a 2-core Zen 4,
-// oneDNN's bf16 at ~22 GB/s. Two paths, chosen by the packing (kernels/int8_linear.py):
+// oneDNN's bf16 at ~22 GB/s. Two paths, chosen by the packing (kernels/cpu/int8_linear.py):
 //
 // - AVX512-VNNI, weight [ceil(N/16), K/4, 16, 4] uint8 holding q + 128 (packed_tiles.h's order).
 //   Each row of x is rounded to 16-bit integers with its own scale (|xq| <= 32512 = 127 * 256)

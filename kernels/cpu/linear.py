@@ -2,20 +2,20 @@
 
 CPUs differ (Intel with AMX, Intel without bf16, AMD with AVX512-BF16) and so does the fastest
 way to multiply by a weight: row-major `F.linear` (oneDNN/MKL), a column-major `mm`, weights
-prepacked once for oneDNN (kernels/onednn_linear.py) or for Tandem's bf16 GEMM for decode batches
-(kernels/bf16_linear.py), int8 weight-only (`torch._weight_int8pack_mm`,
+prepacked once for oneDNN (kernels/cpu/onednn_linear.py) or for Tandem's bf16 GEMM for decode batches
+(kernels/cpu/bf16_linear.py), int8 weight-only (`torch._weight_int8pack_mm`,
 memory-bound decode), the same int8 weights through Tandem's C++ GEMV for a few rows (`int8_gemv`,
 streaming the weight at close to memory speed), int8 dynamic W8A8 (per-token int8 activations x
 int8 weights through `torch._int_mm`, VNNI/AMX, compute-bound batches; or through Tandem's GEMM
 over a VNNI-packed weight, `int8_vnni`, for decode batches) or int4 in GGUF's 4-bit
-blocks (kernels/int4_linear.py: torch's `int4`, or Tandem's C++ GEMV for a few rows, `int4_gemv`).
+blocks (kernels/cpu/int4_linear.py: torch's `int4`, or Tandem's C++ GEMV for a few rows, `int4_gemv`).
 The loader times each allowed kernel on the model's real shapes per batch bucket (`choose_plan`)
 and swaps every `nn.Linear` for a `CpuLinear` that dispatches on the number of rows
 (`use_measured_linears`). A user may pin kernels instead (`--linear-kernels`): a pinned layer and
 bucket is never timed nor cached.
 
-Quantized weights are made on load from the float ones: int8 in kernels/int8_linear.py, int4 in
-kernels/int4_linear.py (tests/kernels/test_cpu_linear.py states the tolerances and why). Each kernel's
+Quantized weights are made on load from the float ones: int8 in kernels/cpu/int8_linear.py, int4 in
+kernels/cpu/int4_linear.py (tests/kernels/test_cpu_linear.py states the tolerances and why). Each kernel's
 reference, the exact product of the weight it holds, is in kernels/reference/linear.py.
 """
 
@@ -29,10 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import accuracy_budget, cpu_extension, linear_plan_cache, linear_timing
-from kernels.accuracy_budget import AccuracyVerdict
-from kernels.bf16_linear import bf16_packed_supported, prepare_bf16_packed, run_bf16_packed
-from kernels.int4_linear import (
+from kernels.cpu import accuracy_budget, linear_plan_cache, linear_timing
+from kernels.cpu import extension as cpu_extension
+from kernels.cpu.accuracy_budget import AccuracyVerdict
+from kernels.cpu.bf16_linear import bf16_packed_supported, prepare_bf16_packed, run_bf16_packed
+from kernels.cpu.int4_linear import (
     GROUP_SIZE,
     dequantize_int4,
     int4_gemv_supported,
@@ -43,13 +44,13 @@ from kernels.int4_linear import (
     run_int4,
     run_int4_gemv,
 )
-from kernels.int8_blockwise import (
+from kernels.cpu.int8_blockwise import (
     int8_blockwise_fits,
     int8_blockwise_is_exact,
     prepare_int8_blockwise,
     run_int8_blockwise,
 )
-from kernels.int8_linear import (  # noqa: F401 (quantize_int8 / dequantize_int8 re-exported)
+from kernels.cpu.int8_linear import (  # noqa: F401 (quantize_int8 / dequantize_int8 re-exported)
     dequantize_int8,
     int8_grouped_fits,
     int8_vnni_supported,
@@ -66,9 +67,9 @@ from kernels.int8_linear import (  # noqa: F401 (quantize_int8 / dequantize_int8
     run_int8_vnni,
     run_int8_weight_only,
 )
-from kernels.linear_timing import Race, Timer, one_thread, rotating, settled_race
-from kernels.linear_timing import wall_timer as _wall_timer  # a module global: tests swap the clock here
-from kernels.onednn_linear import onednn_supported, prepare_onednn, run_onednn
+from kernels.cpu.linear_timing import Race, Timer, one_thread, rotating, settled_race
+from kernels.cpu.linear_timing import wall_timer as _wall_timer  # a module global: tests swap the clock here
+from kernels.cpu.onednn_linear import onednn_supported, prepare_onednn, run_onednn
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +89,13 @@ class LinearRole(str, enum.Enum):
 
 
 HEAD_MAX_ROWS = 128  # the LM head sees one row per sampling request (max_num_seqs): not timed above
-FLOAT_KERNELS = ("linear", "linear_colmajor", "linear_onednn", "linear_bf16_packed")
+FLOAT_KERNELS = ("linear", "linear_colmajor", "linear_onednn", "linear_bf16_packed")  # timed in auto and none
+# F.linear's products in another order (within every budget), pinned only (batch-invariant mode): never timed
+UNTIMED_FLOAT_KERNELS = ("linear_rowwise",)
 INT8_KERNELS = ("int8_weight_only", "int8_dynamic", "int8_gemv", "int8_vnni", "int8_grouped", "int8_blockwise")
 W8A8_KERNELS = ("int8_dynamic", "int8_vnni")  # activations rounded to int8 per token (the same arithmetic)
 GROUPED_KERNELS = ("int8_grouped",)  # activations rounded to int8 per token and group of k: down_proj's W8A8
-# W8A8 in GGUF's blocks of 32 k on the weight's own codes (kernels/int8_blockwise.py): in auto only where
+# W8A8 in GGUF's blocks of 32 k on the weight's own codes (kernels/cpu/int8_blockwise.py): in auto only where
 # exact, and there instead of the W8A8 kernels above, which round such a weight a second time
 BLOCKWISE_KERNELS = ("int8_blockwise",)
 # Kernels built for small batches, never timed above this many rows: the last bucket's kernel also
@@ -210,7 +213,7 @@ def batch_invariant_kernel(dtype: torch.dtype) -> str:
 
 def int4_is_exact(weight: torch.Tensor) -> bool:
     """Whether int4 reproduces `weight` within the rounding of its own dtype (2 eps of each group's
-    largest magnitude): true for weights dequantized from a Q4_0 / Q4_1 GGUF (kernels/int4_linear.py),
+    largest magnitude): true for weights dequantized from a Q4_0 / Q4_1 GGUF (kernels/cpu/int4_linear.py),
     false by far for a float checkpoint (int4's step is ~6 % of a group's largest magnitude)."""
     if not int4_supported(*weight.shape):
         return False
@@ -232,7 +235,7 @@ class CpuLinear(nn.Module):
     Only the weight formats the plan uses are kept: an all-int8 plan frees the float weight.
     `prepared`: states already made by the kernels' prepare (from the load-time timing), reused.
     `accuracy`: the load's verdict on which kernels stay within this layer's accuracy budget
-    (kernels/accuracy_budget.py); None: not measured, every kernel counts as within.
+    (kernels/cpu/accuracy_budget.py); None: not measured, every kernel counts as within.
     """
 
     accuracy: AccuracyVerdict | None = None
@@ -456,7 +459,7 @@ _CALIBRATION_OUTPUTS = 512  # outputs of a weight the accuracy verdict runs (a s
 
 def accuracy_verdict(weight: torch.Tensor, bias: torch.Tensor | None, kernels: tuple[str, ...],
                      role: LinearRole) -> AccuracyVerdict:
-    """Each of `kernels` measured against this layer's accuracy budget (kernels/accuracy_budget.py), on
+    """Each of `kernels` measured against this layer's accuracy budget (kernels/cpu/accuracy_budget.py), on
     the first outputs of its weight."""
     weight = weight.detach()[:_CALIBRATION_OUTPUTS]
     bias = None if bias is None else bias.detach()[:_CALIBRATION_OUTPUTS]
@@ -466,7 +469,8 @@ def accuracy_verdict(weight: torch.Tensor, bias: torch.Tensor | None, kernels: t
         with one_thread():
             state = KERNELS[name][0](weight, bias)
         return KERNELS[name][1](state, x)
-    return accuracy_budget.measure(weight, bias, fits, FLOAT_KERNELS, run, outliers=role is LinearRole.OUTLIER_INPUT)
+    return accuracy_budget.measure(weight, bias, fits, FLOAT_KERNELS + UNTIMED_FLOAT_KERNELS, run,
+                                   outliers=role is LinearRole.OUTLIER_INPUT)
 
 
 def auto_kernels(weights: list[torch.Tensor], bias: torch.Tensor | None, role: LinearRole) -> tuple[str, ...]:
@@ -492,7 +496,7 @@ def use_measured_linears(model: nn.Module, quantization: str = "none", buckets: 
     (any kernel that holds the weight, whatever `quantization` and the role allow; ValueError else).
 
     Same-shape layers share one measurement, kept on disk for the next load on this machine
-    (kernels/linear_plan_cache.py; not with an injected `timer`); pinned buckets are neither timed nor
+    (kernels/cpu/linear_plan_cache.py; not with an injected `timer`); pinned buckets are neither timed nor
     stored. Logs one line per shape and returns the plans.
     """
     allowed_kernels(quantization)  # validates the name

@@ -8,7 +8,7 @@
 // their views once per forward; every layer reuses them.
 //
 // Each linear comes as a kernel kind and up to four tensors, the state its Python kernel holds
-// (kernels/int8_linear.py, kernels/bf16_linear.py):
+// (kernels/cpu/int8_linear.py, kernels/cpu/bf16_linear.py):
 //   kInt8Gemv    packed, scale                      int8 weight-only GEMV (a few rows)
 //   kInt8Vnni    packed, w_scale, offsets, bias     W8A8 over a VNNI-packed weight
 //   kBf16Packed  packed, bias                       bf16 over a vdpbf16ps-packed weight

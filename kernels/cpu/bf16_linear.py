@@ -1,7 +1,7 @@
 """bf16 linear layers for decode batches through Tandem's C++ GEMM over a weight packed once in
-vdpbf16ps's operand order (kernels/csrc/bf16_packed.cpp), where the CPU has AVX512-BF16.
+vdpbf16ps's operand order (kernels/cpu/csrc/bf16_packed.cpp), where the CPU has AVX512-BF16.
 
-A float kernel like the others in kernels/cpu_linear.py: prepare(weight, bias) -> state,
+A float kernel like the others in kernels/cpu/linear.py: prepare(weight, bias) -> state,
 run(state, x [N, in]) -> [N, out]; bf16 weights and activations, fp32 sums rounded once.
 Reference: `bf16_linear` in kernels/reference/linear.py.
 """
@@ -12,8 +12,8 @@ import functools
 
 import torch
 
-from kernels import cpu_extension
-from kernels.packed_weights import pack_columns
+from kernels.cpu import extension as cpu_extension
+from kernels.cpu.packed_weights import pack_columns
 
 
 @functools.cache

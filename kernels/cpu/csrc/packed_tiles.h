@@ -261,7 +261,7 @@ void gemm(int64_t rows, int64_t blocks, int64_t steps, const uint8_t* x, int64_t
 }
 #endif
 
-// The arguments the VNNI W8A8 GEMMs share (int8_vnni.cpp, int8_grouped.cpp; kernels/int8_linear.py
+// The arguments the VNNI W8A8 GEMMs share (int8_vnni.cpp, int8_grouped.cpp; kernels/cpu/int8_linear.py
 // makes them): out [M, N] and x [M, K] of one float dtype, packed [ceil(N / 16), K / 4, 16, 4] int8,
 // w_scale [N] fp32, offsets int32 (each kernel checks its shape), bias [N] fp32 or empty.
 struct W8A8Shape {

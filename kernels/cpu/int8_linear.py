@@ -17,8 +17,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_extension
-from kernels.packed_weights import pack_columns, padded_columns
+from kernels.cpu import extension as cpu_extension
+from kernels.cpu.packed_weights import pack_columns, padded_columns
 
 _NO_BIAS = torch.empty(0)  # the C++ rescale's "no bias"
 
@@ -70,7 +70,7 @@ def prepare_int8_gemv(w, b):
     K a multiple of 4) q + 128 as uint8 in vpdpbusd's order, [ceil(N/16), K/4, 16, 4]; else
     int8, [ceil(N/16), K, 16]."""
     if not cpu_extension.load():
-        raise RuntimeError("int8_gemv needs Tandem's C++ CPU kernels (see kernels/cpu_extension.py)")
+        raise RuntimeError("int8_gemv needs Tandem's C++ CPU kernels (see kernels/cpu/extension.py)")
     q, scale = quantize_int8(w)
     if int8_vnni_supported() and q.shape[1] % 4 == 0:
         packed = pack_columns((q.to(torch.int16) + 128).to(torch.uint8), 4)
@@ -91,7 +91,7 @@ def run_int8_gemv(state, x):
 
 def prepare_int8_dynamic(w, b):
     q, scale = quantize_int8(w)
-    fused = cpu_extension.load()  # the C++ passes around the GEMM (kernels/csrc/int8_rows.cpp)
+    fused = cpu_extension.load()  # the C++ passes around the GEMM (kernels/cpu/csrc/int8_rows.cpp)
     return q.t(), scale, None if b is None else b.float(), w.dtype, fused
 
 
@@ -170,7 +170,7 @@ def prepare_int8_grouped(w, b):
 def run_int8_grouped(state, x):
     """W8A8 for inputs with outlier channels: each row of x rounded to int8 per group of
     ACTIVATION_GROUP k with its own scale, so an outlier coarsens only its group; int32 sums per
-    group on VNNI, added in fp32 with the group's scale (kernels/csrc/int8_grouped.cpp)."""
+    group on VNNI, added in fp32 with the group's scale (kernels/cpu/csrc/int8_grouped.cpp)."""
     packed, w_scale, offsets, b, out_f, dtype = state
     y = torch.empty((x.shape[0], out_f), dtype=dtype)
     torch.ops.tandem.int8_grouped_gemm(y, x if x.stride(-1) == 1 else x.contiguous(), packed, w_scale, offsets, b)

@@ -12,7 +12,7 @@
 // each block's expand then covers those outputs only.
 //
 // decode_layer.cpp calls it after each linear of a decoder layer, so a decode step with adapter
-// rows stays one op per layer; registered alone it is kernels/cpu_lora.py's "cpp" kernel.
+// rows stays one op per layer; registered alone it is kernels/cpu/lora.py's "cpp" kernel.
 
 #include "cpu_common.h"
 #include "ops.h"

@@ -21,11 +21,11 @@ exact ones and only the centred codes' part of the weight sees their rounding
 (docs/cpu-kernels.md#accuracy has the figures).
 
 Codes come back from the dequantized float weight the loader gives: Q4's through
-kernels/int4_linear.py's quantize_int4, Q8_0's as round(w / (max |w| / 127)); each block keeps
+kernels/cpu/int4_linear.py's quantize_int4, Q8_0's as round(w / (max |w| / 127)); each block keeps
 whichever grid reproduces it within its dtype's rounding (`int8_blockwise_is_exact`). A float
 checkpoint is not exact (its blocks get the Q8_0 grid: --quantization int8 only).
 
-The kernel is kernels/csrc/int8_blockwise.cpp (AVX512-VNNI); elsewhere `run_int8_blockwise` does
+The kernel is kernels/cpu/csrc/int8_blockwise.cpp (AVX512-VNNI); elsewhere `run_int8_blockwise` does
 the same arithmetic in torch. Reference: `int8_blockwise` in kernels/reference/linear.py.
 """
 
@@ -34,9 +34,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.int4_linear import dequantize_int4, quantize_int4
-from kernels.int8_linear import int8_vnni_supported
-from kernels.packed_weights import COLUMNS, pack_columns, padded_columns
+from kernels.cpu.int4_linear import dequantize_int4, quantize_int4
+from kernels.cpu.int8_linear import int8_vnni_supported
+from kernels.cpu.packed_weights import COLUMNS, pack_columns, padded_columns
 
 BLOCK = 32  # k per weight scale and per activation scale: GGUF's Q4_0 / Q4_1 / Q8_0 block
 _EXACTNESS_ROWS = 64  # rows of a weight `int8_blockwise_is_exact` checks (a GGUF tensor has one type throughout)

@@ -1,4 +1,4 @@
-"""Tandem's C++ CPU kernels (kernels/csrc/*.cpp), built on first use with torch's extension tooling.
+"""Tandem's C++ CPU kernels (kernels/cpu/csrc/*.cpp), built on first use with torch's extension tooling.
 
 `load()` compiles the sources once per (sources, flags, torch version, CPU) and checkout into
 `~/.cache/tandem/torch_extensions/` (`TANDEM_CACHE_DIR` moves it) and registers their ops

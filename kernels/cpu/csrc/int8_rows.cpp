@@ -1,4 +1,4 @@
-// The two passes around W8A8's int8 GEMM (kernels/int8_linear.py), each one pass over the rows:
+// The two passes around W8A8's int8 GEMM (kernels/cpu/int8_linear.py), each one pass over the rows:
 //
 //   quantize_rows_int8: x [M, K] (fp32 / bf16) -> q [M, K] int8 and scales [M] fp32,
 //       scale = max(absmax(row) / 127, 1e-12), q = round_half_even(x / scale)

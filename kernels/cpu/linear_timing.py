@@ -1,9 +1,9 @@
 """Timing candidates at load on a shared CPU: interleaved rounds, best of rounds, one call each.
 
-Used by kernels/cpu_linear.py to choose linear kernels and the float dtype by measurement. A race
+Used by kernels/cpu/linear.py to choose linear kernels and the float dtype by measurement. A race
 run while a neighbour held the cores (`Race.noisy`: its two halves of rounds disagree, or all
 threads ran slower than one) is retaken by `settled_race`, and a plan that stays noisy is used
-for the load but not kept (kernels/linear_plan_cache.py).
+for the load but not kept (kernels/cpu/linear_plan_cache.py).
 """
 
 from __future__ import annotations

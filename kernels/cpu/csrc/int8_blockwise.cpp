@@ -1,4 +1,4 @@
-// W8A8 in blocks of 32 k, exact on GGUF Q4_0 / Q4_1 / Q8_0 weights (kernels/int8_blockwise.py):
+// W8A8 in blocks of 32 k, exact on GGUF Q4_0 / Q4_1 / Q8_0 weights (kernels/cpu/int8_blockwise.py):
 //   w[n, k] = c[n, k] * d[n, b] + o[n, b] for k in block b (int8 codes, fp32 scale and offset)
 //   xq, s = x rounded to int8 per row and block of 32 (scale absmax / 127), xsum its exact fp32 sum
 //   out[m, n] = sum_b s[m, b] d[n, b] (xq[m, b] . c[n, b]) + sum_b o[n, b] xsum[m, b] (+ bias[n])

@@ -4,7 +4,7 @@ BGMV-style, as in Punica and vLLM's `lora/ops/triton_ops`: one program per row f
 (u = x A_s^T, every rank at once) and one per row and block of outputs for the expand
 (y += u B_s), each program reading its row's slot; rows of slot -1 (the base model) load and store
 nothing. The slot tensors: A [S, R, in], B [S, R, out] (the scaling folded in), as in
-kernels/cpu_lora.py. u is kept in fp32. Reference: `add_lora` in kernels/reference/lora.py.
+kernels/cpu/lora.py. u is kept in fp32. Reference: `add_lora` in kernels/reference/lora.py.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def lora_expand(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, slots: torch.
 
 def add_lora_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                     index: LoraStepIndex) -> None:
-    """The same contract as kernels/cpu_lora.py's kernels; x, A and B contiguous in their last dim."""
+    """The same contract as kernels/cpu/lora.py's kernels; x, A and B contiguous in their last dim."""
     if y.stride(1) != 1:
         raise ValueError("lora_expand writes rows of y in place: its last dim must be contiguous")
     x = x if x.stride(1) == 1 else x.contiguous()

@@ -10,7 +10,7 @@
 // (int8_quantize.h's split_row), multiplied by the unsigned codes with vpdpbusd into exact int32
 // sums, one group at a time; each group's sums then meet its scale and min in fp32.
 //
-// Layout (kernels/int4_linear.py packs it), [ceil(N / 16), K / 32, 320] uint8: per block of 16
+// Layout (kernels/cpu/int4_linear.py packs it), [ceil(N / 16), K / 32, 320] uint8: per block of 16
 // output columns and group, as GGUF keeps a block's scale beside its codes (one stream to read):
 //   bytes 0-255, four 8-k chunks t of 64 bytes: column c's byte j holds q[c, 8t + j] in its low
 //     nibble and q[c, 8t + 4 + j] in its high one, so one load, masked and shifted, is vpdpbusd's

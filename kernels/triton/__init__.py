@@ -1,0 +1,2 @@
+"""The Triton kernels: paged attention, the KV-cache write, the fused layer ops and LoRA, on a CUDA GPU or in
+Triton's CPU interpreter (TRITON_INTERPRET=1, as CI runs them). The engine reaches them through `kernels`."""
