@@ -219,6 +219,9 @@ def test_lora_names_the_adapter_on_generate_and_chat_requests(scripted):
     scripted.replies += ["SELECT 1;", "Hello.", "Hi."]
 
     async def scenario(start) -> None:
+        # the frontend counts itself connected once it has asked for the Connect stream; an announcement before
+        # the engine has it open reaches nobody
+        await wait_until(lambda: scripted.engine.num_connections > 0)
         scripted.engine.announce(lora_names=["sql"])  # as an engine that loaded the adapter says
         await wait_until(lambda: "sql" in scripted.client.engines()[0].state.lora_names)
         generate = await start("generate", "Top customers:", "--lora", "sql", "--request-id", "lora-generate")
