@@ -7,9 +7,10 @@ convention: the docs write the default address, localhost:50051, and a client co
 means it too; this test points both at the live stack. A `# -> TEXT` comment on a command says it fails and
 prints TEXT (on stderr).
 
-A command is run when it is a client command of the tandem CLI (or `--help` of a service) that SKIPPED does not
-name; every other command must match SKIPPED, whose reasons say why it is not run here and, where one does,
-which test runs it. A command that matches neither fails the test: a new snippet is never silently left out.
+A command is run when it is a client command of the tandem CLI or the Node client (`node clients/node/chat.js`,
+where node is installed), or `--help` of a service, that SKIPPED does not name; every other command must match
+SKIPPED, whose reasons say why it is not run here and, where one does, which test runs it. A command that
+matches neither fails the test: a new snippet is never silently left out.
 Python blocks that load the embedded SmolLM2 in-process run in the slow tier (make test-slow).
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 DOC_PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 DOCS_ADDRESS = "localhost:50051"
 CLIENT_COMMANDS = ("generate", "chat", "tokenize", "embed", "info", "health", "admin")
+NODE_CHAT = "clients/node/chat.js"  # the Node client; run where node (and `make install`'s npm ci) is
 EXPECTED_FAILURE = re.compile(r"#\s*->\s*(.+)$")  # `# -> tandem: INVALID_ARGUMENT: ...`
 
 # (regex matched against the command as written, why it is not run here)
@@ -47,7 +50,9 @@ SKIPPED = [
      "tests/clients/test_reflection_client.py runs every plaintext buf curl command against a live stack"),
     (r"buf curl --protocol grpc --cacert", "TLS at a placeholder host (frontend-box); tests/security runs TLS stacks"),
     (r"export PATH=", "sets up the shell for the next commands; nothing to check"),
-    (r"node clients/node/", "the Node client (needs npm's packages); tests/clients/test_node_client.py runs it"),
+    (r"node clients/node/chat\.js (admin lora|.*--lora sql\b)",
+     "needs a PEFT adapter folder at /adapters/sql (a placeholder) and an engine started with LoRA; "
+     "tests/clients/test_node_client.py loads, pins and unloads adapters and answers with one"),
     (r"tandem admin lora (load|list|pin|unload)\b",
      "needs a PEFT adapter folder at /adapters/sql (a placeholder) and an engine started with LoRA; "
      "tests/test_lora_stack.py runs tandem admin lora against one"),
@@ -60,7 +65,7 @@ SKIPPED = [
     (r"curl -s localhost:(30000|8051)", "needs the smg gateway or the compose stack; tests/gateway and "
      "tests/observability run them"),
     (r"smg launch", "starts the smg gateway on a fixed port until stopped; tests/gateway starts it on a free one"),
-    (r"(TANDEM_API_TOKEN=\$\(cat api\.token\) )?tandem chat --address localhost:50051 ",
+    (r"TANDEM_API_TOKEN=\$\(cat api\.token\) tandem chat --address localhost:50051 ",
      "a cluster's port-forward with its tokens and certificates (docs/deployment.md's Kubernetes steps)"),
     (r"(openssl|leaf|kubectl)\b", "certificates and secrets for a cluster: tests/security/test_readme_certificates.py "
      "runs the OpenSSL recipe, tests/deploy checks the secrets"),
@@ -143,10 +148,12 @@ def skip_reason(block: Block, command: str) -> str | None:
 
 
 def runs_here(block: Block, command: str) -> bool:
-    """A client command of the tandem CLI, or a service's --help, that no SKIPPED rule names."""
+    """A client command of the tandem CLI or the Node client, or a service's --help, that no SKIPPED rule names."""
     if skip_reason(block, command) is not None:
         return False
     words = shlex.split(command, comments=True)
+    if words[:2] == ["node", NODE_CHAT]:
+        return True
     tandem = [i for i, w in enumerate(words) if re.fullmatch(r"(\.venv/bin/)?tandem", w)]
     if tandem and len(words) > tandem[0] + 1 and words[tandem[0] + 1] in CLIENT_COMMANDS:
         return True
@@ -163,6 +170,7 @@ def shell_environment(address: str) -> str:
     commands pointed at `address`."""
     python = shlex.quote(sys.executable)
     return (f"tandem() {{ {python} -m clients.cli \"$@\" --address {address}; }}\n"
+            f"node() {{ command node \"$@\" --address {address}; }}\n"
             f"tandem-engine() {{ {python} -m services.engine \"$@\"; }}\n"
             f"tandem-frontend() {{ {python} -m services.frontend \"$@\"; }}\n")
 
@@ -213,6 +221,11 @@ def test_every_skip_rule_still_matches_a_snippet():
 @pytest.mark.parametrize("block, command, expected", [
     pytest.param(b, c, e, id=f"{b}:{c[:50]}") for b, c, e in SHELL if runs_here(b, c)])
 def test_shell_command_runs(docs_stack, block, command, expected):
+    if command.startswith("node "):
+        if shutil.which("node") is None:
+            pytest.skip("node is not installed")
+        if not (REPO / "clients" / "node" / "node_modules" / "@grpc" / "grpc-js").is_dir():
+            pytest.fail("clients/node has no node_modules: run `make install` (it runs `npm ci` there)")
     result = run_shell(command, docs_stack.frontend_address)
     if expected is None:
         assert result.returncode == 0, (command, result.stdout[-2000:], result.stderr[-2000:])

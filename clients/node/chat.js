@@ -128,6 +128,27 @@ function toolsToProto(tools) {
   });
 }
 
+// A call from a completion's last message, as the Python client's ToolCall: `arguments` is the JSON object
+// its arguments_json holds, or null when max_tokens cut the call (`complete` false; the unfinished text stays
+// in `arguments_json`, and a later request's history refuses it).
+function readToolCall(call) {
+  const argumentsJson = call.arguments_json || '';
+  let parsed = null;
+  try {
+    parsed = JSON.parse(argumentsJson);
+  } catch (error) {
+    parsed = null;  // unfinished JSON: a cut call
+  }
+  const whole = parsed !== null && typeof parsed === 'object' && !Array.isArray(parsed);
+  return { id: call.id || '', index: call.index || 0, name: call.name || '', arguments_json: argumentsJson,
+           arguments: whole ? parsed : null, complete: whole };
+}
+
+// FINISH_REASON_LENGTH -> "length", as the Python client and CLI name finish reasons.
+function finishName(reason) {
+  return reason ? reason.replace(/^FINISH_REASON_/, '').toLowerCase() : null;
+}
+
 function toolChoiceToProto(choice) {
   const modes = { auto: 'TOOL_CHOICE_MODE_AUTO', none: 'TOOL_CHOICE_MODE_NONE', required: 'TOOL_CHOICE_MODE_REQUIRED' };
   return modes[choice] ? { mode: modes[choice] } : { function_name: choice };
@@ -163,6 +184,7 @@ function main() {
   const call = client.Chat(request, metadata, { deadline });
   let answered = false;
   const toolCalls = [];
+  let finishReason = null;
   call.on('data', (response) => {
     for (const chunk of response.completions || []) {
       if (chunk.text) {  // unset (empty) text is absent with defaults: false
@@ -171,6 +193,7 @@ function main() {
       }
       // Deltas stream each call (id and name first, then argument fragments); the last message has them whole.
       if (chunk.tool_calls && chunk.tool_calls.length) toolCalls.splice(0, toolCalls.length, ...chunk.tool_calls);
+      finishReason = finishName(chunk.finish_reason) || finishReason;
     }
   });
   call.on('error', (error) => {
@@ -180,12 +203,20 @@ function main() {
   });
   call.on('end', () => {  // grpc-js ends the stream after an error too
     if (!process.exitCode) process.stdout.write('\n');
-    for (const c of toolCalls) {
-      const toolCall = { id: c.id, name: c.name, arguments: JSON.parse(c.arguments_json || '{}') };
-      process.stdout.write(JSON.stringify({ tool_call: toolCall }) + '\n');
+    for (const c of toolCalls.map(readToolCall)) {
+      if (c.complete) {
+        process.stdout.write(JSON.stringify({ tool_call: { id: c.id, name: c.name, arguments: c.arguments } }) + '\n');
+      } else {  // cut by max_tokens: a model's output, shown as it came (as tandem chat shows it), not an error
+        const cut = { id: c.id, name: c.name, finish_reason: finishReason, arguments_json: c.arguments_json };
+        process.stdout.write(JSON.stringify({ cut_tool_call: cut }) + '\n');
+        process.stderr.write(`(tool call ${c.id} (${c.name}) was cut, finish reason ${finishReason}: its arguments `
+                             + 'are unfinished; a larger --max-tokens lets calls finish)\n');
+      }
     }
     client.close();
   });
 }
 
-main();
+if (require.main === module) main();
+
+module.exports = { readToolCall };

@@ -1,6 +1,7 @@
 """`tandem chat` and `tandem generate` against the real frontend over a scripted fake engine (tests/frontend's
 harness): the engine writes the model's tokens as each test scripts them, so a tool call that max_tokens cuts,
-the turn after a tool result and the LoRA adapter a request names are the same on every run.
+the turn after a tool result and the LoRA adapter a request names are the same on every run. The Node client
+(clients/node/chat.js) meets the same cut call.
 
 The CLI runs in a subprocess on the stack's event loop (which serves the frontend and the engine meanwhile),
 fed one line at a time: each reply is awaited on the CLI's own output, the call ids it prints go into the next
@@ -17,6 +18,7 @@ import pytest
 
 from clients.client import TandemClient
 from tests.clients.conftest import REPO
+from tests.clients.test_node_client import node, node_chat  # noqa: F401 - the node fixture
 from tests.frontend.conftest import make_stack, tokenizer, wait_until  # noqa: F401 - the stack fixtures
 
 TOOLS_FILE = REPO / "docs" / "examples" / "tools.json"
@@ -167,6 +169,22 @@ def test_the_python_client_reads_a_cut_call_without_raising(scripted):
                                                                               '{"city": "Os')
 
 
+def test_the_node_client_shows_a_cut_call_and_exits_normally(node, scripted):  # noqa: F811 - the node fixture
+    """A cut call is the model's output (finish reason length), not an error: printed as tandem chat prints it,
+    with a note on stderr, exit 0; JSON.parse of its arguments threw before."""
+    cut_at = len(tokens(scripted, CUT_CALL))
+    scripted.replies.append(tokens(scripted, CUT_CALL) + tokens(scripted, CALL_END))
+    result = scripted.run(asyncio.to_thread(
+        node_chat, node, "--address", f"127.0.0.1:{scripted.frontend.port}", "--tools", str(TOOLS_FILE),
+        "--temperature", "0", "--max-tokens", str(cut_at), "Weather in Oslo?"))
+    assert result.returncode == 0, result.stderr
+    text, line = result.stdout.splitlines()
+    cut = json.loads(line)["cut_tool_call"]
+    assert text == "Let me check." and cut["name"] == "get_weather" and cut["id"].startswith("call_")
+    assert (cut["finish_reason"], cut["arguments_json"]) == ("length", '{"city": "Os')
+    assert f"(tool call {cut['id']} (get_weather) was cut, finish reason length" in result.stderr
+
+
 def test_a_tool_result_for_an_unknown_id_is_refused_naming_the_known_ones(scripted):
     scripted.replies += ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
                          "12 C and rain in Oslo."]
@@ -219,6 +237,9 @@ def test_lora_names_the_adapter_on_generate_and_chat_requests(scripted):
     scripted.replies += ["SELECT 1;", "Hello.", "Hi."]
 
     async def scenario(start) -> None:
+        # the frontend counts itself connected once it has asked for the Connect stream; an announcement before
+        # the engine has it open reaches nobody
+        await wait_until(lambda: scripted.engine.num_connections > 0)
         scripted.engine.announce(lora_names=["sql"])  # as an engine that loaded the adapter says
         await wait_until(lambda: "sql" in scripted.client.engines()[0].state.lora_names)
         generate = await start("generate", "Top customers:", "--lora", "sql", "--request-id", "lora-generate")

@@ -78,6 +78,25 @@ def test_node_asks_for_a_lora_adapter(node, live_stack):
     assert result.stderr.startswith("tandem-node: NOT_FOUND:") and "'sql'" in result.stderr, result.stderr
 
 
+def test_node_reads_a_call_whose_arguments_are_not_a_whole_object_as_cut(node):
+    """chat.js's readToolCall, as the Python client's ToolCall: arguments null and complete false for arguments
+    max_tokens cut (the raw text kept), the object for a whole call; nothing throws."""
+    cases = ['{"city": "Os', "", '{"city": "Oslo"', '"Oslo"', "[1]", "null", '{"city": "Oslo", "days": 2}']
+    script = """
+const { readToolCall } = require(process.argv[1]);
+const cases = JSON.parse(process.argv[2]);
+console.log(JSON.stringify(cases.map((a) => readToolCall({ id: 'call_1', name: 'get_weather', arguments_json: a }))));
+"""
+    result = subprocess.run([node, "-e", script, str(NODE_DIR / "chat.js"), json.dumps(cases)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    calls = json.loads(result.stdout)
+    assert [(c["complete"], c["arguments"], c["arguments_json"]) for c in calls[:-1]] == [
+        (False, None, a) for a in cases[:-1]]
+    assert (calls[-1]["complete"], calls[-1]["arguments"]) == (True, {"city": "Oslo", "days": 2})
+    assert (calls[-1]["id"], calls[-1]["name"], calls[-1]["index"]) == ("call_1", "get_weather", 0)
+
+
 def test_node_names_an_unreadable_file_in_one_line(node, tmp_path):
     for flag in ("--json-schema", "--grammar", "--tls-ca", "--token-file"):
         result = node_chat(node, flag, str(tmp_path / "missing"), "hi")

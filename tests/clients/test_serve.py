@@ -41,6 +41,7 @@ from tests.services.test_ports import can_join_with_so_reuseport
 from tests.test_stack import ENGINE_FLAGS, VOCAB
 
 WAIT_S = 120.0
+REFUSAL_S = 10.0  # a command refusing a taken port exits within this, interpreter start included
 
 
 def _wait_for(predicate, what: str, timeout: float = WAIT_S):
@@ -167,10 +168,14 @@ def test_a_second_stack_on_a_taken_port_is_refused_and_the_first_keeps_serving(t
          ["services.frontend", "--port", str(port), "--engine", f"127.0.0.1:{engine_port}"]),
     ]
     for program, flag, taken, argv in attempts:
+        started = time.monotonic()
         result = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=60, cwd=REPO,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         assert (result.returncode, result.stderr.splitlines()) == (
             1, [f"{program}: 127.0.0.1:{taken} is in use (by another tandem?); {flag} picks another port"]), argv
+        # "within a few seconds": the ports are looked at before any model loads (under 1 s here; busy machines
+        # get room)
+        assert time.monotonic() - started < REFUSAL_S, (argv, time.monotonic() - started)
 
     # the first stack's ports are still its own (nothing may join them), and it serves every request
     assert not can_join_with_so_reuseport(port) and not can_join_with_so_reuseport(engine_port)
