@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 from tandem.v1 import admin_pb2_grpc, generation_pb2_grpc
 
-from clients import admin
+from clients import admin, embeddings
 from clients import messages as wire
 from clients.admin import AdminResult
 from clients.client import Metadata
@@ -72,9 +72,10 @@ class AsyncTandemClient:
     # ---- unary calls ----
     async def embed(self, inputs: str | Sequence[int] | Iterable[str | Sequence[int]], *, pooling: str = "last",
                     normalize: bool | None = None, timeout: float | None = None, metadata: Metadata = None,
-                    traceparent: str | None = None, **options) -> wire.Embeddings:
-        request = wire.embed_request(inputs, pooling=pooling, normalize=normalize, **options)
-        return wire.embeddings_from_proto(await self._unary(self._stub.Embed, request, timeout, metadata, traceparent))
+                    traceparent: str | None = None, **options) -> embeddings.Embeddings:
+        request = embeddings.embed_request(inputs, pooling=pooling, normalize=normalize, **options)
+        answer = await self._unary(self._stub.Embed, request, timeout, metadata, traceparent)
+        return embeddings.embeddings_from_proto(answer)
 
     async def tokenize(self, text: str | None = None, *, messages: Iterable | None = None,
                        add_special_tokens: bool | None = None, timeout: float | None = None,

@@ -25,7 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 from tandem.v1 import admin_pb2_grpc, generation_pb2_grpc
 
-from clients import admin
+from clients import admin, embeddings
 from clients import messages as wire
 from clients.admin import AdminResult
 from clients.connection import (
@@ -87,12 +87,12 @@ class TandemClient:
     # ---- unary calls ----
     def embed(self, inputs: str | Sequence[int] | Iterable[str | Sequence[int]], *, pooling: str = "last",
               normalize: bool | None = None, timeout: float | None = None, metadata: Metadata = None,
-              traceparent: str | None = None, **options) -> wire.Embeddings:
+              traceparent: str | None = None, **options) -> embeddings.Embeddings:
         """One vector per input (a text, token ids, or a list of them) from the model's final hidden
         states; pooling: last | mean | cls; normalize: unit L2 norm (the server's default: true).
         Options: request_id, priority, add_special_tokens, lora_name."""
-        request = wire.embed_request(inputs, pooling=pooling, normalize=normalize, **options)
-        return wire.embeddings_from_proto(self._unary(self._stub.Embed, request, timeout, metadata, traceparent))
+        request = embeddings.embed_request(inputs, pooling=pooling, normalize=normalize, **options)
+        return embeddings.embeddings_from_proto(self._unary(self._stub.Embed, request, timeout, metadata, traceparent))
 
     def tokenize(self, text: str | None = None, *, messages: Iterable | None = None,
                  add_special_tokens: bool | None = None, timeout: float | None = None, metadata: Metadata = None,

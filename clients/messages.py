@@ -285,7 +285,3 @@ def _output_kind(value) -> int:
         except KeyError:
             raise ValueError(f"output_kind must be one of {', '.join(_OUTPUT_KINDS)}, got {value!r}") from None
     return int(value)
-
-
-# Embed's request and result live in clients/embeddings.py (they need Usage above); callers use wire.*
-from clients.embeddings import Embeddings, embed_request, embeddings_from_proto  # noqa: E402, F401

@@ -3,11 +3,12 @@
 What it offers: paged attention and the KV-cache write (`select_backend`), fused layer ops and argmax
 (`select_fused_ops`, `argmax`), the float dtype measured fastest here (`fastest_float_dtype`), LoRA's
 shrink/expand products (`select_lora_ops`: Triton on CUDA, the kernel measured fastest per row bucket on the
-CPU; `LoraStepIndex` maps a step's rows to adapter slots), and the CPU
-linears: every kernel that can take a layer, timed per batch bucket on this machine (`use_measured_linears`,
-with the model's `LinearRole`s) and the pieces the one-op CPU decode layers reuse. Which layer gets which
-kernel is decided by the engine (engine_core/models): the kernels only offer, check and time. Every
-kernel's plain-torch reference is in `reference` (kernels/reference/), which the torch paths call.
+CPU; `LoraStepIndex` maps a step's rows to adapter slots), and the CPU plan in one call
+(`plan_cpu_model`): every linear on the kernel measured fastest per batch bucket within its accuracy budget
+(or pinned), and the decoder layers as one C++ op each where that measures faster. The model says what each
+layer computes (its linears' `LinearRole`s, its layers as a `DecoderStack`); the kernels choose how, and the
+engine never times a kernel itself. Every kernel's plain-torch reference is in `reference`
+(kernels/reference/), which the torch paths call.
 
 Paged attention behind one dispatch point:
 
@@ -97,7 +98,7 @@ def select_backend(device: str, name: str = "auto", batch_invariant: bool = Fals
 
 # ---- the rest of the front door (imported after AttentionBackend: these modules import this package)
 from kernels import reference  # noqa: E402
-from kernels.cpu.float_dtype import fastest_float_dtype  # noqa: E402
+from kernels.cpu.decode_layers import CpuDecodeLayers, DecoderLayerSpec, DecoderStack  # noqa: E402
 from kernels.cpu.linear import (  # noqa: E402
     BUCKETS,
     LinearRole,
@@ -112,16 +113,16 @@ from kernels.cpu.linear import (  # noqa: E402
     use_measured_linears,
 )
 from kernels.cpu.linear_timing import Timer, fastest_uncontended, one_thread, wall_timer  # noqa: E402
+from kernels.cpu.plan import fastest_float_dtype, plan_cpu_model  # noqa: E402
 from kernels.fused_ops import FusedOps, argmax, select_fused_ops  # noqa: E402
 from kernels.lora_index import LoraStepIndex  # noqa: E402
 from kernels.lora_ops import LORA_KERNELS, LoraOps, LoraPlan, select_lora_ops  # noqa: E402
 
 __all__ = [
-    "AttentionBackend", "AttentionMetadata", "BUCKETS", "FusedOps", "LORA_KERNELS", "LinearRole", "LoraOps",
-    "LoraPlan", "Pins", "LoraStepIndex", "Timer", "allowed_kernels", "batch_invariant_kernel",
-    "argmax", "fastest_float_dtype", "fastest_uncontended", "int4_allowed", "kernel_fits", "lossy_linear_kernels",
-    "one_thread",
-    "prepare_int4_gemv", "prepare_int8_gemv", "reference", "select_backend", "select_fused_ops", "select_lora_ops",
-    "use_measured_linears",
-    "wall_timer",
+    "AttentionBackend", "AttentionMetadata", "BUCKETS", "CpuDecodeLayers", "DecoderLayerSpec", "DecoderStack",
+    "FusedOps", "LORA_KERNELS", "LinearRole", "LoraOps", "LoraPlan", "Pins", "LoraStepIndex", "Timer",
+    "allowed_kernels", "argmax", "batch_invariant_kernel", "fastest_float_dtype", "fastest_uncontended",
+    "int4_allowed", "kernel_fits", "lossy_linear_kernels", "one_thread", "plan_cpu_model", "prepare_int4_gemv",
+    "prepare_int8_gemv", "reference", "select_backend", "select_fused_ops", "select_lora_ops",
+    "use_measured_linears", "wall_timer",
 ]

@@ -192,6 +192,79 @@ def test_the_step_reads_a_named_list_of_files_of_about_2000_lines():
     assert sum(lines.values()) < 2100, lines
 
 
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_imports(path: Path, modules: set[str]) -> set[str]:
+    """The project modules `path` imports, lazily too, but not under `if TYPE_CHECKING:` (never run)."""
+    found: set[str] = set()
+
+    class Imports(ast.NodeVisitor):
+        def visit_If(self, node: ast.If) -> None:
+            test = node.test
+            if getattr(test, "id", None) == "TYPE_CHECKING" or getattr(test, "attr", None) == "TYPE_CHECKING":
+                for child in node.orelse:
+                    self.visit(child)
+                return
+            self.generic_visit(node)
+
+        def visit_Import(self, node: ast.Import) -> None:
+            found.update(alias.name for alias in node.names)
+
+        def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+            if node.module:
+                found.add(node.module)
+                found.update(f"{node.module}.{alias.name}" for alias in node.names)
+
+    Imports().visit(ast.parse(path.read_text(), str(path)))
+    return found & modules
+
+
+def test_no_import_cycles_between_modules():
+    """A cycle makes two modules one concept in two files, and import order a hazard. A package importing its
+    own modules (a front door such as kernels/__init__.py) and a module importing its package do not count."""
+    paths = {_module_name(p): p for p in python_files(*PACKAGES)}
+    graph = {name: {m for m in _runtime_imports(path, set(paths))
+                    if m != name and not name.startswith(m + ".") and not m.startswith(name + ".")}
+             for name, path in paths.items()}
+    cycles, done = [], set()
+
+    def visit(name: str, trail: list[str]) -> None:
+        if name in trail:
+            cycles.append(trail[trail.index(name):] + [name])
+            return
+        if name in done:
+            return
+        for imported in sorted(graph[name]):
+            visit(imported, trail + [name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(cycle) for cycle in cycles)
+
+
+# Modules at a package's root, at most: past that, name prefixes start doing the work of folders.
+MAX_MODULES_AT_A_ROOT = 15
+# Packages still past the bound, at their current counts: each may only shrink, until it is split into folders.
+STILL_TO_SPLIT = {"engine_core": 27, "engine_core/protocol": 20, "services/frontend": 32, "clients": 18}
+
+
+def test_no_package_root_holds_more_than_15_modules():
+    over = {}
+    for package in PACKAGES:
+        for folder in [ROOT / package, *(p for p in (ROOT / package).rglob("*") if p.is_dir())]:
+            if "node_modules" in folder.parts or not (folder / "__init__.py").exists():
+                continue
+            count = sum(1 for p in folder.glob("*.py") if p.name != "__init__.py")
+            rel = folder.relative_to(ROOT).as_posix()
+            if count > STILL_TO_SPLIT.get(rel, MAX_MODULES_AT_A_ROOT):
+                over[rel] = count
+    assert not over, f"packages past {MAX_MODULES_AT_A_ROOT} modules at their root (split them into folders): {over}"
+
+
 def test_shared_enums_are_numbered_like_the_protos():
     for reason in FinishReason:
         assert common_pb2.FinishReason.Value(f"FINISH_REASON_{reason.name}") == reason

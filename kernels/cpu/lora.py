@@ -15,7 +15,7 @@ fp32's on CPUs without native bf16: docs/lora.md), x cast to it and the sum cast
   by the row mask, times all the B's; S times the arithmetic, two GEMMs whatever the mix.
 - `cpp`: BGMV in C++ (kernels/cpu/csrc/lora.cpp): up to four rows of one adapter per pass, rows over
   the threads, the ranks an adapter leaves empty skipped; one call whatever the mix. The CPU's
-  one-op decoder layers run it inside the op (engine_core/models/cpu_decode_layers.py).
+  one-op decoder layers run it inside the op (kernels/cpu/decode_layers.py).
 
 Which wins depends on the CPU, the rows and the number of adapters in the step: the engine times
 them at load (kernels/lora_ops.py) and takes the fastest per bucket. Their reference:

@@ -25,7 +25,7 @@ One module per family, each kernel (module under kernels/) -> its reference:
   - int8_grouped (int8_linear, W8A8 per group of k) -> `linear.int8_grouped`
   - int4, int4_gemv (int4_linear) -> `linear.int4_weight_only`
 - lora.py: cpu_lora's five kernels (the C++ one, csrc/lora.cpp, too), triton_lora -> `lora.add_lora`
-- the one-op CPU decode layer (csrc/decode_layer.cpp, engine_core/models/cpu_decode_layers.py) has
+- the one-op CPU decode layer (csrc/decode_layer.cpp, kernels/cpu/decode_layers.py) has
   no function here: its reference is the model's own module path (engine_core/models/llama.py's
   `LlamaDecoderLayer`, each op through the kernels above, so through these references on the torch
   path), and tests/engine_core/test_cpu_decode_layers.py checks the op against it.

@@ -1,4 +1,4 @@
-"""Decoder layers as one C++ op at decode batches (engine_core/models/cpu_decode_layers.py).
+"""Decoder layers as one C++ op at decode batches (kernels/cpu/decode_layers.py).
 
 The op calls the module path's own kernels in the same order, so its answers are the module
 path's exactly (the first layer's norm(x + 0) is norm(x) bit for bit); the load-time choice
@@ -13,9 +13,9 @@ import torch
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine_core.llm_engine import LLMEngine
 from engine_core.loader import registry
-from engine_core.models.cpu_decode_layers import GEMV_MAX_ROWS, MAX_ROWS, OP_KERNELS
 from engine_core.protocol import SamplingParams
 from kernels.cpu import extension as cpu_extension
+from kernels.cpu.decode_layers import GEMV_MAX_ROWS, MAX_ROWS, OP_KERNELS
 from kernels.cpu.int8_linear import int8_vnni_supported
 from tests.engine_core.tiny_models import write_tiny_model
 

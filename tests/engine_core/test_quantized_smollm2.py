@@ -27,7 +27,7 @@ NEAR_TIE_NATS = 0.15
 @pytest.fixture(autouse=True)
 def layers_through_their_modules(monkeypatch):
     """Each test forces one kernel everywhere: keep the one-op decoder layers (which run the
-    GEMV at small decode batches, engine_core/models/cpu_decode_layers.py) out of the plans."""
+    GEMV at small decode batches, kernels/cpu/decode_layers.py) out of the plans."""
     monkeypatch.setattr(registry, "wall_timer", lambda name, rows, fn: 1.0 if name == "modules" else 2.0)
 
 

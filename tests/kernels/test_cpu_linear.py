@@ -12,7 +12,6 @@ from engine_core.loader.registry import prepare_for_cpu
 from engine_core.loader.safetensors import load_hf
 from engine_core.models.llama import LlamaForCausalLM
 from kernels import LinearRole, select_backend
-from kernels.cpu.float_dtype import fastest_float_dtype
 from kernels.cpu.int4_linear import dequantize_int4, quantize_int4
 from kernels.cpu.int8_blockwise import dequantize_blockwise, quantize_blockwise
 from kernels.cpu.linear import (
@@ -33,6 +32,7 @@ from kernels.cpu.linear import (
     use_measured_linears,
 )
 from kernels.cpu.linear_timing import fastest
+from kernels.cpu.plan import fastest_float_dtype
 from kernels.reference.linear import float_linear
 from tests.engine_core.tiny_models import PagedBatch, run_step, write_tiny_model
 

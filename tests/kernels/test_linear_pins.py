@@ -157,7 +157,7 @@ def test_an_in_process_engine_runs_the_pinned_plan_without_timing(tmp_path, monk
                      "down_proj": "linear", "lm_head": "linear_colmajor"}
 
 
-# ---- the decoder layers as one C++ op (engine_core/models/cpu_decode_layers.py) ----
+# ---- the decoder layers as one C++ op (kernels/cpu/decode_layers.py) ----
 
 needs_compiler = pytest.mark.skipif(cpu_extension.compiler() is None, reason="needs the C++ kernels (a compiler)")
 
@@ -183,7 +183,7 @@ def prepared_tiny_llama(tmp_path, spec: str):
 
 @needs_compiler
 def test_the_one_op_layers_run_a_pinned_kernel_they_can_call(tmp_path):
-    from engine_core.models.cpu_decode_layers import OP_KERNELS
+    from kernels.cpu.decode_layers import OP_KERNELS
 
     weight = nn.Linear(64, 64, bias=False).weight
     if not kernel_fits("int8_vnni", weight):

@@ -17,8 +17,9 @@ import pytest
 import torch
 from torch import nn
 
-from kernels.cpu import float_dtype, linear_plan_cache, linear_timing
 from kernels.cpu import linear as cpu_linear
+from kernels.cpu import linear_plan_cache, linear_timing
+from kernels.cpu import plan as float_dtype
 from kernels.cpu.linear import CpuLinear, use_measured_linears
 
 

@@ -4,7 +4,7 @@
 // KV write, attention, SiLU * mul), and calling each from Python through the dispatcher costs
 // 4-8 us, about as much as the kernels themselves. Here the same kernels run back to back from
 // C++ (ops.h), in the order and with the arithmetic of the module path, so one call replaces
-// ten. The caller (engine_core/models/cpu_decode_layers.py) makes the step's scratch tensors and
+// ten. The caller (kernels/cpu/decode_layers.py) makes the step's scratch tensors and
 // their views once per forward; every layer reuses them.
 //
 // Each linear comes as a kernel kind and up to four tensors, the state its Python kernel holds

@@ -1,18 +1,37 @@
-"""dtype=auto on CPU: bfloat16 or float32, whichever multiplies the model's shapes faster here.
+"""Planning a model for this CPU, the kernels' one planning call: the engine says what the model computes
+and never times a kernel itself.
 
-The CPU's flags name the expected winner (AVX-512 BF16 or AMX: bf16), a short race between the
-two dtypes' fastest float kernels (kernels/cpu/linear.py) can overturn it, and the answer is kept
-per machine in kernels/cpu/linear_plan_cache.py like the linear plans.
+- `fastest_float_dtype` (dtype=auto): bfloat16 or float32, whichever multiplies the model's shapes faster
+  here. The CPU's flags name the expected winner (AVX-512 BF16 or AMX: bf16), a short race between the two
+  dtypes' fastest float kernels (kernels/cpu/linear.py) can overturn it, and the answer is kept per machine
+  in kernels/cpu/linear_plan_cache.py like the linear plans.
+- `plan_cpu_model`: every linear on the kernel measured fastest per batch bucket within its accuracy budget,
+  or pinned (kernels/cpu/linear.py), then the decoder layers as one C++ op each where that measures faster
+  (kernels/cpu/decode_layers.py).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from typing import Callable
 
 import torch
+from torch import nn
 
 from kernels.cpu import linear_plan_cache, linear_timing
-from kernels.cpu.linear import _BUDGET_S, _MIN_CALLS, _TIMING_BYTES, FLOAT_KERNELS, KERNELS, kernel_fits
+from kernels.cpu.decode_layers import CpuDecodeLayers, DecoderStack, choose_decode_layers
+from kernels.cpu.linear import (
+    _BUDGET_S,
+    _MIN_CALLS,
+    _TIMING_BYTES,
+    FLOAT_KERNELS,
+    KERNELS,
+    LinearRole,
+    Pins,
+    kernel_fits,
+    use_measured_linears,
+)
 from kernels.cpu.linear_timing import RETAKES, Timer, one_thread, rotating, settled_race
 from kernels.cpu.linear_timing import wall_timer as _wall_timer  # a module global: tests swap the clock here
 
@@ -70,3 +89,23 @@ def fastest_float_dtype(hidden: int, intermediate: int, timer: Timer | None = No
     if cached:
         linear_plan_cache.keep(entry, str(choice).removeprefix("torch."), races)
     return choice
+
+
+def plan_cpu_model(model: nn.Module, quantization: str = "none", *, roles: Mapping[str, LinearRole] | None = None,
+                   pins: Pins | None = None, decoder_stack: Callable[[], DecoderStack | None] | None = None,
+                   timer: Timer | None = None, layer_timer: Timer | None = None) -> CpuDecodeLayers | None:
+    """Plan `model` for this CPU: swap every `nn.Linear` for a `CpuLinear` on the kernels measured fastest per
+    batch bucket among those `quantization` allows in its role (`roles`, by attribute name) within its accuracy
+    budget, or `pins` (kernels/cpu/linear.py); then, where `decoder_stack()` describes the layers (None: they
+    are not the op's shape, or the caller wants no op, as batch-invariant mode), time them as one C++ op each
+    against the modules and return the op for the decode buckets it wins (None where it never does).
+
+    `timer`: the linears' clock (None: the wall clock, with plans cached per machine); `layer_timer`: the
+    decoder layers' (None: the wall clock)."""
+    before = decoder_stack() if decoder_stack is not None else None
+    # the float weights, taken before a plan may free them: the op makes its GEMV states from them
+    weights = [[linear.weight for linear in layer.linears] for layer in before.layers] if before else None
+    use_measured_linears(model, quantization, timer=timer, roles=roles, pins=pins)
+    if weights is None:
+        return None
+    return choose_decode_layers(decoder_stack(), weights, quantization, layer_timer or linear_timing.wall_timer)

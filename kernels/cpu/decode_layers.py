@@ -1,4 +1,4 @@
-"""Llama decoder layers as one C++ op each at decode, on the CPU (kernels/cpu/csrc/decode_layer.cpp).
+"""Pre-norm decoder layers as one C++ op each at decode, on the CPU (kernels/cpu/csrc/decode_layer.cpp).
 
 At a one-row decode step a SmolLM2 layer is ten small kernels (two norms, four int8 GEMVs,
 rotary, the KV write, attention, SiLU * mul), and reaching each from Python (module calls,
@@ -24,28 +24,25 @@ pinned kernel, its outputs the module path's exactly, and is not used from the f
 pinned kernel is one it cannot run (the modules run it there).
 Where the layers do not fit (biases, q/k norms, Gemma's layers, the torch attention or layer
 ops, `--enforce-eager`, quantization none) or the op loses, the model keeps its module path.
+
+The model says what its layers compute (a `DecoderStack`, engine_core/models/llama.py), or None where they
+are not this shape; the kernels choose whether and how to run them as the op.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
+from torch import nn
 
-from engine_core.models.llama import LlamaDecoderLayer, LlamaModel
-from kernels import (
-    BUCKETS,
-    AttentionMetadata,
-    Timer,
-    allowed_kernels,
-    fastest_uncontended,
-    int4_allowed,
-    kernel_fits,
-    one_thread,
-    prepare_int4_gemv,
-    prepare_int8_gemv,
-    wall_timer,
-)
+from kernels.attention_metadata import AttentionMetadata
+from kernels.cpu.int4_linear import prepare_int4_gemv
+from kernels.cpu.int8_linear import prepare_int8_gemv
+from kernels.cpu.linear import BUCKETS, allowed_kernels, int4_allowed, kernel_fits
+from kernels.cpu.linear_timing import Timer, fastest_uncontended, one_thread, wall_timer
 
 logger = logging.getLogger(__name__)
 
@@ -63,33 +60,36 @@ TIMING_CONTEXT = 128  # positions each row of the timing batch attends to
 TIMING_BLOCK = 16
 
 
-def decode_layer_linears(layer: torch.nn.Module) -> list[torch.nn.Module]:
-    """qkv, o, gate_up and down: the op's linears, in its order."""
-    attn, mlp = layer.self_attn, layer.mlp
-    return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+@dataclass(frozen=True)
+class DecoderLayerSpec:
+    """What one decoder layer computes, as the op runs it: x + attention(norm(x)), then + MLP(norm(.)), with a
+    fused qkv projection, rotary embedding, paged attention, o, a fused gate/up with SiLU·mul, and down; no
+    biases. `linears`: qkv, o, gate_up and down, in the op's order (nn.Linear before the plan, CpuLinear after)."""
+
+    input_norm: torch.Tensor  # the two RMSNorms' weights, and their eps
+    post_norm: torch.Tensor
+    eps: float
+    linears: tuple[nn.Module, nn.Module, nn.Module, nn.Module]
+    scale: float  # attention's score scale, sliding window (0: none) and logit softcap (0: none)
+    window: int
+    softcap: float
 
 
-def _fits(layer: torch.nn.Module) -> bool:
-    """A plain Llama layer without biases or q/k norms, on the C++ fused ops and attention."""
-    if type(layer) is not LlamaDecoderLayer:
-        return False
-    fused = (layer.input_layernorm.fused, layer.post_attention_layernorm.fused, layer.mlp.act.fused)
-    return (
-        all(f is not None and f.name == "cpp" for f in fused)
-        and layer.self_attn.attention.name == "cpp" and layer.self_attn.q_norm is None
-        and all(linear.bias is None for linear in decode_layer_linears(layer))
-    )
+@dataclass(frozen=True)
+class DecoderStack:
+    """A model's decoder layers as the op needs them, and its module path (the op's rival when timed).
 
+    `embed(token ids) -> [T, hidden]`; `rope(positions, dtype) -> (cos, sin)` as the layers take it;
+    `modules(h, rope, kv_caches, md)` runs every layer through the model's own modules."""
 
-def layer_weights(model: LlamaModel) -> list[list[torch.Tensor]] | None:
-    """Before the linears are swapped for CpuLinears: each layer's four float weights, from which
-    `choose_decode_layers` makes GEMV states; None where the layers cannot run as the op."""
-    layers = list(model.layers)
-    if not layers or model.local_rotary_emb is not None or model.embed_scale is not None:
-        return None
-    if not all(_fits(layer) for layer in layers):
-        return None
-    return [[linear.weight for linear in decode_layer_linears(layer)] for layer in layers]
+    layers: list[DecoderLayerSpec]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    embed: Callable[[torch.Tensor], torch.Tensor]
+    rope: Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
+    modules: Callable[..., object]
 
 
 def _op_args(kernel: str, state) -> tuple:
@@ -110,31 +110,29 @@ def _op_args(kernel: str, state) -> tuple:
 
 
 class CpuDecodeLayers:
-    """Runs a LlamaModel's layers, one op each, for steps of up to `max_rows` rows.
+    """Runs a model's decoder layers, one op each, for steps of up to `max_rows` rows.
 
     `linears[rows]`: for the steps of that bucket (more rows than the bucket below), each layer's
     qkv, o, gate_up and down as (kernel name, prepared state)."""
 
-    def __init__(self, model: LlamaModel, linears: dict[int, list[LayerLinears]]):
+    def __init__(self, stack: DecoderStack, linears: dict[int, list[LayerLinears]]):
         self.buckets = sorted(linears)
         self.max_rows = self.buckets[-1]
-        attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
-        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        self.qkv_size = attn.qkv_proj.out_features
-        self.hidden_size, self.intermediate_size = mlp.down_proj.out_features, mlp.down_proj.in_features
+        self.num_heads, self.num_kv_heads, self.head_dim = stack.num_heads, stack.num_kv_heads, stack.head_dim
+        qkv, _, _, down = stack.layers[0].linears
+        self.qkv_size = qkv.out_features
+        self.hidden_size, self.intermediate_size = down.out_features, down.in_features
         # per bucket and layer: the op's arguments before the KV cache
         self.weights = {
-            rows: [(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
+            rows: [(layer.input_norm, layer.post_norm, layer.eps,
                     *(arg for kernel, state in layer_linears for arg in _op_args(kernel, state)))
-                   for layer, layer_linears in zip(model.layers, by_layer)]
+                   for layer, layer_linears in zip(stack.layers, by_layer)]
             for rows, by_layer in linears.items()
         }
-        self.attention = [  # per layer: its attention settings after the KV cache
-            (layer.self_attn.scale, layer.self_attn.window or 0, layer.self_attn.softcap or 0.0)
-            for layer in model.layers
-        ]
+        # per layer: its attention settings after the KV cache
+        self.attention = [(layer.scale, layer.window, layer.softcap) for layer in stack.layers]
         # per layer: the adapter slots (A, B, pieces) of qkv, o, gate_up and down, once LoRA is attached
-        self.lora_slots: list[tuple[torch.Tensor, ...]] = [(_EMPTY,) * 12 for _ in model.layers]
+        self.lora_slots: list[tuple[torch.Tensor, ...]] = [(_EMPTY,) * 12 for _ in stack.layers]
         self.serves_lora = False  # until attach_lora: a step with adapter rows takes the module path
 
     def attach_lora(self, slots_by_layer: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]]) -> None:
@@ -177,18 +175,18 @@ class CpuDecodeLayers:
 # ---- choosing by measurement ----
 
 def choose_decode_layers(
-    model: LlamaModel, weights: list[list[torch.Tensor]] | None, quantization: str, timer: Timer = wall_timer
+    stack: DecoderStack, weights: list[list[torch.Tensor]], quantization: str, timer: Timer = wall_timer
 ) -> CpuDecodeLayers | None:
     """Time the layers as one op against the module path per decode bucket (up to MAX_ROWS, from the
     smallest, until the op first loses) and return the op for the buckets it wins; the linears of
     the GEMV buckets have their plans switched to the GEMV the op won with there (int8, or int4 for
-    the linears whose weights are int4). None where the layers do not fit (`weights` None), the GEMV
-    is not allowed, or the op never wins."""
-    if weights is None or GEMV not in allowed_kernels(quantization):
+    the linears whose weights are int4). `weights`: each layer's four float weights, taken before the
+    linears were planned (a plan may free them). None where the GEMV is not allowed or the op never wins."""
+    if GEMV not in allowed_kernels(quantization):
         return None
     if not all(kernel_fits(GEMV, w) for layer in weights for w in layer):
         return None
-    linears = [decode_layer_linears(layer) for layer in model.layers]
+    linears = [list(layer.linears) for layer in stack.layers]
     with one_thread():  # many small packing ops: see linear_timing.one_thread
         int8_gemvs = [[(GEMV, linear.state(GEMV) or prepare_int8_gemv(w, None)) for linear, w in zip(layer, layer_ws)]
                       for layer, layer_ws in zip(linears, weights)]
@@ -228,7 +226,7 @@ def choose_decode_layers(
         if not candidates:
             results.append(f"{rows} rows: no GEMV within the linears' accuracy budget")
             break
-        timings = _time_passes(model, {name: CpuDecodeLayers(model, {rows: candidate})
+        timings = _time_passes(stack, {name: CpuDecodeLayers(stack, {rows: candidate})
                                        for name, candidate in candidates.items()}, rows, timer)
         best = min(candidates, key=timings.get)
         variants = ", ".join(f"{CANDIDATES[name]} {timings[name] * 1e3:.2f} ms" for name in candidates)
@@ -246,7 +244,7 @@ def choose_decode_layers(
         for layer, layer_linears in zip(linears, chosen[rows]):
             for linear, (kernel, state) in zip(layer, layer_linears):
                 linear.take_kernel_up_to(rows, kernel, state)
-    return CpuDecodeLayers(model, chosen)
+    return CpuDecodeLayers(stack, chosen)
 
 
 def _int4_gemv_or(int8_gemv: tuple[str, object], linear, weight: torch.Tensor, quantization: str) -> tuple[str, object]:
@@ -274,14 +272,14 @@ def _kernel_names(candidate: list[LayerLinears]) -> list[list[str]]:
 
 
 @torch.inference_mode()
-def _time_passes(model: LlamaModel, ops: dict[str, CpuDecodeLayers], rows: int, timer: Timer) -> dict[str, float]:
+def _time_passes(stack: DecoderStack, ops: dict[str, CpuDecodeLayers], rows: int, timer: Timer) -> dict[str, float]:
     """Seconds per pass over every layer for `rows` decode rows of TIMING_CONTEXT positions each,
     through each of `ops` (by name) and through the modules ("modules"), on a scratch KV cache."""
     per_row = -(-(TIMING_CONTEXT + 1) // TIMING_BLOCK)
-    dtype = model.norm.weight.dtype
+    dtype = stack.dtype
     some_op = next(iter(ops.values()))
     shape = (rows * per_row + 1, some_op.num_kv_heads, TIMING_BLOCK, some_op.head_dim)  # block 0: null
-    caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in model.layers]
+    caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in stack.layers]
     block_tables = torch.arange(1, rows * per_row + 1, dtype=torch.int32).view(rows, per_row)
     md = AttentionMetadata(
         slot_mapping=block_tables[:, TIMING_CONTEXT // TIMING_BLOCK].long() * TIMING_BLOCK
@@ -291,13 +289,11 @@ def _time_passes(model: LlamaModel, ops: dict[str, CpuDecodeLayers], rows: int, 
         block_tables=block_tables, max_query_len=1, max_seq_len=TIMING_CONTEXT + 1, num_decodes=rows,
         query_start_loc_cpu=list(range(rows + 1)), seq_lens_cpu=[TIMING_CONTEXT + 1] * rows,
     )
-    h0 = model.embed_tokens(torch.arange(rows))
-    rope = model.rotary_emb(torch.full((rows,), TIMING_CONTEXT), h0.dtype)
+    h0 = stack.embed(torch.arange(rows))
+    rope = stack.rope(torch.full((rows,), TIMING_CONTEXT), h0.dtype)
 
     def modules():
-        h, residual = h0.clone(), None
-        for layer, kv_cache in zip(model.layers, caches):
-            h, residual = layer(rope, h, residual, kv_cache, md)
+        stack.modules(h0.clone(), rope, caches, md)
 
     def pass_through(op: CpuDecodeLayers):
         return lambda: op(h0.clone(), rope, caches, md)
