@@ -5,7 +5,7 @@ Token ids in, token ids out: no tokenizer and no transport in here. Whoever owns
 an EngineCore (the offline LLMEngine or the gRPC busy loop) calls it from one
 thread only.
 
-Only requests in and the step are here: start-up (the constructor, and every "auto" it resolves) is in
+Only its fields, requests in and the step are here: making its parts (and every "auto" that resolves) is in
 engine_core/startup.py, the check of a new request in engine_core/request_intake.py, the calls made
 between steps (prefix-cache reset, stats, KV-cache state, sleep and wake-up, profiling) in
 engine_core/utility_calls.py and the LoRA calls in engine_core/lora/engine_calls.py.
@@ -15,18 +15,38 @@ from __future__ import annotations
 
 import time
 
+from engine_core.config import EngineConfig
 from engine_core.lora.engine_calls import EngineLoraCalls
+from engine_core.profiler import Profiler
 from engine_core.protocol import EngineCoreOutputs, EngineCoreRequest
 from engine_core.request import RequestStatus
 from engine_core.request_intake import check_request, to_request
-from engine_core.startup import EngineStartup
+from engine_core.startup import build_parts
 from engine_core.utility_calls import EngineUtilityCalls
 
 
-class EngineCore(EngineStartup, EngineLoraCalls, EngineUtilityCalls):
-    """EngineCore(config, *, log_stats=False, kv_events=False): built by EngineStartup (engine_core/startup.py),
-    which loads the model and makes the scheduler, the runner and, when steps overlap, `overlapped`; the LoRA
-    and utility calls are mixed in (engine_core/lora/engine_calls.py, engine_core/utility_calls.py)."""
+class EngineCore(EngineLoraCalls, EngineUtilityCalls):
+    """Built from an EngineConfig here, of the parts engine_core/startup.py makes. The LoRA and between-steps
+    calls are method groups with no state of their own (engine_core/lora/engine_calls.py,
+    engine_core/utility_calls.py): they read the fields set here."""
+
+    def __init__(self, config: EngineConfig, *, log_stats: bool = False, kv_events: bool = False) -> None:
+        """log_stats: outputs carry per-request events (queued, scheduled, preempted) as in vLLM v1.
+        kv_events: each step's outputs carry the prefix-cache hashes indexed and evicted (for routers)."""
+        parts = build_parts(config, log_stats=log_stats, kv_events=kv_events)
+        self.config = parts.config  # as run: the defaults that depend on the device and model filled in
+        self.info, self.model_path, self.max_model_len = parts.info, parts.model_path, parts.max_model_len
+        self.model, self.arch, self.attention = parts.model, parts.arch, parts.attention
+        self.eos_token_ids = frozenset(parts.arch.eos_token_ids)
+        self.structured = parts.structured  # grammars and their masks
+        self.lora = parts.lora  # None: the engine serves no LoRA adapters
+        self.runner, self.scheduler = parts.runner, parts.scheduler
+        self.overlapped = parts.overlapped  # None: each step() runs its step to the end
+        self.records_kv_events = kv_events
+        self.last_mask_timing = None  # the last step's structured-output mask timing (metrics only)
+        self.asleep = False  # the KV cache is freed (sleep / wake_up)
+        self._block_pool = parts.scheduler.kv_cache_manager.block_pool  # the step's KV events come from it
+        self._profiler = Profiler(parts.runner.device)
 
     # ---- requests ---------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:

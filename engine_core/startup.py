@@ -1,16 +1,16 @@
-"""EngineCore's start-up, done once before its first step (EngineStartup, which EngineCore inherits its
-constructor from): load the model, then make the structured-output grammars, the model runner, the scheduler
-and, when steps overlap, the device queue. On the way it decides the device and dtype, the quantization, the
-step's token budget, max_model_len, the KV cache's size, the decode batch sizes to capture as CUDA graphs and
-the vocabulary for structured output: each "auto" in EngineConfig is resolved here. The step never reads this
-file.
+"""EngineCore's start-up, done once before its first step: `build_parts` loads the model, then makes the
+structured-output grammars, the model runner, the scheduler and, when steps overlap, the device queue, and
+hands them to EngineCore's constructor as one `EngineParts`. On the way it decides the device and dtype, the
+quantization, the step's token budget, max_model_len, the KV cache's size, the decode batch sizes to capture
+as CUDA graphs and the vocabulary for structured output: each "auto" in EngineConfig is resolved here. The
+step never reads this file.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -29,7 +29,6 @@ from engine_core.lora.admission import LoraAdmission
 from engine_core.lora.runtime import LoraRuntime
 from engine_core.model_runner import ModelRunner
 from engine_core.overlap import InlineQueue, OverlappedSteps, ThreadQueue
-from engine_core.profiler import Profiler
 from engine_core.protocol import EngineInfo
 from engine_core.scheduler import Scheduler
 from engine_core.structured.masks import StructuredOutputs
@@ -51,74 +50,78 @@ _DTYPE_RACE_SHAPE = (576, 1536)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class EngineStartup:
-    """EngineCore's constructor. What its step reads is made here: `scheduler`, `runner`, `overlapped` (None
-    unless steps overlap), `_block_pool` (for the step's KV events) and `last_mask_timing`."""
+@dataclass(frozen=True)
+class EngineParts:
+    """What `build_parts` made from an EngineConfig, for EngineCore's constructor to keep."""
 
-    def __init__(self, config: EngineConfig, *, log_stats: bool = False, kv_events: bool = False) -> None:
-        """log_stats: outputs carry per-request events (queued, scheduled, preempted) as in vLLM v1.
-        kv_events: each step's outputs carry the prefix-cache hashes indexed and evicted (for routers)."""
-        self.config = config
-        if config.device.num_threads is not None:
-            torch.set_num_threads(config.device.num_threads)
-        torch.manual_seed(config.model.seed)
-        device = resolve_device(config.device.device)
-        dtype = resolve_dtype(config.model.dtype, device)
-        invariant = config.device.batch_invariant
-        self.attention = select_backend(device.type, config.device.attention_backend, batch_invariant=invariant)
-        fused = None if config.device.enforce_eager else select_fused_ops(device.type, dtype)
-        logger.info("attention backend %s, fused layer ops %s", self.attention.name, fused.name if fused else "off")
+    config: EngineConfig  # as run: the defaults that depend on the device and model filled in
+    model: torch.nn.Module
+    arch: ModelArchConfig
+    attention: AttentionBackend
+    model_path: str
+    max_model_len: int
+    structured: StructuredOutputs
+    lora: LoraRuntime | None  # the adapters (engine_core/lora), when the engine serves LoRA
+    runner: ModelRunner
+    scheduler: Scheduler
+    overlapped: OverlappedSteps | None  # None: each step() runs its step to the end
+    info: EngineInfo
 
-        started = time.perf_counter()
-        quantization = resolve_quantization(config.model.quantization, config.model.dtype, device)
-        self.model, self.arch = load_model(config.model.model, dtype, device, self.attention, fused)
-        pins = parse_linear_kernels(config.model.linear_kernels)
-        if pins and device.type != "cpu":
-            raise ValueError("linear_kernels pins CPU kernels; leave it unset on CUDA")
-        if invariant:
-            pins = batch_invariant_pins(pins, quantization, dtype, device)
-        if device.type == "cpu":
-            prepare_for_cpu(self.model, quantization, pins=pins, decode_layers=not invariant)
-        self.model_path = str(Path(config.model.model) if config.model.model else default_model_path())
-        logger.info("loaded %s in %.1f s", self.model_path, time.perf_counter() - started)
 
-        self.max_model_len = resolve_max_model_len(config.model.max_model_len, self.arch)
-        # the config as run: the defaults that depend on the device and model filled in
-        scheduler_config = resolve_scheduler(config.scheduler, device, self.max_model_len)
-        self.config = config = replace(config, scheduler=scheduler_config)
-        logger.info("step token budget %d", config.scheduler.max_num_batched_tokens)
-        block_size = config.cache.block_size
-        num_blocks = config.cache.num_blocks or num_blocks_for_memory(config, self.arch, self.max_model_len, dtype)
-        self.lora = None  # the adapters (engine_core/lora), when the engine serves LoRA
-        if config.lora.enable:
-            self.lora = LoraRuntime.attach(self.model, config.lora, device, dtype, self.attention.name)
-        self.structured = StructuredOutputs(tokenizer_path(config, self.model_path), vocab_size=self.arch.vocab_size,
-                                            eos_token_ids=list(self.arch.eos_token_ids))
-        self.last_mask_timing = None  # the last step's structured-output mask timing (metrics only)
-        self.runner = ModelRunner(
-            self.model, self.arch, self.attention,
-            num_blocks=num_blocks, block_size=block_size, device=device, dtype=dtype,
-            max_model_len=self.max_model_len, cuda_graph_sizes=cuda_graph_sizes(config, device, self.attention),
-            structured=self.structured, lora=self.lora,
-        )
-        every_layer_slides = all(self.arch.is_sliding(i) for i in range(self.arch.num_hidden_layers))
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len, log_stats=log_stats,
-                                   sliding_window=self.arch.sliding_window if every_layer_slides else None,
-                                   lora=LoraAdmission(config.lora.max_loras, config.lora.max_wait_steps)
-                                   if self.lora is not None else None)
-        self._block_pool = self.scheduler.kv_cache_manager.block_pool
-        self.overlapped: OverlappedSteps | None = None  # None: each step() runs its step to the end
-        if resolve_overlap(config.device.overlap, device):
-            queue = InlineQueue() if device.type == "cuda" else ThreadQueue()
-            self.overlapped = OverlappedSteps(self.scheduler, self.runner, queue)
-        self.records_kv_events = kv_events
-        if kv_events:
-            self._block_pool.record_events()
-        self.eos_token_ids = frozenset(self.arch.eos_token_ids)
-        self.asleep = False  # the KV cache is freed (sleep / wake_up)
-        self._profiler = Profiler(device)
-        self.info = engine_info(self.model_path, self.arch, self.max_model_len, block_size, num_blocks, dtype, device,
-                                self.attention.name, lossy_linear_kernels(self.model), invariant)
+def build_parts(config: EngineConfig, *, log_stats: bool, kv_events: bool) -> EngineParts:
+    """Load the model and make every part an EngineCore steps with. log_stats: the scheduler records per-request
+    events; kv_events: the block pool records the prefix-cache hashes indexed and evicted."""
+    if config.device.num_threads is not None:
+        torch.set_num_threads(config.device.num_threads)
+    torch.manual_seed(config.model.seed)
+    device = resolve_device(config.device.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    invariant = config.device.batch_invariant
+    attention = select_backend(device.type, config.device.attention_backend, batch_invariant=invariant)
+    fused = None if config.device.enforce_eager else select_fused_ops(device.type, dtype)
+    logger.info("attention backend %s, fused layer ops %s", attention.name, fused.name if fused else "off")
+
+    started = time.perf_counter()
+    quantization = resolve_quantization(config.model.quantization, config.model.dtype, device)
+    model, arch = load_model(config.model.model, dtype, device, attention, fused)
+    pins = parse_linear_kernels(config.model.linear_kernels)
+    if pins and device.type != "cpu":
+        raise ValueError("linear_kernels pins CPU kernels; leave it unset on CUDA")
+    if invariant:
+        pins = batch_invariant_pins(pins, quantization, dtype, device)
+    if device.type == "cpu":
+        prepare_for_cpu(model, quantization, pins=pins, decode_layers=not invariant)
+    model_path = str(Path(config.model.model) if config.model.model else default_model_path())
+    logger.info("loaded %s in %.1f s", model_path, time.perf_counter() - started)
+
+    max_model_len = resolve_max_model_len(config.model.max_model_len, arch)
+    config = replace(config, scheduler=resolve_scheduler(config.scheduler, device, max_model_len))
+    logger.info("step token budget %d", config.scheduler.max_num_batched_tokens)
+    block_size = config.cache.block_size
+    num_blocks = config.cache.num_blocks or num_blocks_for_memory(config, arch, max_model_len, dtype)
+    lora = LoraRuntime.attach(model, config.lora, device, dtype, attention.name) if config.lora.enable else None
+    structured = StructuredOutputs(tokenizer_path(config, model_path), vocab_size=arch.vocab_size,
+                                   eos_token_ids=list(arch.eos_token_ids))
+    runner = ModelRunner(
+        model, arch, attention,
+        num_blocks=num_blocks, block_size=block_size, device=device, dtype=dtype,
+        max_model_len=max_model_len, cuda_graph_sizes=cuda_graph_sizes(config, device, attention),
+        structured=structured, lora=lora,
+    )
+    every_layer_slides = all(arch.is_sliding(i) for i in range(arch.num_hidden_layers))
+    scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_model_len, log_stats=log_stats,
+                          sliding_window=arch.sliding_window if every_layer_slides else None,
+                          lora=LoraAdmission(config.lora.max_loras, config.lora.max_wait_steps)
+                          if lora is not None else None)
+    overlapped = None
+    if resolve_overlap(config.device.overlap, device):
+        overlapped = OverlappedSteps(scheduler, runner, InlineQueue() if device.type == "cuda" else ThreadQueue())
+    if kv_events:
+        scheduler.kv_cache_manager.block_pool.record_events()
+    info = engine_info(model_path, arch, max_model_len, block_size, num_blocks, dtype, device, attention.name,
+                       lossy_linear_kernels(model), invariant)
+    return EngineParts(config, model, arch, attention, model_path, max_model_len, structured, lora, runner,
+                       scheduler, overlapped, info)
 
 
 def resolve_device(name: str) -> torch.device:

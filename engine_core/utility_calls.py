@@ -1,7 +1,7 @@
 """EngineCore's utility calls: what its owner (the busy loop, the offline LLMEngine) asks between steps, never
 during one: the prefix cache's reset, stats and KV-cache state, sleep and wake-up, and profiling. Kept apart so the
-engine's step files stay step code; EngineCore mixes them in, as it does its LoRA calls
-(engine_core/lora/engine_calls.py)."""
+engine's step files stay step code: EngineCore inherits these methods, as it does its LoRA calls
+(engine_core/lora/engine_calls.py), and its constructor sets the fields they read."""
 
 from __future__ import annotations
 

@@ -14,15 +14,16 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from engine_core.protocol import UtilityCall, UtilityMethod
+from engine_core.protocol import UtilityCall
 from services.engine.messages import Abort
 
 HOLD_TIMEOUT_S = 30.0  # an input that never comes fails the test instead of hanging it
 _POLL_S = 0.005  # how often a held step looks for other queued inputs
 
 
-def utility_call(method: UtilityMethod) -> Callable[[object], bool]:
-    return lambda item: isinstance(item, UtilityCall) and item.method is method
+def utility_call(kind: type) -> Callable[[object], bool]:
+    """A control call of class `kind` (PauseCall, SleepCall, ...)."""
+    return lambda item: isinstance(item, UtilityCall) and isinstance(item.call, kind)
 
 
 def abort(item) -> bool:

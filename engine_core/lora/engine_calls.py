@@ -1,5 +1,5 @@
 """EngineCore's LoRA calls (vLLM's add_lora, remove_lora, pin_lora, list_loras), kept beside the rest of LoRA so
-the engine's step files stay short. EngineCore mixes them in; they read its `lora` (a LoraRuntime, or None when
+the engine's step files stay short. EngineCore inherits them; they read its `lora` (a LoraRuntime, or None when
 the engine serves no adapters) and its scheduler's requests."""
 
 from __future__ import annotations

@@ -21,13 +21,33 @@ from engine_core.protocol.request_output import CompletionOutput, RequestMetrics
 from engine_core.protocol.sampling_params import MAX_LOGPROBS, OutputKind, SamplingParams, validate_sampling_params
 from engine_core.protocol.scheduler_stats import SchedulerStats
 from engine_core.protocol.structured_output import StructuredOutput
-from engine_core.protocol.utility import UtilityCall, UtilityErrorKind, UtilityMethod, UtilityResult
+from engine_core.protocol.utility import (
+    ControlCall,
+    GetStatsCall,
+    ListLorasCall,
+    LoadLoraCall,
+    PauseCall,
+    PinLoraCall,
+    ResetPrefixCacheCall,
+    ResumeCall,
+    SleepCall,
+    StartProfileCall,
+    StopProfileCall,
+    UnloadLoraCall,
+    UtilityCall,
+    UtilityErrorKind,
+    UtilityMethod,
+    UtilityResult,
+    WakeUpCall,
+)
 
 __all__ = [
-    "BlockHash", "CompletionOutput", "EngineCoreEvent", "EngineCoreEventType", "EngineCoreOutput",
-    "EngineCoreOutputs", "EngineCoreRequest", "EngineInfo", "EngineState", "FinishReason", "KVCacheEvents", "LoraInfo",
-    "MAX_LOGPROBS", "OutputKind", "PauseMode", "PoolingParams", "PoolingType", "RequestError", "RequestErrorKind",
-    "RequestMetrics", "RequestOutput", "SamplingParams", "SchedulerStats", "StructuredOutput", "TokenLogprobs", "Usage",
-    "UtilityCall", "UtilityErrorKind", "UtilityMethod", "UtilityResult", "hash_prompt_blocks",
+    "BlockHash", "CompletionOutput", "ControlCall", "EngineCoreEvent", "EngineCoreEventType", "EngineCoreOutput",
+    "EngineCoreOutputs", "EngineCoreRequest", "EngineInfo", "EngineState", "FinishReason", "GetStatsCall",
+    "KVCacheEvents", "ListLorasCall", "LoadLoraCall", "LoraInfo", "MAX_LOGPROBS", "OutputKind", "PauseCall",
+    "PauseMode", "PinLoraCall", "PoolingParams", "PoolingType", "RequestError", "RequestErrorKind", "RequestMetrics",
+    "RequestOutput", "ResetPrefixCacheCall", "ResumeCall", "SamplingParams", "SchedulerStats", "SleepCall",
+    "StartProfileCall", "StopProfileCall", "StructuredOutput", "TokenLogprobs", "UnloadLoraCall", "Usage",
+    "UtilityCall", "UtilityErrorKind", "UtilityMethod", "UtilityResult", "WakeUpCall", "hash_prompt_blocks",
     "validate_sampling_params",
 ]

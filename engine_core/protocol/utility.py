@@ -1,4 +1,9 @@
-"""Calls on a whole engine (pause, sleep, profile, ...) and their answers."""
+"""Control calls on a whole engine (pause, sleep, profile, ...) and their answers: tandem.v1.UtilityCall.
+
+Each call is a class of its own, named and shaped like its message in engine_core.proto (`PauseCall` is the
+`pause` arm of UtilityCall.call, with the same fields), so the convert modules map them by name alone. The
+engine runs them between steps through one table, services/engine/control.py.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,8 @@ from engine_core.protocol.scheduler_stats import SchedulerStats
 
 
 class UtilityMethod(enum.IntEnum):
-    """Numbered like tandem.v1.UtilityMethod."""
+    """The older wire form's method (numbered like tandem.v1.UtilityMethod), still read by the engine for one
+    release: each names its call's arm (PAUSE: `pause`, PauseCall)."""
 
     PAUSE = 1
     RESUME = 2
@@ -31,13 +37,91 @@ class UtilityMethod(enum.IntEnum):
 
 
 @dataclass(frozen=True)
+class PauseCall:
+    pause_mode: PauseMode = PauseMode.ABORT
+
+
+@dataclass(frozen=True)
+class ResumeCall:
+    pass
+
+
+@dataclass(frozen=True)
+class ResetPrefixCacheCall:
+    pass
+
+
+@dataclass(frozen=True)
+class SleepCall:
+    pass
+
+
+@dataclass(frozen=True)
+class WakeUpCall:
+    pass
+
+
+@dataclass(frozen=True)
+class StartProfileCall:
+    profile_dir: str
+
+
+@dataclass(frozen=True)
+class StopProfileCall:
+    pass
+
+
+@dataclass(frozen=True)
+class GetStatsCall:
+    pass
+
+
+@dataclass(frozen=True)
+class LoadLoraCall:
+    lora_name: str
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        _require("load_lora", lora_name=self.lora_name, lora_path=self.lora_path)
+
+
+@dataclass(frozen=True)
+class UnloadLoraCall:
+    lora_name: str
+
+    def __post_init__(self) -> None:
+        _require("unload_lora", lora_name=self.lora_name)
+
+
+@dataclass(frozen=True)
+class ListLorasCall:
+    pass
+
+
+@dataclass(frozen=True)
+class PinLoraCall:
+    lora_name: str
+
+    def __post_init__(self) -> None:
+        _require("pin_lora", lora_name=self.lora_name)
+
+
+def _require(call: str, **fields: str) -> None:
+    """ValueError naming the first empty field: the engine cannot run the call without it."""
+    for name, value in fields.items():
+        if not value:
+            raise ValueError(f"utility {call}: {name} must not be empty")
+
+
+# Every control call, in the order of UtilityCall.call
+ControlCall = (PauseCall | ResumeCall | ResetPrefixCacheCall | SleepCall | WakeUpCall | StartProfileCall
+               | StopProfileCall | GetStatsCall | LoadLoraCall | UnloadLoraCall | ListLorasCall | PinLoraCall)
+
+
+@dataclass(frozen=True)
 class UtilityCall:
     call_id: int  # the answer carries it back
-    method: UtilityMethod
-    pause_mode: PauseMode = PauseMode.ABORT  # PAUSE only
-    profile_dir: str = ""  # START_PROFILE only ("" = the engine's default)
-    lora_name: str = ""  # the LoRA methods
-    lora_path: str = ""  # LOAD_LORA only
+    call: ControlCall
 
 
 class UtilityErrorKind(enum.IntEnum):
@@ -54,6 +138,6 @@ class UtilityResult:
     call_id: int
     ok: bool
     error: str = ""
-    stats: SchedulerStats | None = None  # GET_STATS only
-    loras: tuple[LoraInfo, ...] = ()  # the LoRA methods' adapters
+    stats: SchedulerStats | None = None  # the scheduler's, after the call (GetStatsCall's answer)
+    loras: tuple[LoraInfo, ...] = ()  # the LoRA calls' adapters
     error_kind: UtilityErrorKind | None = None

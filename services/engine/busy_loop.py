@@ -12,8 +12,8 @@ slower on these CPUs (services/engine/process.py). `start()` runs the same loop 
 thread of its own, for servers embedded in a test's process.
 
 Its parts: `ConnectionRouter` (routing.py) maps engine ids to (connection, request id), so two
-frontends may use the same ids; `PauseState` (pause.py) says whether it admits and steps; sleep,
-wake-up and profiling are EngineCore's own.
+frontends may use the same ids; `PauseState` (pause.py) says whether it admits and steps; `EngineControl`
+(control.py) runs the control calls (pause, sleep, LoRA, profile, ...) through its one table.
 """
 
 from __future__ import annotations
@@ -27,21 +27,11 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from engine_core.lora.errors import LoraAdapterError, LoraDisabledError, LoraInUseError, UnknownLoraError
-from engine_core.protocol import (
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    EngineState,
-    LoraInfo,
-    PauseMode,
-    RequestErrorKind,
-    UtilityCall,
-    UtilityErrorKind,
-    UtilityMethod,
-    UtilityResult,
-)
+from engine_core.lora.errors import LoraDisabledError, UnknownLoraError
+from engine_core.protocol import EngineCoreOutputs, EngineCoreRequest, EngineState, RequestErrorKind, UtilityCall
+from services.engine.control import EngineControl
 from services.engine.messages import Abort, Add, Call, Close, EngineDied, Open
-from services.engine.pause import PauseState, Waiter
+from services.engine.pause import PauseState
 from services.engine.routing import ConnectionRouter
 from services.engine.telemetry import EngineTelemetry
 
@@ -49,14 +39,6 @@ if TYPE_CHECKING:  # torch-free to import: tandem-engine's flags read its defaul
     from engine_core.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
-
-_LORA_METHODS = (UtilityMethod.LOAD_LORA, UtilityMethod.UNLOAD_LORA, UtilityMethod.LIST_LORAS, UtilityMethod.PIN_LORA)
-_LORA_ERROR_KINDS = {
-    LoraAdapterError: UtilityErrorKind.INVALID_ARGUMENT,
-    UnknownLoraError: UtilityErrorKind.NOT_FOUND,
-    LoraInUseError: UtilityErrorKind.FAILED_PRECONDITION,
-    LoraDisabledError: UtilityErrorKind.FAILED_PRECONDITION,
-}
 
 _STOP = object()  # the sentinel that ends the loop
 _IDLE_TICK_S = 1.0  # an idle loop still records a heartbeat this often
@@ -88,7 +70,7 @@ class EngineBusyLoop:
         # ---- owned by the loop thread
         self._router = ConnectionRouter()
         self._pause = PauseState()
-        self._published_state = EngineState()  # what every connection was last told (the default: none)
+        self._control = EngineControl(engine, self._router, self._pause, admit=self._add, abort=self._abort_in_engine)
         # ---- read by the health watchdog from any thread
         self.heartbeat = time.monotonic()  # the last completed step or idle wait
         self.busy = False  # working (not blocked on the queue)
@@ -150,12 +132,12 @@ class EngineBusyLoop:
     def _run(self) -> None:
         self.thread = threading.current_thread()
         try:
-            self._publish_state()  # the adapters loaded at start (--lora), before any connection opens
+            self._control.publish_state()  # the adapters loaded at start (--lora), before any connection opens
             while self._process_inputs(block=not self._has_work()):
                 if self._has_work():
                     self._router.route(self._step())
                 if self._pause.draining and not self.engine.has_unfinished_requests():
-                    self._answer(self._pause.drained(), ok=True)  # by finishing or by aborts
+                    self._control.finish_drain()
                 self.heartbeat = time.monotonic()
         except BaseException as exc:  # noqa: BLE001 - any crash must fail the connections
             self._die(exc)
@@ -220,9 +202,7 @@ class EngineBusyLoop:
         elif isinstance(item, Abort):
             self._abort(connection, item.request_ids)
         elif isinstance(item, UtilityCall):
-            result = self._utility(connection, item)
-            if result is not None:
-                self._router.reply(connection, result)
+            self._control.run(connection, item)
         elif isinstance(item, Open):
             self._router.open(connection, item.sink)
             self._greet(connection)
@@ -235,7 +215,7 @@ class EngineBusyLoop:
     def _greet(self, connection: int) -> None:
         """A new connection's first message: the prefix cache as it is (its routing starts there) and, when the
         engine is paused or asleep, its state (a frontend that is told nothing takes the engine to admit)."""
-        state = self._published_state if self._published_state != EngineState() else None
+        state = self._control.published_state if self._control.published_state != EngineState() else None
         if self.engine.records_kv_events:
             self._router.send_snapshot(connection, self.engine.kv_cache_snapshot(), self.engine.make_stats(), state)
         elif state is not None:
@@ -296,83 +276,3 @@ class EngineBusyLoop:
     def _close(self, connection: int) -> None:
         self._abort_in_engine(self._router.close(connection))
         self._pause.drop_held(connection)
-
-    def _abort_everything(self) -> None:
-        """Server-side aborts (PAUSE ABORT): each request gets an ABORT finish on its connection."""
-        aborted: dict[int, list[str]] = {}
-        for connection, in_flight in self._router.release_all().items():
-            self._abort_in_engine(list(in_flight.values()))
-            aborted[connection] = list(in_flight)
-        for connection, request in self._pause.take_held():
-            aborted.setdefault(connection, []).append(request.request_id)
-        for connection, request_ids in aborted.items():
-            self._router.send_aborted(connection, request_ids, self.engine.make_stats())
-
-    # ---- utility calls ----------------------------------------------------------------
-    def _utility(self, connection: int, call: UtilityCall) -> UtilityResult | None:
-        """Run one utility call; None when its result comes later (a WAIT pause)."""
-        method = call.method
-        try:
-            if method is UtilityMethod.PAUSE:
-                return self._pause_engine(connection, call)
-            if method is UtilityMethod.RESUME:
-                self._resume()
-            elif method is UtilityMethod.RESET_PREFIX_CACHE and not self.engine.reset_prefix_cache():
-                raise ValueError("KV blocks are in use by requests in flight; abort or finish them first")
-            elif method is UtilityMethod.SLEEP:
-                self.engine.sleep()
-            elif method is UtilityMethod.WAKE_UP:
-                self.engine.wake_up()
-            elif method is UtilityMethod.START_PROFILE:
-                self.engine.start_profile(call.profile_dir)
-            elif method is UtilityMethod.STOP_PROFILE:
-                self.engine.stop_profile()
-            elif method in _LORA_METHODS:
-                return UtilityResult(call.call_id, True, stats=self.engine.make_stats(), loras=self._lora_call(call))
-        except ValueError as exc:  # refused, with a message for the caller
-            return UtilityResult(call.call_id, False, str(exc), self.engine.make_stats(),
-                                 error_kind=_LORA_ERROR_KINDS.get(type(exc)))
-        finally:
-            if (events := self.engine.take_kv_events()) is not None:  # a reset clears every router's view now
-                self._router.broadcast_kv_events(events, self.engine.make_stats())
-            self._publish_state()  # before the caller's answer, so its frontend already routes by it
-        return UtilityResult(call.call_id, True, stats=self.engine.make_stats())
-
-    def _lora_call(self, call: UtilityCall) -> tuple[LoraInfo, ...]:
-        """Run a LoRA utility call on the loop thread, between steps: a load reads the adapter's folder
-        here, so the running streams wait that long (one step) and no more."""
-        if call.method is UtilityMethod.LOAD_LORA:
-            return (self.engine.add_lora(call.lora_name, call.lora_path),)
-        if call.method is UtilityMethod.UNLOAD_LORA:
-            self.engine.remove_lora(call.lora_name)
-            return ()
-        if call.method is UtilityMethod.PIN_LORA:
-            return (self.engine.pin_lora(call.lora_name),)
-        return tuple(self.engine.list_loras())
-
-    def _publish_state(self) -> None:
-        """Tell every connection when pause, resume, sleep, wake-up or the LoRA adapters changed what happens
-        to new requests."""
-        paused = not self._pause.admitting
-        state = EngineState(paused=paused, pause_mode=self._pause.mode if paused else None, asleep=self.engine.asleep,
-                            lora_names=tuple(info.name for info in self.engine.list_loras()))
-        if state != self._published_state:
-            self._published_state = state
-            self._router.broadcast_state(state)
-
-    def _pause_engine(self, connection: int, call: UtilityCall) -> UtilityResult | None:
-        if call.pause_mode is PauseMode.ABORT:
-            self._abort_everything()
-        if not self._pause.pause(call.pause_mode, (connection, call.call_id)):
-            return None  # WAIT: answered by the loop once nothing is in flight
-        return UtilityResult(call.call_id, True, stats=self.engine.make_stats())
-
-    def _answer(self, waiters: list[Waiter], ok: bool, error: str = "") -> None:
-        for connection, call_id in waiters:
-            self._router.reply(connection, UtilityResult(call_id, ok, error, self.engine.make_stats()))
-
-    def _resume(self) -> None:
-        cut_short, held = self._pause.resume()
-        self._answer(cut_short, ok=False, error="resumed before the running requests finished")
-        for connection, request in held:
-            self._add(connection, request)

@@ -1,26 +1,31 @@
 """Protos <-> the protocol's types (engine_core/protocol/): the only module of the engine service that touches
 generated classes.
 
-Inputs: `EngineCoreInput` -> `messages.Add | Abort` or a `UtilityCall`; ValueError only when it cannot convert
-(the request's own checks are `EngineCore.add_request`'s, once). Outputs: `EngineCoreOutputs` -> proto;
+Inputs: `EngineCoreInput` -> `messages.Add | Abort` or a `UtilityCall` (its call mapped by name: each arm of
+UtilityCall.call is the protocol class of its message's name, with the same fields); ValueError only when it cannot
+convert (the request's own checks are `EngineCore.add_request`'s, once). Outputs: `EngineCoreOutputs` -> proto;
 `EngineInfo` -> proto. The protocol's enums are numbered like tandem.v1's, so they cross as ints.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import functools
+import logging
+import typing
 
 from tandem.v1 import common_pb2, engine_core_pb2
 
 from engine_core.config import EngineConfig
 from engine_core.protocol import (
+    ControlCall,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineInfo,
     EngineState,
     LoraInfo,
-    PauseMode,
     PoolingParams,
     PoolingType,
     RequestError,
@@ -31,6 +36,8 @@ from engine_core.protocol import (
 )
 from services import sampling_convert
 from services.engine.messages import Abort, Add
+
+logger = logging.getLogger(__name__)
 
 
 # ---- inputs ---------------------------------------------------------------------------
@@ -75,20 +82,53 @@ def pooling_from_proto(params: engine_core_pb2.PoolingParams) -> PoolingParams:
 
 
 def utility_from_proto(call: engine_core_pb2.UtilityCall) -> UtilityCall:
+    """The typed call of `call`'s arm of UtilityCall.call; without one, the deprecated form (`method` and its
+    arguments in UtilityCall's own fields), still accepted for one release."""
+    arm = call.WhichOneof("call")
+    message = getattr(call, arm) if arm is not None else _arm_of_deprecated(call)
+    return UtilityCall(call.call_id, control_call_from_proto(message))
+
+
+def control_call_from_proto(message) -> ControlCall:
+    """An arm's message as its protocol class (same name, same fields); an enum's unset 0 takes the default."""
+    cls = _CONTROL_CALLS[message.DESCRIPTOR.name]
+    fields = {}
+    for field in dataclasses.fields(cls):
+        value, kind = getattr(message, field.name), _FIELD_TYPES[cls][field.name]
+        if isinstance(kind, type) and issubclass(kind, enum.IntEnum):
+            if value not in (0, *kind):
+                raise ValueError(f"unknown {field.name} {value}")
+            if value == 0:
+                continue  # unset: the dataclass's default
+            value = kind(value)
+        fields[field.name] = value
+    return cls(**fields)
+
+
+_CONTROL_CALLS = {cls.__name__: cls for cls in typing.get_args(ControlCall)}
+_FIELD_TYPES = {cls: typing.get_type_hints(cls) for cls in _CONTROL_CALLS.values()}
+_ARMS = [field.name for field in engine_core_pb2.UtilityCall.DESCRIPTOR.oneofs_by_name["call"].fields]
+
+
+def _arm_of_deprecated(call: engine_core_pb2.UtilityCall):
+    """The arm a deprecated UtilityCall means: the one named like its `method`, filled from UtilityCall's own
+    fields of the same names (`pause_mode`, `profile_dir`, `lora_name`, `lora_path`)."""
     if call.method not in {int(method) for method in UtilityMethod}:
-        raise ValueError(f"unknown utility method {call.method}")
-    if call.pause_mode not in (0, *PauseMode):
-        raise ValueError(f"unknown pause mode {call.pause_mode}")
+        unknown = f" and its deprecated method {call.method} is none" if call.method else ""
+        raise ValueError(f"UtilityCall sets no arm of call ({', '.join(_ARMS)}){unknown}")
     method = UtilityMethod(call.method)
-    if method in _LORA_NAMED and not call.lora_name:
-        raise ValueError(f"utility {method}: lora_name must not be empty")
-    if method is UtilityMethod.LOAD_LORA and not call.lora_path:
-        raise ValueError("utility load_lora: lora_path must not be empty")
-    return UtilityCall(call.call_id, method, PauseMode(call.pause_mode or PauseMode.ABORT), call.profile_dir,
-                       call.lora_name, call.lora_path)
+    _warn_deprecated(method)
+    message = getattr(engine_core_pb2.UtilityCall(), str(method))
+    for field in message.DESCRIPTOR.fields:
+        setattr(message, field.name, getattr(call, field.name))
+    return message
 
 
-_LORA_NAMED = (UtilityMethod.LOAD_LORA, UtilityMethod.UNLOAD_LORA, UtilityMethod.PIN_LORA)
+@functools.cache
+def _warn_deprecated(method: UtilityMethod) -> None:
+    """Once per method and process: the frontend that sent it is older than UtilityCall.call."""
+    logger.warning("a frontend sent a deprecated utility call (UtilityCall.method %s), accepted until the next "
+                   "release: upgrade it to one that sets UtilityCall.%s", method.name, method)
 
 
 # ---- outputs --------------------------------------------------------------------------

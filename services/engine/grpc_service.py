@@ -21,7 +21,7 @@ from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 from tandem.v1 import engine_core_pb2, engine_core_pb2_grpc
 
-from engine_core.protocol import EngineCoreOutputs, PauseMode, UtilityCall, UtilityMethod
+from engine_core.protocol import EngineCoreOutputs, PauseCall, PauseMode, UtilityCall
 from services.engine import convert
 from services.engine.busy_loop_port import BusyLoopPort
 from services.engine.health import ENGINE_CORE_SERVICE, EngineHealth
@@ -100,7 +100,7 @@ def drain(busy_loop: BusyLoopPort) -> asyncio.Future:
             loop.call_soon_threadsafe(resolve)
 
     connection = busy_loop.open(sink)
-    busy_loop.submit(connection, UtilityCall(call_id=0, method=UtilityMethod.PAUSE, pause_mode=PauseMode.WAIT))
+    busy_loop.submit(connection, UtilityCall(call_id=0, call=PauseCall(PauseMode.WAIT)))
     drained.add_done_callback(lambda _: busy_loop.close(connection))
     return drained
 

@@ -16,13 +16,23 @@ from dataclasses import replace
 
 from engine_core.protocol import (
     EngineInfo,
+    ListLorasCall,
+    LoadLoraCall,
     OutputKind,
+    PauseCall,
     PauseMode,
+    PinLoraCall,
     PoolingParams,
     RequestOutput,
+    ResetPrefixCacheCall,
+    ResumeCall,
     SamplingParams,
+    SleepCall,
+    StartProfileCall,
+    StopProfileCall,
+    UnloadLoraCall,
     Usage,
-    UtilityMethod,
+    WakeUpCall,
 )
 from services.frontend.change_listeners import ChangeListeners
 from services.frontend.chat_setup import ChatSetup
@@ -252,50 +262,47 @@ class AsyncLLM(ChangeListeners):
         """ABORT (abort in-flight requests first), WAIT (let them finish) or KEEP (freeze them)."""
         if mode is PauseMode.ABORT:
             self.abort(list(self.output_processor.parents))
-        return await self.engine_client.call_utility(UtilityMethod.PAUSE, pause_mode=mode)
+        return await self.engine_client.call_utility(PauseCall(mode))
 
     async def resume_generation(self) -> list[EngineCallResult]:
         """Resume the engines; also ends a drain, so new requests are admitted again."""
         self._set_draining(False)
-        return await self.engine_client.call_utility(UtilityMethod.RESUME)
+        return await self.engine_client.call_utility(ResumeCall())
 
     async def sleep(self) -> list[EngineCallResult]:
-        return await self.engine_client.call_utility(UtilityMethod.SLEEP)
+        return await self.engine_client.call_utility(SleepCall())
 
     async def wake_up(self) -> list[EngineCallResult]:
-        return await self.engine_client.call_utility(UtilityMethod.WAKE_UP)
+        return await self.engine_client.call_utility(WakeUpCall())
 
     async def reset_prefix_cache(self) -> list[EngineCallResult]:
-        return await self.engine_client.call_utility(UtilityMethod.RESET_PREFIX_CACHE)
+        return await self.engine_client.call_utility(ResetPrefixCacheCall())
 
     async def start_profile(self, output_dir: str = "") -> list[EngineCallResult]:
-        return await self.engine_client.call_utility(UtilityMethod.START_PROFILE, profile_dir=output_dir)
+        return await self.engine_client.call_utility(StartProfileCall(output_dir))
 
     async def stop_profile(self) -> list[EngineCallResult]:
-        return await self.engine_client.call_utility(UtilityMethod.STOP_PROFILE)
+        return await self.engine_client.call_utility(StopProfileCall())
 
     # ---- LoRA adapters (every engine; docs/lora.md) --------------------------------------
     async def add_lora(self, name: str, path: str) -> list[EngineCallResult]:
         """Load the PEFT adapter folder `path` (on the engines' machines) as `name` into every engine."""
         if not name or not path:
             raise InvalidRequest(f"lora_name and lora_path must both be set (got {name!r}, {path!r})")
-        return lora_results(await self.engine_client.call_utility(UtilityMethod.LOAD_LORA, lora_name=name,
-                                                                  lora_path=path))
+        return lora_results(await self.engine_client.call_utility(LoadLoraCall(name, path)))
 
     async def remove_lora(self, name: str) -> list[EngineCallResult]:
         if not name:
             raise InvalidRequest("lora_name is empty: name the adapter to unload")
-        return lora_results(await self.engine_client.call_utility(UtilityMethod.UNLOAD_LORA, lora_name=name),
-                            missing_ok=True)
+        return lora_results(await self.engine_client.call_utility(UnloadLoraCall(name)), missing_ok=True)
 
     async def pin_lora(self, name: str) -> list[EngineCallResult]:
         if not name:
             raise InvalidRequest("lora_name is empty: name the adapter to pin")
-        return lora_results(await self.engine_client.call_utility(UtilityMethod.PIN_LORA, lora_name=name),
-                            missing_ok=True)
+        return lora_results(await self.engine_client.call_utility(PinLoraCall(name)), missing_ok=True)
 
     async def list_loras(self) -> list[EngineCallResult]:
-        return lora_results(await self.engine_client.call_utility(UtilityMethod.LIST_LORAS))
+        return lora_results(await self.engine_client.call_utility(ListLorasCall()))
 
     async def drain(self, timeout_s: float) -> int:
         """Stop admitting requests and wait up to timeout_s (finite, >= 0) for those in flight; how many are left."""

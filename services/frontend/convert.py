@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from tandem.v1 import admin_pb2, common_pb2, engine_core_pb2, generation_pb2
 
 from engine_core.protocol import (
@@ -254,7 +256,16 @@ def engine_info_request() -> engine_core_pb2.GetEngineInfoRequest:
     return engine_core_pb2.GetEngineInfoRequest()
 
 
-def utility_to_proto(call: UtilityCall) -> engine_core_pb2.EngineCoreInput:
-    return engine_core_pb2.EngineCoreInput(utility=engine_core_pb2.UtilityCall(
-        call_id=call.call_id, method=int(call.method), pause_mode=int(call.pause_mode), profile_dir=call.profile_dir,
-        lora_name=call.lora_name, lora_path=call.lora_path))
+def utility_to_proto(utility: UtilityCall) -> engine_core_pb2.EngineCoreInput:
+    """The call in its arm of UtilityCall.call: the arm whose message has the call's class name, with its fields
+    (enums as their numbers)."""
+    proto = engine_core_pb2.UtilityCall(call_id=utility.call_id)
+    arm = getattr(proto, _ARM_OF_MESSAGE[type(utility.call).__name__])
+    arm.SetInParent()  # an arm without fields is set too
+    for field in dataclasses.fields(utility.call):
+        setattr(arm, field.name, getattr(utility.call, field.name))
+    return engine_core_pb2.EngineCoreInput(utility=proto)
+
+
+_ARM_OF_MESSAGE = {field.message_type.name: field.name
+                   for field in engine_core_pb2.UtilityCall.DESCRIPTOR.oneofs_by_name["call"].fields}

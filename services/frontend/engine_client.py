@@ -19,15 +19,14 @@ import logging
 import grpc
 
 from engine_core.protocol import (
+    ControlCall,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineInfo,
     EngineState,
     KVCacheEvents,
-    PauseMode,
     SchedulerStats,
     UtilityCall,
-    UtilityMethod,
 )
 from services.frontend import convert
 from services.frontend.engine_client_base import (  # EngineClient re-exported
@@ -204,8 +203,7 @@ class GrpcEngineClient(EngineClient):
                 engine.send(convert.abort_to_proto(ids))
             self._retire_if_idle(engine)
 
-    async def call_utility(self, method: UtilityMethod, *, pause_mode: PauseMode = PauseMode.ABORT,
-                           profile_dir: str = "", lora_name: str = "", lora_path: str = "") -> list[EngineCallResult]:
+    async def call_utility(self, call: ControlCall) -> list[EngineCallResult]:
         engines = [e for e in self._engines.values() if e.connected]
         if not engines:
             raise EngineUnavailable("no engine is connected; the call reached no engine")
@@ -213,8 +211,7 @@ class GrpcEngineClient(EngineClient):
         for engine in engines:
             call_id = next(self._call_ids)
             engine.pending[call_id] = future = asyncio.get_running_loop().create_future()
-            engine.send(convert.utility_to_proto(UtilityCall(call_id, method, pause_mode, profile_dir, lora_name,
-                                                             lora_path)))
+            engine.send(convert.utility_to_proto(UtilityCall(call_id, call)))
             calls.append(future)
         return list(await asyncio.gather(*calls))
 

@@ -10,7 +10,7 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
-from engine_core.protocol import EngineCoreRequest, EngineInfo, PauseMode, RequestError, RequestErrorKind, UtilityMethod
+from engine_core.protocol import ControlCall, EngineCoreRequest, EngineInfo, RequestError, RequestErrorKind
 from services.frontend.change_listeners import ChangeListeners
 from services.frontend.errors import EngineAsleep, InvalidRequest, NotFound
 from services.frontend.messages import EngineCallResult, EngineOutputs, EngineStatus
@@ -39,9 +39,9 @@ class EngineClient(ChangeListeners, ABC):
         """Abort engine requests (never blocks; unknown ids are ignored)."""
 
     @abstractmethod
-    async def call_utility(self, method: UtilityMethod, *, pause_mode: PauseMode = PauseMode.ABORT,
-                           profile_dir: str = "", lora_name: str = "", lora_path: str = "") -> list[EngineCallResult]:
-        """Call `method` on every engine connected; one result each."""
+    async def call_utility(self, call: ControlCall) -> list[EngineCallResult]:
+        """Make the control call `call` (engine_core/protocol/utility.py) on every engine connected; one result
+        each."""
 
     @abstractmethod
     async def wait_for_engine(self) -> EngineInfo:

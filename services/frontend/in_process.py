@@ -18,7 +18,7 @@ import itertools
 import logging
 from typing import TYPE_CHECKING
 
-from engine_core.protocol import EngineCoreRequest, EngineInfo, EngineState, PauseMode, UtilityCall, UtilityMethod
+from engine_core.protocol import ControlCall, EngineCoreRequest, EngineInfo, EngineState, UtilityCall
 from services.frontend.engine_client_base import EngineClient, refusal_error, with_adapter
 from services.frontend.errors import EngineAsleep, EngineUnavailable
 from services.frontend.messages import EngineCallResult, EngineOutputs, EngineStatus
@@ -101,14 +101,12 @@ class InProcessEngineClient(EngineClient):
         if ids and self.is_connected:
             self._busy_loop.submit(self._connection, self._messages.Abort(ids))
 
-    async def call_utility(self, method: UtilityMethod, *, pause_mode: PauseMode = PauseMode.ABORT,
-                           profile_dir: str = "", lora_name: str = "", lora_path: str = "") -> list[EngineCallResult]:
+    async def call_utility(self, call: ControlCall) -> list[EngineCallResult]:
         if not self.is_connected:
             raise EngineUnavailable("the in-process engine is not running; the call reached no engine")
         call_id = next(self._call_ids)
         self._pending[call_id] = future = asyncio.get_running_loop().create_future()
-        self._busy_loop.submit(self._connection, UtilityCall(call_id, method, pause_mode, profile_dir, lora_name,
-                                                             lora_path))
+        self._busy_loop.submit(self._connection, UtilityCall(call_id, call))
         return [await future]
 
     # ---- from the busy loop's thread ------------------------------------------------

@@ -86,7 +86,7 @@ def test_a_stalled_engine_connection_is_closed_by_the_engine(stack, idle_after, 
                 sampling_params=dict(max_tokens=MAX_MODEL_LEN - 60, temperature=0.0, ignore_eos=True))))
         for call_id in range(1, 400):  # each answer is one more message the stalled client does not read
             inputs.put(engine_core_pb2.EngineCoreInput(utility=engine_core_pb2.UtilityCall(
-                call_id=call_id, method=engine_core_pb2.UTILITY_METHOD_GET_STATS)))
+                call_id=call_id, get_stats=engine_core_pb2.GetStatsCall())))
         report.fault("stalled engine connection")
         asyncio.run(survivors_equal_quiet_run(frontend.address, survivors, expected))
         report.requests += 2 * len(survivors)

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from tandem.v1 import admin_pb2, common_pb2, engine_core_pb2, generation_pb2
+from tandem.v1 import admin_pb2, common_pb2, generation_pb2
 
 from tests.frontend.conftest import wait_until
 
@@ -142,8 +142,6 @@ def test_new_requests_go_around_paused_engines_and_never_to_a_sleeping_one(token
 
 
 def test_admin_calls_are_forwarded_as_utility_calls(stack):
-    U = engine_core_pb2
-
     async def run():
         before = len(stack.engine.utility_calls)
         responses = [
@@ -159,10 +157,10 @@ def test_admin_calls_are_forwarded_as_utility_calls(stack):
 
     responses, calls = stack.run(run())
     assert all(r.ok for r in responses), responses
-    assert [c.method for c in calls] == [
-        U.UTILITY_METHOD_PAUSE, U.UTILITY_METHOD_RESUME, U.UTILITY_METHOD_SLEEP, U.UTILITY_METHOD_WAKE_UP,
-        U.UTILITY_METHOD_RESET_PREFIX_CACHE, U.UTILITY_METHOD_START_PROFILE, U.UTILITY_METHOD_STOP_PROFILE]
-    assert calls[0].pause_mode == common_pb2.PAUSE_MODE_WAIT and calls[5].profile_dir == "/tmp/prof"
+    assert [c.WhichOneof("call") for c in calls] == [
+        "pause", "resume", "sleep", "wake_up", "reset_prefix_cache", "start_profile", "stop_profile"]
+    assert not any(c.method for c in calls)  # the typed form only, never the deprecated one
+    assert calls[0].pause.pause_mode == common_pb2.PAUSE_MODE_WAIT and calls[5].start_profile.profile_dir == "/tmp/prof"
 
 
 def test_drain_stops_admission_until_resume(make_stack):

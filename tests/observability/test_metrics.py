@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 from tandem.v1 import admin_pb2, common_pb2
 
-from engine_core.protocol import UtilityMethod
+from engine_core.protocol import PauseCall
 from services.telemetry.metrics import MetricsServer, metrics_port, one_two_five_buckets
 from tests.held_steps import steps_held_until, utility_call
 from tests.observability.conftest import metric
@@ -29,7 +29,7 @@ def delta(after: dict, before: dict, name: str, **labels) -> float:
 
 async def load_with_a_pause(stack):
     """Start N streams, wait for every first token, freeze the engine, scrape, resume, drain the streams."""
-    with steps_held_until(stack.engine.server.busy_loop, utility_call(UtilityMethod.PAUSE)):  # none ends first
+    with steps_held_until(stack.engine.server.busy_loop, utility_call(PauseCall)):  # none ends first
         calls = [stack.stub.Generate(stack.generate_request(prompt(i), MAX_TOKENS)) for i in range(N)]
         tokens = [len((await call.read()).completions[0].token_ids) for call in calls]
         assert (await stack.admin.Pause(admin_pb2.PauseRequest(mode=common_pb2.PAUSE_MODE_KEEP))).ok

@@ -10,7 +10,7 @@ import pytest
 from opentelemetry.trace import SpanKind, StatusCode
 from tandem.v1 import admin_pb2, common_pb2
 
-from engine_core.protocol import UtilityMethod
+from engine_core.protocol import PauseCall
 from services.frontend.telemetry import FrontendTelemetry
 from services.telemetry.tracing import TracingSettings, otlp_exporter, trace_id_from_headers
 from tests.held_steps import steps_held_until, utility_call
@@ -127,7 +127,7 @@ def test_an_engine_lost_mid_request_ends_both_spans(make_stack):
     stack = make_stack(tracing=True, metrics=True)
 
     async def lose_the_engine() -> grpc.StatusCode:
-        with steps_held_until(stack.engine.server.busy_loop, utility_call(UtilityMethod.PAUSE)):
+        with steps_held_until(stack.engine.server.busy_loop, utility_call(PauseCall)):
             call = stack.stub.Generate(stack.generate_request(PROMPT, 80, "lost-1"),
                                        metadata=(("traceparent", TRACEPARENT),))
             await call.read()  # the first token

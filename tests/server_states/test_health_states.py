@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.v1 import admin_pb2, common_pb2, generation_pb2
 
-from engine_core.protocol import UtilityMethod
+from engine_core.protocol import SleepCall
 from tests.held_steps import steps_held_until, utility_call
 
 READINESS = ("", "tandem.v1.GenerationService")
@@ -149,7 +149,7 @@ def test_bad_admin_input_gets_invalid_argument_naming_the_fix_and_the_server_sta
         code, details = await refusal(stack.admin.StartProfile(admin_pb2.StartProfileRequest(), timeout=10))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "output_dir" in details
 
-        with steps_held_until(stack.engine.server.busy_loop, utility_call(UtilityMethod.SLEEP)):
+        with steps_held_until(stack.engine.server.busy_loop, utility_call(SleepCall)):
             running = stack.stub.Generate(stack.generate_request(PROMPT, 60))
             await running.read()  # it runs, and cannot finish before the Sleep call reaches the engine
             refused = await stack.admin.Sleep(admin_pb2.SleepRequest(), timeout=30)  # an engine's refusal: ok = false

@@ -121,17 +121,21 @@ class Stream:
     def abort(self, *request_ids: str) -> None:
         self.send(abort=engine_core_pb2.AbortRequests(request_ids=request_ids))
 
-    def utility(self, method: int, **kwargs) -> int:
+    def utility(self, call: str | engine_core_pb2.UtilityCall, **fields) -> int:
+        """Send a utility call: an arm of UtilityCall.call by name ("pause") with its message's fields, or a whole
+        UtilityCall (its call_id is set here)."""
         call_id = next(self._call_ids)
-        self.send(utility=engine_core_pb2.UtilityCall(call_id=call_id, method=method, **kwargs))
+        message = engine_core_pb2.UtilityCall(**{call: fields}) if isinstance(call, str) else call
+        message.call_id = call_id
+        self.send(utility=message)
         return call_id
 
-    def call(self, method: int, **kwargs) -> engine_core_pb2.UtilityResult:
-        call_id = self.utility(method, **kwargs)
+    def call(self, call: str | engine_core_pb2.UtilityCall, **fields) -> engine_core_pb2.UtilityResult:
+        call_id = self.utility(call, **fields)
         return self.wait(lambda: self.results.get(call_id))
 
     def stats(self) -> engine_core_pb2.SchedulerStats:
-        return self.call(engine_core_pb2.UTILITY_METHOD_GET_STATS).stats
+        return self.call("get_stats").stats
 
     # ---- waiting
     def wait(self, predicate, timeout: float = WAIT_S):
@@ -154,7 +158,7 @@ class Stream:
 
 
 def engine_stats(address: str) -> engine_core_pb2.SchedulerStats:
-    """A running engine's scheduler stats, over a Connect stream of our own (GET_STATS)."""
+    """A running engine's scheduler stats, over a Connect stream of our own (a GetStatsCall)."""
     with grpc.insecure_channel(address) as channel:
         stream = Stream(channel)
         try:

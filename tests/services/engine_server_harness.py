@@ -8,9 +8,7 @@ import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tandem.v1 import engine_core_pb2
 
-M = engine_core_pb2  # utility method names
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 LONG = dict(temperature=0.0, ignore_eos=True)  # runs to max_model_len: ~90 steps

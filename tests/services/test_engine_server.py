@@ -15,7 +15,6 @@ from services.frontend import convert as frontend_convert
 from tests.services.conftest import MAX_MODEL_LEN
 from tests.services.engine_server_harness import (
     LONG,
-    M,
     assert_all_blocks_free,
     prompts,
 )
@@ -121,7 +120,7 @@ def test_bad_requests_get_request_errors_and_the_stream_stays_usable(engine_serv
     assert stream.errors["dup"] == "request id 'dup' is already in flight"
     assert "n must be 1" in stream.errors["fan"]
     stream.abort("dup")
-    assert not stream.call(M.UTILITY_METHOD_UNSPECIFIED).ok
+    assert not stream.call(engine_core_pb2.UtilityCall()).ok  # no call in it
     stream.add("good", [5, 6, 7], temperature=0.0, max_tokens=5)
     assert stream.wait_finished("good")["good"] == offline([[5, 6, 7]], max_tokens=5)[0]
 

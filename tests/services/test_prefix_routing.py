@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from engine_core.protocol import EngineCoreRequest, SamplingParams, UtilityMethod
+from engine_core.protocol import EngineCoreRequest, ResetPrefixCacheCall, SamplingParams
 from engine_core.protocol.block_hash import hash_prompt_blocks
 from services.frontend.engine_client import GrpcEngineClient
 from services.frontend.router import Router, RoutingPolicy
@@ -58,7 +58,7 @@ def test_requests_follow_the_engine_holding_their_prefix(two_engines):
         await client.start()
         try:
             await wait_until(lambda: all(e.connected for e in client.engines()))
-            await client.call_utility(UtilityMethod.RESET_PREFIX_CACHE)
+            await client.call_utility(ResetPrefixCacheCall())
             await run_requests(client, {"warm": SYSTEM + [60, 61]})
             hashes = hash_prompt_blocks(SYSTEM, BLOCK_SIZE)
             views = [e.load.prefix.cached for e in client._engines.values()]
@@ -76,7 +76,7 @@ def test_requests_follow_the_engine_holding_their_prefix(two_engines):
                 await late.close()
 
             # the view is cleared with the answer, not a step later
-            await client.call_utility(UtilityMethod.RESET_PREFIX_CACHE)
+            await client.call_utility(ResetPrefixCacheCall())
             cleared = [len(e.load.prefix.cached) for e in client._engines.values()]
             return holder, hits, per_engine, cleared
         finally:
@@ -96,11 +96,11 @@ def test_round_robin_spreads_the_same_prompt_and_misses(two_engines):
         await client.start()
         try:
             await wait_until(lambda: all(e.connected for e in client.engines()))
-            await client.call_utility(UtilityMethod.RESET_PREFIX_CACHE)
+            await client.call_utility(ResetPrefixCacheCall())
             first = await run_requests(client, {"rr-0": SYSTEM + [60], "rr-1": SYSTEM + [61]})
             return first
         finally:
-            await client.call_utility(UtilityMethod.RESET_PREFIX_CACHE)
+            await client.call_utility(ResetPrefixCacheCall())
             await client.close()
 
     first = asyncio.run(run())
