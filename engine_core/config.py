@@ -17,6 +17,7 @@ _POLICIES = ("fcfs", "priority")
 # kernels/lora_ops.py's choices, named here for the torch-free flag parser (tests/engine_core/test_lora.py checks)
 LORA_KERNELS = ("auto", "triton", "per_slot", "segments", "gather_bmm", "stacked", "cpp")
 _OVERLAP = ("auto", "on", "off")
+SPECULATIVE_METHODS = ("ngram", "draft")
 # kernels/cpu/linear.py's KERNELS and BUCKETS, named here for the torch-free flag parser
 # (tests/kernels/test_linear_pins.py checks)
 LINEAR_KERNELS = ("linear", "linear_colmajor", "linear_rowwise", "int8_weight_only", "int8_dynamic", "int8_gemv",
@@ -206,6 +207,43 @@ class LoraConfig:
         return self.max_cpu_loras or self.max_loras
 
 
+# The most running requests a step speculates for, by device, when SpeculativeConfig.max_batch is unset: above it
+# the step verifies no drafts. On a CPU one stream's decode is bound by reading the weights, so k more rows cost
+# little; a full batch is bound by its arithmetic, and k more rows per request cost about k times the step.
+# scripts/bench_spec_decode.py measures the crossover on a machine (docs/speculative-decoding.md).
+DEFAULT_SPECULATIVE_MAX_BATCH = {"cpu": 4, "cuda": 32}
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (docs/speculative-decoding.md): a proposer guesses the next tokens, the model verifies
+    them in one forward and keeps the longest prefix its own sampling agrees with. Off unless `method` is set."""
+
+    method: str | None = None  # ngram: prompt lookup in the request's own tokens; draft: a smaller model
+    num_speculative_tokens: int = 4  # k: tokens proposed per request and step
+    prompt_lookup_min: int = 2  # ngram: the shortest suffix of the tokens matched earlier in them
+    prompt_lookup_max: int = 5  # ngram: the longest
+    draft_model: str | None = None  # draft: the smaller model (same tokenizer), a HF folder or a .gguf
+    # most running requests a step speculates for; None: DEFAULT_SPECULATIVE_MAX_BATCH for the device
+    max_batch: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.method is None or self.method in SPECULATIVE_METHODS,
+                 f"speculative method must be one of {SPECULATIVE_METHODS} (or unset: off), got {self.method!r}")
+        _require(self.num_speculative_tokens >= 1,
+                 f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        _require(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+                 f"prompt lookup lengths need 1 <= min <= max, got min {self.prompt_lookup_min}, "
+                 f"max {self.prompt_lookup_max}")
+        _require(self.max_batch is None or self.max_batch >= 0, f"max_batch must be >= 0, got {self.max_batch}")
+        _require((self.method == "draft") == (self.draft_model is not None) or self.method is None,
+                 "speculative method 'draft' takes a draft_model (and only it does)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+
 @dataclass
 class EngineConfig:
     # a ModelConfig, or only the model's path (a HF folder or a .gguf, as vLLM's LLM(model=...)), which
@@ -215,6 +253,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.model, (str, os.PathLike)):
