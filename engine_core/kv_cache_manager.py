@@ -167,6 +167,12 @@ class KVCacheManager:
         if blocks:
             self.block_pool.free_blocks(reversed(blocks[num_freed:]))
 
+    def free_tail(self, request: Request) -> None:
+        """Give back the blocks past the request's tokens (speculative decoding's rejected drafts), last first."""
+        blocks, keep = self.req_to_blocks.get(request.request_id, []), -(-request.num_tokens // self.block_size)
+        self.block_pool.free_blocks(reversed(blocks[keep:]))
+        del blocks[keep:], self.req_to_block_ids.get(request.request_id, [])[keep:]
+
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's live block table (the same list object while the request holds blocks)."""
         return self.req_to_block_ids.get(request_id, [])

@@ -28,6 +28,8 @@ from engine_core.protocol import PoolingType
 from engine_core.request import Request
 from engine_core.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs
 from engine_core.sampling_metadata import SamplingMetadata
+from engine_core.spec_decode.speculator import Speculator
+from engine_core.spec_decode.verification import VerifyBatch
 from engine_core.step_output import StepOutput
 from engine_core.structured.bitmask import apply_token_mask
 from engine_core.structured.masks import StepMasks, StructuredOutputs
@@ -50,11 +52,13 @@ class ModelRunner:
         cuda_graph_sizes: Sequence[int] = (),
         structured: StructuredOutputs | None = None,
         lora: LoraRuntime | None = None,
+        spec: Speculator | None = None,
     ) -> None:
         """`cuda_graph_sizes`: decode batch buckets (empty: every step runs eagerly). On CUDA
         each bucket is captured as a graph; elsewhere the padded buckets run eagerly.
         `structured`: the engine's grammars and masks (None: constrained requests sample freely).
-        `lora`: the model's adapter slots (engine_core/lora), when the engine serves LoRA."""
+        `lora`: the model's adapter slots (engine_core/lora), when the engine serves LoRA.
+        `spec`: speculative decoding's proposer and verification (engine_core/spec_decode), when it is on."""
         self.model = model
         self.arch = arch
         self.attention = attention
@@ -65,6 +69,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.structured = structured
         self.lora = lora
+        self.spec = spec
         self.generators: dict[str, torch.Generator] = {}
         self.pooling_state: dict[str, torch.Tensor] = {}  # request id -> running sum (mean) or first row (cls)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -100,7 +105,10 @@ class ModelRunner:
         hidden = self.forward(batch)
         step = self.new_step_output(batch)
         self.compute_outputs(step, hidden, self.sampling_metadata(batch), masks)
-        return step.result()
+        output = step.result()
+        if self.spec is not None:  # the next step's drafts
+            self.spec.propose(batch, output)
+        return output
 
     # The phases of a step, for engine_core/overlap.py, which runs forward() and compute_outputs() on its
     # device queue and the rest on the host thread.
@@ -148,7 +156,7 @@ class ModelRunner:
         """Under inference_mode: sample (the tokens stay on the device, copied back without blocking),
         prompt logprobs, pooling."""
         batch, output = step.batch, step.output
-        if step.requests:
+        if step.requests or batch.verify is not None:
             self._sample(hidden, step, metadata, masks)
         if batch.prompt_logprob_spans:
             self._prompt_logprobs(hidden, batch, output)
@@ -163,6 +171,10 @@ class ModelRunner:
             self.lora.select_head_rows(batch.logits_rows)
         rows = hidden if batch.every_row_samples else hidden[batch.logits_indices]
         logits = self.model.compute_logits(rows)  # [N, vocab] fp32
+        if batch.verify is not None:  # speculative decoding: the last rows verify drafts (engine_core/spec_decode)
+            logits = self.spec.verify(self.sampler, logits, batch.verify, self.generators, output)
+            if not step.requests:
+                return
         if masks is not None:  # before the sampler: logprobs are those of the constrained distribution
             disallowed, output.mask_timing = masks.result()
             apply_token_mask(logits, disallowed, masks.rows)
@@ -227,6 +239,7 @@ class ModelRunner:
         sampling_requests: list[Request] = []
         prompt_logprob_spans: list[tuple[Request, int, int, int]] = []
         pooling_spans: list[tuple[Request, int, int, int]] = []
+        verify = VerifyBatch()  # speculative decoding: the requests with drafts and their rows
         placeholder_rows: list[int] = []
         placeholder_source_rows: list[int] = []
         num_decodes = 0
@@ -238,6 +251,9 @@ class ModelRunner:
             block_ids = scheduler_output.block_ids[request.request_id]
             token_start = len(input_ids)
             tokens = request.all_token_ids[start:end]
+            drafts = scheduler_output.spec_token_ids.get(request.request_id)
+            if drafts:
+                tokens += drafts
             if len(tokens) < count:  # overlapped steps: the token the step in flight samples (forward())
                 placeholder_rows.append(token_start + len(tokens))
                 placeholder_source_rows.append(self._last_step.row_of[request.request_id])
@@ -256,12 +272,15 @@ class ModelRunner:
             block_tables.append(block_ids)
             if request.pooling is not None:  # pooled, never sampled
                 pooling_spans.append((request, token_start, start, count))
+            elif drafts:  # every row's logits: the last token's and each draft's
+                verify.add(request, drafts, range(token_start, len(input_ids)))
             elif end >= request.num_tokens:  # the whole context is computed: sample the next token
                 logits_indices.append(len(input_ids) - 1)
                 sampling_requests.append(request)
             if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
                 num_prompt_positions = min(end, request.num_prompt_tokens - 1) - start
                 prompt_logprob_spans.append((request, token_start, start, num_prompt_positions))
+        logits_indices += verify.rows  # the verified rows come last
         max_blocks = max(len(table) for table in block_tables)
         padded_tables = [table + [0] * (max_blocks - len(table)) for table in block_tables]  # 0 = null block
         attn_metadata = AttentionMetadata(
@@ -290,6 +309,7 @@ class ModelRunner:
             requests=requests,
             row_counts=[num_scheduled[r.request_id] for r in requests],
             logits_rows=logits_indices,
+            verify=verify if verify.requests else None,
         )
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -303,7 +323,7 @@ class _Batch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     attn_metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [N]: the last token of each sampling request
+    logits_indices: torch.Tensor  # [N]: the last token of each sampling request, then every verified row
     every_row_samples: bool  # N == T (every request decodes and samples): logits_indices is 0..T-1
     sampling_requests: list[Request]
     # (request, first row in the batch, first position, number of positions)
@@ -317,3 +337,4 @@ class _Batch:
     requests: list[Request] = field(default_factory=list)
     row_counts: list[int] = field(default_factory=list)
     logits_rows: list[int] = field(default_factory=list)
+    verify: VerifyBatch | None = None  # speculative decoding: the requests whose drafts the last logits rows verify

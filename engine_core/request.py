@@ -83,6 +83,7 @@ class Request:
         self.block_hashes: list[BlockHash] = []
         self.events: list[EngineCoreEvent] = []  # recorded only when the scheduler logs stats
         self.grammar: GrammarMatcher | None = None  # structured output: set by the engine, fed every output token
+        self.spec_token_ids: list[int] = []  # drafts for its next decode (engine_core/spec_decode)
         self._update_block_hashes()
         # The most tokens this request may produce.
         limit = self.sampling_params.max_tokens

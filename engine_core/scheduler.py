@@ -26,16 +26,18 @@ from engine_core.protocol import EngineCoreEventType, EngineCoreOutput, EngineCo
 from engine_core.request import Request, RequestStatus
 from engine_core.request_queue import FcfsQueue, PriorityQueue
 from engine_core.scheduler_stats import scheduler_stats
+from engine_core.spec_decode.scheduling import SpecDecodeStats, end_verification, fit_drafts
 from engine_core.types import ModelRunnerOutput, SchedulerOutput
 
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  max_model_len: int, *, log_stats: bool = False, sliding_window: int | None = None,
-                 lora: LoraAdmission | None = None) -> None:
+                 lora: LoraAdmission | None = None, spec_max_batch: int = 0) -> None:
         """log_stats: record per-request events (queued, scheduled, preempted) for tracing and metrics.
         sliding_window: set when every layer attends through it (blocks behind it are freed).
-        lora: the adapters-per-step rule (engine_core/lora/admission.py), when the engine serves LoRA."""
+        lora: the adapters-per-step rule (engine_core/lora/admission.py), when the engine serves LoRA.
+        spec_max_batch: speculative decoding verifies drafts while at most this many requests run (0: never)."""
         capacity = (num_blocks - 1) * cache_config.block_size
         if max_model_len > capacity:
             raise ValueError(f"max_model_len ({max_model_len}) is larger than the KV cache holds "
@@ -45,6 +47,7 @@ class Scheduler:
                              f"({scheduler_config.max_num_batched_tokens}) must be >= max_model_len ({max_model_len})")
         self.config = scheduler_config
         self.lora = lora
+        self.spec_max_batch = spec_max_batch
         self.log_stats = log_stats
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
@@ -61,6 +64,7 @@ class Scheduler:
         self.num_prompt_tokens = 0  # in the last update_from_output()
         self.num_generation_tokens = 0  # in the last update_from_output()
         self.prefix_cache_queries = self.prefix_cache_hits = 0  # tokens, in the last schedule()
+        self.spec_decode_stats = SpecDecodeStats()  # in the last update_from_output()
 
     # ---- requests in and out -----------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -113,7 +117,8 @@ class Scheduler:
         """Pick this step's requests and token counts; advances their `num_computed_tokens`."""
         num_scheduled: dict[str, int] = {}  # request id -> tokens; insertion order is batch order
         preempted: set[str] = set()
-        budget = self._schedule_running(self.config.max_num_batched_tokens, num_scheduled, preempted)
+        drafts: dict[str, list[int]] = {}  # request id -> the drafts it verifies (engine_core/spec_decode)
+        budget = self._schedule_running(self.config.max_num_batched_tokens, num_scheduled, preempted, drafts)
         if not preempted:  # the KV cache had room for every running request
             self._schedule_waiting(budget, num_scheduled)
 
@@ -132,27 +137,36 @@ class Scheduler:
             block_ids={r.request_id: self.kv_cache_manager.get_block_ids(r.request_id) for r in scheduled},
             preempted_request_ids=preempted,
             finished_request_ids=finished,
+            spec_token_ids=drafts,
         )
 
-    def _schedule_running(self, budget: int, num_scheduled: dict[str, int], preempted: set[str]) -> int:
+    def _schedule_running(self, budget: int, num_scheduled: dict[str, int], preempted: set[str],
+                          drafts: dict[str, list[int]]) -> int:
         """Give each running request its next chunk, preempting when the KV cache is full; returns the budget left.
 
-        A decode (one token to compute) rides on top of the budget, which only prompt chunks spend."""
+        A decode (one token to compute) rides on top of the budget, which only prompt chunks and drafts spend."""
+        speculate = len(self.running) <= self.spec_max_batch
         i = 0
         while i < len(self.running):
             request = self.running[i]
             decode = _is_decode(request)
-            num_new = 1 if decode else min(request.num_tokens_ahead - request.num_computed_tokens, budget)
+            verified = fit_drafts(request, budget, self.max_model_len) if decode and speculate else []
+            num_new = 1 + len(verified) if decode else min(request.num_tokens_ahead - request.num_computed_tokens,
+                                                            budget)
             if num_new <= 0 or self._at_limit_in_flight(request):
                 i += 1
                 continue
             while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                if verified:  # no room for the drafts: verify none before preempting anyone
+                    verified, num_new = [], 1
+                    continue
                 victim_index = self._pick_victim()
                 victim = self.running[victim_index]
                 # Only the newest running request can be mid-prompt (while one is, its chunk takes the whole
                 # budget and nobody is admitted behind it), so a victim scheduled earlier in this pass had
                 # a decode: it spent no budget to give back.
                 num_scheduled.pop(victim.request_id, None)
+                budget += len(drafts.pop(victim.request_id, ()))
                 self._preempt(victim_index)
                 preempted.add(victim.request_id)
                 if victim_index < i:
@@ -161,8 +175,9 @@ class Scheduler:
                     break
             else:
                 num_scheduled[request.request_id] = num_new
-                if not decode:
-                    budget -= num_new
+                budget -= len(verified) if decode else num_new
+                if verified:
+                    drafts[request.request_id] = verified
                 i += 1
         return budget
 
@@ -239,15 +254,17 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         stopped: set[str] = set()
         num_prompt_tokens = num_generation_tokens = 0  # prompts: of requests that sampled their first token
+        self.spec_decode_stats = SpecDecodeStats()
         for request in scheduler_output.scheduled_requests:
             request_id = request.request_id
             if request.is_finished:
                 continue  # aborted since schedule()
             new_token_ids: list[int] = []
             token_id = model_runner_output.sampled_token_ids.get(request_id)
-            if token_id is not None:
-                # overlapped steps: the next step's schedule() may have preempted it since
-                waiting = request.status == RequestStatus.PREEMPTED
+            token_ids = [token_id] if token_id is not None else model_runner_output.verified_token_ids.get(request_id)
+            # overlapped steps: the next step's schedule() may have preempted it since
+            waiting = request.status == RequestStatus.PREEMPTED
+            for token_id in token_ids or ():
                 request.append_output_token_ids(token_id)
                 new_token_ids.append(token_id)
                 num_generation_tokens += 1
@@ -257,6 +274,12 @@ class Scheduler:
                     stopped.add(request_id)
                     if waiting:
                         self.waiting.remove(request)
+                    break
+            if request_id in scheduler_output.spec_token_ids:  # forget the rejected drafts
+                end_verification(request, len(scheduler_output.spec_token_ids[request_id]), len(token_ids),
+                                 self.kv_cache_manager, self.spec_decode_stats)
+            if token_ids:
+                request.spec_token_ids = model_runner_output.draft_token_ids.get(request_id, [])
             embedding = model_runner_output.pooled.get(request_id) if model_runner_output.pooled else None
             if embedding is not None:  # a pooling request is done once its prompt is
                 request.status = RequestStatus.FINISHED_STOPPED
@@ -267,10 +290,11 @@ class Scheduler:
             if not new_token_ids and not prompt_logprobs and embedding is None:
                 continue
             logprobs = model_runner_output.logprobs.get(request_id) if new_token_ids else None
+            logprobs = [logprobs] if logprobs is not None else model_runner_output.verified_logprobs.get(request_id)
             outputs.append(EngineCoreOutput(
                 request_id=request_id,
                 new_token_ids=new_token_ids,
-                new_logprobs=None if logprobs is None else [logprobs],
+                new_logprobs=logprobs and logprobs[:len(new_token_ids)],
                 new_prompt_logprobs=prompt_logprobs or None,
                 finish_reason=request.finish_reason,
                 stop_token_id=request.stop_token_id,

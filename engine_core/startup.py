@@ -17,9 +17,11 @@ import torch
 
 from engine_core.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_SPECULATIVE_MAX_BATCH,
     EngineConfig,
     ModelArchConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     parse_linear_kernels,
 )
 from engine_core.cuda_graphs import capture_sizes
@@ -31,6 +33,8 @@ from engine_core.model_runner import ModelRunner
 from engine_core.overlap import InlineQueue, OverlappedSteps, ThreadQueue
 from engine_core.protocol import EngineInfo
 from engine_core.scheduler import Scheduler
+from engine_core.spec_decode import NgramProposer
+from engine_core.spec_decode.speculator import Speculator
 from engine_core.structured.masks import StructuredOutputs
 from kernels import (
     AttentionBackend,
@@ -102,19 +106,21 @@ def build_parts(config: EngineConfig, *, log_stats: bool, kv_events: bool) -> En
     lora = LoraRuntime.attach(model, config.lora, device, dtype, attention.name) if config.lora.enable else None
     structured = StructuredOutputs(tokenizer_path(config, model_path), vocab_size=arch.vocab_size,
                                    eos_token_ids=list(arch.eos_token_ids))
+    overlap = resolve_overlap(config.device.overlap, device, config.speculative)
+    spec = speculator(config.speculative, device)
     runner = ModelRunner(
         model, arch, attention,
         num_blocks=num_blocks, block_size=block_size, device=device, dtype=dtype,
         max_model_len=max_model_len, cuda_graph_sizes=cuda_graph_sizes(config, device, attention),
-        structured=structured, lora=lora,
+        structured=structured, lora=lora, spec=spec,
     )
     every_layer_slides = all(arch.is_sliding(i) for i in range(arch.num_hidden_layers))
     scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_model_len, log_stats=log_stats,
                           sliding_window=arch.sliding_window if every_layer_slides else None,
                           lora=LoraAdmission(config.lora.max_loras, config.lora.max_wait_steps)
-                          if lora is not None else None)
+                          if lora is not None else None, spec_max_batch=spec.max_batch if spec is not None else 0)
     overlapped = None
-    if resolve_overlap(config.device.overlap, device):
+    if overlap:
         overlapped = OverlappedSteps(scheduler, runner, InlineQueue() if device.type == "cuda" else ThreadQueue())
     if kv_events:
         scheduler.kv_cache_manager.block_pool.record_events()
@@ -176,10 +182,31 @@ def resolve_scheduler(config: SchedulerConfig, device: torch.device, max_model_l
     return replace(config, max_num_batched_tokens=budget)
 
 
-def resolve_overlap(name: str, device: torch.device) -> bool:
+def resolve_overlap(name: str, device: torch.device, speculative: SpeculativeConfig | None = None) -> bool:
     """Whether steps overlap (engine_core/overlap.py). auto: on for CUDA; off on CPU, where the forward already
-    keeps every core busy (docs/gpu.md)."""
-    return device.type == "cuda" if name == "auto" else name == "on"
+    keeps every core busy (docs/gpu.md), and off with speculative decoding, whose next step's inputs wait for the
+    number of drafts this one accepts."""
+    speculating = speculative is not None and speculative.enabled
+    if name == "on" and speculating:
+        raise ValueError("overlap 'on' cannot be combined with speculative decoding yet: leave overlap auto (off while "
+                         "speculating) or turn speculation off")
+    return device.type == "cuda" and not speculating if name == "auto" else name == "on"
+
+
+def speculator(config: SpeculativeConfig, device: torch.device) -> Speculator | None:
+    """Speculative decoding's runner part (engine_core/spec_decode), or None when it is off."""
+    if not config.enabled:
+        return None
+    if config.method == "draft":
+        raise ValueError("speculative method 'draft' (a draft model) is not built yet; use --speculative-method ngram "
+                         "(docs/speculative-decoding.md)")
+    max_batch = config.max_batch
+    if max_batch is None:
+        max_batch = DEFAULT_SPECULATIVE_MAX_BATCH.get(device.type, DEFAULT_SPECULATIVE_MAX_BATCH["cuda"])
+    logger.info("speculative decoding: %s, %d tokens, while at most %d requests run", config.method,
+                config.num_speculative_tokens, max_batch)
+    return Speculator(NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max), config.num_speculative_tokens,
+                      max_batch)
 
 
 def resolve_max_model_len(wanted: int | None, arch: ModelArchConfig) -> int:

@@ -26,6 +26,7 @@ class SchedulerOutput:
     num_common_prefix_blocks: int = 0
     preempted_request_ids: set[str] = field(default_factory=set)
     finished_request_ids: set[str] = field(default_factory=set)  # since the last step
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # request id -> drafts its step verifies
 
     @property
     def is_empty(self) -> bool:
@@ -43,3 +44,7 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     pooled: dict[str, list[float]] = field(default_factory=dict)  # request id -> its pooled vector
     mask_timing: "MaskTiming | None" = None  # structured-output masks this step, if any row had one
+    # speculative decoding, by request id: the tokens verified (accepted drafts, one sampled), the next step's drafts
+    verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    verified_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

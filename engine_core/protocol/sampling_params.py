@@ -63,6 +63,8 @@ class SamplingParams:
     output_kind: OutputKind | None = None
     structured: StructuredOutput | None = None  # constrain the output (None: free text)
     clamp_max_tokens: bool = False  # max_tokens beyond the context's room: cut to it (else refused)
+    # False: never speculate for this request; True: as the engine does (--speculative-method; same output either way)
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         """Normalise containers (never validates: that is validate_sampling_params' job)."""

@@ -1,0 +1,58 @@
+"""The model runner's part of speculative decoding behind one object: after a step samples, propose drafts for the
+next step of each request that may speculate; in the next step, verify them (engine_core/spec_decode/verification.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine_core.sampler import Sampler
+from engine_core.spec_decode.proposer import DraftInput, Proposer
+from engine_core.spec_decode.verification import VerifyBatch, verify
+from engine_core.types import ModelRunnerOutput
+
+if TYPE_CHECKING:
+    from engine_core.model_runner import _Batch
+
+
+class Speculator:
+    def __init__(self, proposer: Proposer, num_speculative_tokens: int, max_batch: int) -> None:
+        """max_batch: the most requests sampling in a step for which the next step is proposed drafts (the
+        scheduler verifies none while more than that many requests run)."""
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_batch = max_batch
+
+    def propose(self, batch: _Batch, output: ModelRunnerOutput) -> None:
+        """Drafts (into output.draft_token_ids) for the requests that sampled this step and may speculate: not under
+        a grammar (its drafts would need the matcher's rollback), and not turned off by the request."""
+        requests = batch.sampling_requests + (batch.verify.requests if batch.verify is not None else [])
+        if len(requests) > self.max_batch:
+            return
+        inputs = []
+        for request in requests:
+            if not request.sampling_params.speculative or request.grammar is not None:
+                continue
+            request_id = request.request_id
+            new = output.verified_token_ids.get(request_id) or [output.sampled_token_ids[request_id]]
+            inputs.append(DraftInput(request_id, request.all_token_ids + new, self.num_speculative_tokens))
+        for item, drafts in zip(inputs, self.proposer.propose(inputs)):
+            if drafts:
+                output.draft_token_ids[item.request_id] = drafts
+
+    def verify(self, sampler: Sampler, logits: torch.Tensor, batch: VerifyBatch,
+               generators: dict[str, torch.Generator], output: ModelRunnerOutput) -> torch.Tensor:
+        """logits: [N + len(batch.rows), V], the verified rows last. Fills output.verified_token_ids (and
+        verified_logprobs); returns the first N rows, the other requests' to sample."""
+        num_sampled = logits.shape[0] - len(batch.rows)
+        emitted, logprobs = verify(sampler, logits[num_sampled:], batch, generators)
+        for request, tokens, token_logprobs in zip(batch.requests, emitted, logprobs):
+            output.verified_token_ids[request.request_id] = tokens
+            if token_logprobs is not None:
+                output.verified_logprobs[request.request_id] = token_logprobs
+        return logits[:num_sampled]
+
+    def forget(self, request_ids) -> None:  # noqa: ANN001 - any iterable of ids
+        self.proposer.forget(request_ids)
