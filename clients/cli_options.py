@@ -77,6 +77,9 @@ def sampling_parent() -> argparse.ArgumentParser:
     group.add_argument("--stop", action="append", metavar="TEXT", help="stop string; repeatable")
     group.add_argument("--repetition-penalty", type=float, metavar="R", help="(0, 2], 1 = off")
     group.add_argument("--ignore-eos", action="store_true", default=None, help="keep going past end-of-sequence")
+    group.add_argument("--no-speculative", dest="speculative", action="store_false", default=None,
+                       help="no speculative decoding for this request, where the engine speculates (the text is the "
+                            "same either way)")
     structured = parent.add_argument_group("structured output (at most one; the server enforces it token by token)")
     structured.add_argument("--json-schema", metavar="FILE",
                             help="the output is JSON valid under this JSON Schema file")
@@ -92,7 +95,7 @@ def sampling_parent() -> argparse.ArgumentParser:
 def sampling_from_args(args: argparse.Namespace) -> dict:
     """Sampling keywords for the client from the flags (the files of --json-schema and --grammar read)."""
     names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "repetition_penalty",
-             "ignore_eos", "clamp_max_tokens", "json_object", "regex", "choice", "whitespace_flexible")
+             "ignore_eos", "clamp_max_tokens", "speculative", "json_object", "regex", "choice", "whitespace_flexible")
     sampling = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     if "max_tokens" not in sampling:  # a default nobody asked for must not fail a long conversation
         sampling.update(max_tokens=DEFAULT_MAX_TOKENS, clamp_max_tokens=True)

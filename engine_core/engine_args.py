@@ -6,7 +6,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
+from engine_core.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    LoraConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+
+# vLLM's speculative_config keys -> SpeculativeConfig's fields (the draft model is vLLM's "model")
+_SPECULATIVE_KEYS = {"method": "method", "num_speculative_tokens": "num_speculative_tokens",
+                     "prompt_lookup_min": "prompt_lookup_min", "prompt_lookup_max": "prompt_lookup_max",
+                     "model": "draft_model", "max_batch": "max_batch"}
 
 
 @dataclass
@@ -28,6 +41,8 @@ class EngineArgs:
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16
+    # vLLM's: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5, "prompt_lookup_min": 2}
+    speculative_config: dict | None = None
 
     def create_engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -40,4 +55,13 @@ class EngineArgs:
             device=DeviceConfig(device=self.device, enforce_eager=self.enforce_eager,
                                 batch_invariant=self.batch_invariant),
             lora=LoraConfig(enable=self.enable_lora, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank),
+            speculative=speculative_config(self.speculative_config),
         )
+
+
+def speculative_config(options: dict | None) -> SpeculativeConfig:
+    """SpeculativeConfig from vLLM's speculative_config dict; ValueError names an unknown key."""
+    unknown = sorted(set(options or {}) - set(_SPECULATIVE_KEYS))
+    if unknown:
+        raise ValueError(f"speculative_config: unknown keys {unknown}; the keys: {', '.join(_SPECULATIVE_KEYS)}")
+    return SpeculativeConfig(**{_SPECULATIVE_KEYS[key]: value for key, value in (options or {}).items()})

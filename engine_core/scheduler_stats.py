@@ -13,11 +13,11 @@ if TYPE_CHECKING:
 
 
 def scheduler_stats(scheduler: Scheduler) -> SchedulerStats:
-    """Gauges now; counters (prefix cache, preemptions, tokens) for the last step.
+    """Gauges now; counters (prefix cache, preemptions, tokens, speculative decoding) for the last step.
 
     A pure read: utility calls may ask between steps without taking counts from the step's metrics.
     """
-    manager, lora = scheduler.kv_cache_manager, scheduler.lora
+    manager, lora, spec = scheduler.kv_cache_manager, scheduler.lora, scheduler.spec_decode_stats
     running_loras, waiting_loras = lora.request_counts(scheduler.requests.values()) if lora else ({}, {})
     return SchedulerStats(
         num_running_reqs=len(scheduler.running),
@@ -34,4 +34,8 @@ def scheduler_stats(scheduler: Scheduler) -> SchedulerStats:
         running_lora_adapters=running_loras,
         waiting_lora_adapters=waiting_loras,
         max_lora=0 if lora is None else lora.max_loras,
+        spec_decode_num_drafts=spec.num_drafts,
+        spec_decode_num_draft_tokens=spec.num_draft_tokens,
+        spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+        spec_decode_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos),
     )

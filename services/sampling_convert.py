@@ -15,7 +15,7 @@ from engine_core.protocol import FinishReason, SamplingParams, StructuredOutput,
 _OPTIONAL_SCALARS = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "ignore_eos",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs",
-    "include_stop_str_in_output", "skip_special_tokens", "clamp_max_tokens",
+    "include_stop_str_in_output", "skip_special_tokens", "clamp_max_tokens", "speculative",
 )
 
 
@@ -42,7 +42,7 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         include_stop_str_in_output=params.include_stop_str_in_output,
         skip_special_tokens=params.skip_special_tokens,
         output_kind=int(params.output_kind or 0),  # 0: unset, the API's default
-        clamp_max_tokens=params.clamp_max_tokens,
+        clamp_max_tokens=params.clamp_max_tokens, speculative=params.speculative,
     )
     for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
         if getattr(params, name) is not None:

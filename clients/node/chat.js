@@ -33,6 +33,7 @@ options:
   --temperature T       0 = greedy (default: the server's, 1.0)
   --seed N              seeded sampling
   --ignore-eos          keep going past end-of-sequence
+  --no-speculative      no speculative decoding for this request (the answer is the same)
   --json-schema FILE    the answer is JSON valid under this JSON Schema file
   --json-object         the answer is a JSON object
   --regex R             the whole answer matches this regular expression
@@ -79,6 +80,7 @@ function parseArgs(argv) {
       case '--temperature': args.temperature = number(value(++i, flag), flag); break;
       case '--seed': args.seed = number(value(++i, flag), flag); break;
       case '--ignore-eos': args.ignoreEos = true; break;
+      case '--no-speculative': args.speculative = false; break;
       case '--json-schema': constrain(args, 'json_schema', readText(value(++i, flag), flag)); break;
       case '--json-object': constrain(args, 'json_object', true); break;
       case '--regex': constrain(args, 'regex', value(++i, flag)); break;
@@ -170,6 +172,7 @@ function main() {
   if (args.temperature !== undefined) sampling.temperature = args.temperature;
   if (args.seed !== undefined) sampling.seed = String(args.seed);
   if (args.ignoreEos) sampling.ignore_eos = true;
+  if (args.speculative === false) sampling.speculative = false;
   if (args.constraint) {
     sampling.structured = { [args.constraint]: args[args.constraint], whitespace_flexible: !!args.whitespaceFlexible };
   }

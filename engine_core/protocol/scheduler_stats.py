@@ -22,3 +22,9 @@ class SchedulerStats:
     running_lora_adapters: dict[str, int] = field(default_factory=dict)
     waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
     max_lora: int = 0
+    # speculative decoding, this step (vLLM's SpecDecodingStats): requests verified, draft tokens verified and
+    # accepted, and accepted drafts by position (entry i: a request's (i+1)-th draft)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)

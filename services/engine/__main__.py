@@ -18,13 +18,16 @@ import sys
 from pathlib import Path
 
 from engine_core.config import (
+    DEFAULT_SPECULATIVE_MAX_BATCH,
     LORA_KERNELS,
+    SPECULATIVE_METHODS,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
     LoraConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from engine_core.openmp_env import limit_openmp_spinning
 from services.cpu_affinity import step_cpu_flag
@@ -168,6 +171,24 @@ def build_parser() -> argparse.ArgumentParser:
                          "folder when used) unless pinned (default: --max-loras)")
     la.add_argument("--lora-kernel", default=lora.kernel, choices=LORA_KERNELS,
                     help="auto: Triton on CUDA, on CPU the fastest measured per batch size; or one kernel")
+
+    spec = SpeculativeConfig()
+    sd = p.add_argument_group("speculative decoding (docs/speculative-decoding.md)")
+    sd.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=spec.method,
+                    help="propose tokens and verify them in one forward: ngram (prompt lookup in the request's own "
+                         "tokens) or draft (a smaller model; not built yet). Unset: off. Output is unchanged; a "
+                         "request turns it off with sampling_params.speculative false")
+    sd.add_argument("--num-speculative-tokens", type=int, default=spec.num_speculative_tokens, metavar="K",
+                    help="tokens proposed per request and step")
+    sd.add_argument("--prompt-lookup-min", type=int, default=spec.prompt_lookup_min, metavar="N",
+                    help="ngram: the shortest suffix looked up in the request's tokens")
+    sd.add_argument("--prompt-lookup-max", type=int, default=spec.prompt_lookup_max, metavar="N",
+                    help="ngram: the longest suffix looked up")
+    sd.add_argument("--draft-model", default=spec.draft_model, metavar="PATH",
+                    help="draft: the smaller model, with the same tokenizer (a HF folder or a .gguf)")
+    sd.add_argument("--speculative-max-batch", type=int, default=spec.max_batch, metavar="N",
+                    help=f"speculate only in steps with at most N running requests (default: by device, "
+                         f"{DEFAULT_SPECULATIVE_MAX_BATCH}; above it verifying drafts costs more than it saves)")
     return p
 
 
@@ -203,6 +224,11 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         ),
         lora=LoraConfig(enable=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                         max_cpu_loras=args.max_cpu_loras, kernel=args.lora_kernel, adapters=dict(args.lora or ())),
+        speculative=SpeculativeConfig(
+            method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+            prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
+            draft_model=args.draft_model, max_batch=args.speculative_max_batch,
+        ),
     )
 
 

@@ -93,6 +93,20 @@ class EngineMetrics:
             "Structured output: time a step's sampler waited for its masks after the forward (not hidden by it).",
             labels, buckets=MASK_BUCKETS, registry=r))
 
+        # speculative decoding (vLLM's vllm:spec_decode_*); mean acceptance length = 1 + accepted / drafts
+        self.spec_decode_num_drafts = bind(Counter(
+            "tandem:spec_decode_num_drafts", "Speculative decoding: requests whose drafts a step verified.",
+            labels, registry=r))
+        self.spec_decode_num_draft_tokens = bind(Counter(
+            "tandem:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.", labels, registry=r))
+        self.spec_decode_num_accepted_tokens = bind(Counter(
+            "tandem:spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.", labels,
+            registry=r))
+        self.spec_decode_num_accepted_tokens_per_pos = Counter(
+            "tandem:spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: draft tokens accepted at each position (0: a request's first draft).",
+            ["model_name", "position"], registry=r)
+
     def record_step(self, stats, step_seconds: float) -> None:
         """`stats` is the step's engine_core.protocol.SchedulerStats (gauges now, counters for this step)."""
         self.num_requests_running.set(stats.num_running_reqs)
@@ -107,6 +121,12 @@ class EngineMetrics:
             self.prompt_tokens.inc(stats.num_prompt_tokens)
         if stats.num_generation_tokens:
             self.generation_tokens.inc(stats.num_generation_tokens)
+        if stats.spec_decode_num_drafts:
+            self.spec_decode_num_drafts.inc(stats.spec_decode_num_drafts)
+            self.spec_decode_num_draft_tokens.inc(stats.spec_decode_num_draft_tokens)
+            self.spec_decode_num_accepted_tokens.inc(stats.spec_decode_num_accepted_tokens)
+            for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+                self.spec_decode_num_accepted_tokens_per_pos.labels(self.model_name, str(position)).inc(count)
         self.iteration_tokens.observe(stats.num_scheduled_tokens)
         self.step_duration.observe(step_seconds)
         if stats.max_lora:

@@ -125,3 +125,34 @@ def test_a_prometheus_scrape_keeps_the_colons_of_the_metric_names():
         server.stop()
     assert content_type.startswith("text/plain; version=0.0.4")
     assert "\ntandem:prompt_tokens_total 3.0\n" in text and "tandem_prompt_tokens" not in text
+
+
+def test_speculative_decoding_is_counted_and_turned_off_per_request(make_stack, observed_engine_config):
+    """tandem:spec_decode_* move with verified drafts; sampling_params.speculative false keeps a request's steps
+    plain, over the wire, with the same tokens."""
+    from dataclasses import replace
+
+    from engine_core.config import SpeculativeConfig
+    from tests.engine_core.test_spec_decode import prompts
+
+    config = replace(observed_engine_config, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    stack = make_stack(metrics=True, engine_config=config)
+    looping = prompts()[6]  # the tiny model's greedy output repeats itself here
+    before = stack.scrape("engine")
+    plain = stack.run(stack.generate(looping, 24, temperature=0.0, speculative=False))
+    after_plain = stack.scrape("engine")
+    assert delta(after_plain, before, "tandem:spec_decode_num_drafts_total") == 0
+    spec = stack.run(stack.generate(looping, 24, temperature=0.0))
+    after = stack.scrape("engine")
+    tokens = [[t for r in responses for t in r.completions[0].token_ids] for responses in (plain, spec)]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 24
+    drafts = delta(after, after_plain, "tandem:spec_decode_num_drafts_total")
+    draft_tokens = delta(after, after_plain, "tandem:spec_decode_num_draft_tokens_total")
+    accepted = delta(after, after_plain, "tandem:spec_decode_num_accepted_tokens_total")
+    assert 0 < accepted <= draft_tokens <= 3 * drafts
+    assert delta(after, after_plain, "tandem:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
+    assert sum(delta(after, after_plain, "tandem:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+               for i in range(3)) == accepted
+    # every step but the prompt's emits at least one token: fewer steps than tokens once drafts are accepted
+    assert delta(after, after_plain, "tandem:generation_tokens_total") == 24
+    assert delta(after, after_plain, "tandem:iteration_tokens_total_count") == 24 - accepted
