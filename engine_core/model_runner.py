@@ -114,6 +114,8 @@ class ModelRunner:
     # device queue and the rest on the host thread.
     def prepare_step(self, scheduler_output: SchedulerOutput) -> _Batch | None:
         """The step's inputs (None for an empty step); forgets the finished requests' state."""
+        if self.spec is not None:
+            self.spec.forget(scheduler_output.finished_request_ids)
         for request_id in scheduler_output.finished_request_ids:
             self.generators.pop(request_id, None)
             self.pooling_state.pop(request_id, None)

@@ -21,6 +21,7 @@ from engine_core.config import (
 from engine_core.engine_core import EngineCore
 from engine_core.llm_engine import LLMEngine
 from engine_core.protocol import EngineCoreRequest, FinishReason, SamplingParams
+from engine_core.spec_decode import Proposer
 from tests.engine_core.test_engine import CPP, INTERPRETER
 from tests.engine_core.tiny_models import write_tiny_model
 
@@ -269,3 +270,31 @@ def test_n_greater_than_one_and_lora_rows(tiny_model_dir, tmp_path):
         assert core.scheduler.kv_cache_manager.num_free_blocks == core.info.num_blocks - 1
     assert results[0] == results[1]
     assert results[1][1][0] != results[1][1][1]  # the adapter changed its row's output
+
+
+class Wrong(Proposer):
+    """Proposes tokens the model never picks (greedy on this model and prompt: checked by the test)."""
+
+    def propose(self, inputs):
+        return [[1] * item.num_drafts for item in inputs]
+
+
+def test_a_request_whose_drafts_keep_failing_rests(tiny_model_dir):
+    """Verifications that accept nothing make the request go without drafts for 1, 3, 7, 15 then 16 steps."""
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    prompt = prompts()[1]
+    off = Run(config(tiny_model_dir, spec=False), [prompt], params)
+    assert 1 not in off.outputs[0]
+    core = EngineCore(config(tiny_model_dir))
+    core.runner.spec.proposer = Wrong()
+    core.add_request(EngineCoreRequest("r", prompt, params))
+    verified_at, tokens, step = [], [], 0
+    while core.has_unfinished_requests():
+        outputs = core.step()
+        step += 1
+        if core.scheduler.spec_decode_stats.num_drafts:
+            verified_at.append(step)
+        tokens += [t for out in outputs.outputs for t in out.new_token_ids]
+    assert tokens == off.outputs[0]
+    # step 1 is the prompt's (and proposes); after each failed verification 1, 3, 7, 15 plain steps
+    assert verified_at == [2, 4, 8, 16, 32]
