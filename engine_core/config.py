@@ -237,7 +237,7 @@ class SpeculativeConfig:
                  f"max {self.prompt_lookup_max}")
         _require(self.max_batch is None or self.max_batch >= 0, f"max_batch must be >= 0, got {self.max_batch}")
         _require((self.method == "draft") == (self.draft_model is not None) or self.method is None,
-                 "speculative method 'draft' takes a draft_model (and only it does)")
+                 "speculative method 'draft' takes a draft_model (and only it does): --draft-model PATH")
 
     @property
     def enabled(self) -> bool:

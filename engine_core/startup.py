@@ -33,7 +33,8 @@ from engine_core.model_runner import ModelRunner
 from engine_core.overlap import InlineQueue, OverlappedSteps, ThreadQueue
 from engine_core.protocol import EngineInfo
 from engine_core.scheduler import Scheduler
-from engine_core.spec_decode import NgramProposer
+from engine_core.spec_decode import NgramProposer, Proposer
+from engine_core.spec_decode.draft_model import DraftModelProposer
 from engine_core.spec_decode.speculator import Speculator
 from engine_core.structured.masks import StructuredOutputs
 from kernels import (
@@ -107,7 +108,9 @@ def build_parts(config: EngineConfig, *, log_stats: bool, kv_events: bool) -> En
     structured = StructuredOutputs(tokenizer_path(config, model_path), vocab_size=arch.vocab_size,
                                    eos_token_ids=list(arch.eos_token_ids))
     overlap = resolve_overlap(config.device.overlap, device, config.speculative)
-    spec = speculator(config.speculative, device)
+    draft = load_draft(config, arch, device, dtype, attention, fused, quantization, pins, num_blocks,
+                       max_model_len) if config.speculative.method == "draft" else None
+    spec = speculator(config.speculative, device, draft)
     runner = ModelRunner(
         model, arch, attention,
         num_blocks=num_blocks, block_size=block_size, device=device, dtype=dtype,
@@ -193,20 +196,41 @@ def resolve_overlap(name: str, device: torch.device, speculative: SpeculativeCon
     return device.type == "cuda" and not speculating if name == "auto" else name == "on"
 
 
-def speculator(config: SpeculativeConfig, device: torch.device) -> Speculator | None:
-    """Speculative decoding's runner part (engine_core/spec_decode), or None when it is off."""
+def speculator(config: SpeculativeConfig, device: torch.device, proposer: Proposer | None = None) -> Speculator | None:
+    """Speculative decoding's runner part (engine_core/spec_decode), or None when it is off. proposer: the draft
+    model's (load_draft), for method 'draft'; else prompt lookup."""
     if not config.enabled:
         return None
-    if config.method == "draft":
-        raise ValueError("speculative method 'draft' (a draft model) is not built yet; use --speculative-method ngram "
-                         "(docs/speculative-decoding.md)")
+    if config.method == "draft" and proposer is None:
+        raise ValueError("speculative method 'draft' needs its draft model loaded (load_draft)")
     max_batch = config.max_batch
     if max_batch is None:
         max_batch = DEFAULT_SPECULATIVE_MAX_BATCH.get(device.type, DEFAULT_SPECULATIVE_MAX_BATCH["cuda"])
     logger.info("speculative decoding: %s, %d tokens, while at most %d requests run", config.method,
                 config.num_speculative_tokens, max_batch)
-    return Speculator(NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max), config.num_speculative_tokens,
-                      max_batch)
+    proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    return Speculator(proposer, config.num_speculative_tokens, max_batch)
+
+
+def load_draft(config: EngineConfig, arch: ModelArchConfig, device: torch.device, dtype: torch.dtype,
+               attention: AttentionBackend, fused, quantization: str, pins: Pins, num_blocks: int,  # noqa: ANN001
+               max_model_len: int) -> DraftModelProposer:
+    """The draft model, loaded and planned as the target is (same dtype, attention, quantization and pins), with a
+    runner and a KV cache of as many blocks as the target's."""
+    path = config.speculative.draft_model
+    started = time.perf_counter()
+    model, draft_arch = load_model(path, dtype, device, attention, fused)
+    if draft_arch.vocab_size > arch.vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({draft_arch.vocab_size} tokens) is larger than the model's "
+                         f"({arch.vocab_size}): a draft model must share the model's tokenizer")
+    if device.type == "cpu":
+        prepare_for_cpu(model, quantization, pins=pins, decode_layers=not config.device.batch_invariant)
+    max_len = min(max_model_len, draft_arch.max_position_embeddings)
+    runner = ModelRunner(model, draft_arch, attention, num_blocks=num_blocks, block_size=config.cache.block_size,
+                         device=device, dtype=dtype, max_model_len=max_len,
+                         cuda_graph_sizes=cuda_graph_sizes(config, device, attention))
+    logger.info("loaded the draft model %s in %.1f s", path, time.perf_counter() - started)
+    return DraftModelProposer(runner, max_model_len=max_len)
 
 
 def resolve_max_model_len(wanted: int | None, arch: ModelArchConfig) -> int:

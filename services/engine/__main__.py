@@ -176,8 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     sd = p.add_argument_group("speculative decoding (docs/speculative-decoding.md)")
     sd.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=spec.method,
                     help="propose tokens and verify them in one forward: ngram (prompt lookup in the request's own "
-                         "tokens) or draft (a smaller model; not built yet). Unset: off. Output is unchanged; a "
-                         "request turns it off with sampling_params.speculative false")
+                         "tokens) or draft (a smaller model of the same tokenizer, --draft-model). Unset: off. Output "
+                         "is unchanged; a request turns it off with sampling_params.speculative false")
     sd.add_argument("--num-speculative-tokens", type=int, default=spec.num_speculative_tokens, metavar="K",
                     help="tokens proposed per request and step")
     sd.add_argument("--prompt-lookup-min", type=int, default=spec.prompt_lookup_min, metavar="N",
@@ -203,6 +203,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from parsed flags; ValueError on a bad value or a missing model."""
     if args.model is not None and not Path(args.model).exists():
         raise ValueError(f"model {args.model!r} not found: give a Hugging Face folder or a .gguf file")
+    if args.draft_model is not None and not Path(args.draft_model).exists():
+        raise ValueError(f"draft model {args.draft_model!r} not found: give a Hugging Face folder or a .gguf file")
     if args.tokenizer is not None and not Path(args.tokenizer).exists():
         raise ValueError(f"tokenizer {args.tokenizer!r} not found: give a folder with tokenizer.json or a .gguf file")
     return EngineConfig(

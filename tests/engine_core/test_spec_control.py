@@ -36,10 +36,14 @@ def test_vllms_speculative_config_dict():
         EngineArgs(speculative_config={"method": "ngram", "draft_tensor_parallel_size": 1}).create_engine_config()
 
 
-def test_start_up_refuses_what_is_not_built_and_overlap_on():
+def test_start_up_refuses_overlap_on_and_a_missing_draft_model():
+    from services.engine.__main__ import build_parser, config_from_args
+
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    with pytest.raises(ValueError, match="'draft' .* is not built yet"):
-        speculator(SpeculativeConfig(method="draft", draft_model="small"), cpu)
+    with pytest.raises(ValueError, match="draft model 'nowhere' not found"):
+        config_from_args(build_parser().parse_args(["--speculative-method", "draft", "--draft-model", "nowhere"]))
+    with pytest.raises(ValueError, match="speculative method 'draft' takes a draft_model"):
+        SpeculativeConfig(method="draft")
     ngram = SpeculativeConfig(method="ngram")
     with pytest.raises(ValueError, match="overlap 'on' cannot be combined with speculative decoding"):
         resolve_overlap("on", cpu, ngram)

@@ -298,3 +298,69 @@ def test_a_request_whose_drafts_keep_failing_rests(tiny_model_dir):
     assert tokens == off.outputs[0]
     # step 1 is the prompt's (and proposes); after each failed verification 1, 3, 7, 15 plain steps
     assert verified_at == [2, 4, 8, 16, 32]
+
+
+# ---- a draft model -----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def noisy_draft_dir(tiny_model_dir, tmp_path_factory):
+    """The target's weights with noise added: a draft that agrees with it often, not always."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path_factory.mktemp("tiny-llama-draft")
+    shutil.copy(tiny_model_dir / "config.json", folder / "config.json")
+    weights = load_file(tiny_model_dir / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    save_file({name: w + 0.03 * torch.randn(w.shape, generator=g) for name, w in weights.items()},
+              folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def draft_config(folder, draft, *, backend="torch", **kwargs) -> EngineConfig:
+    cfg = config(folder, backend=backend, **kwargs)
+    cfg.speculative = SpeculativeConfig(method="draft", draft_model=str(draft), num_speculative_tokens=K, max_batch=64)
+    return cfg
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=INTERPRETER)])
+def test_a_draft_model_gives_the_same_greedy_output_with_fewer_forwards(tiny_model_dir, noisy_draft_dir, backend):
+    params = SamplingParams(temperature=0.0, max_tokens=16 if backend == "triton" else 32, ignore_eos=True)
+    chosen = [prompts()[i] for i in (0, 2)] if backend == "triton" else prompts()
+    off = Run(config(tiny_model_dir, spec=False, backend=backend), chosen, params)
+    # the model as its own draft: every draft accepted (up to fp32 near-ties), one forward per k + 1 tokens
+    same = Run(draft_config(tiny_model_dir, tiny_model_dir, backend=backend), chosen, params)
+    assert same.outputs == off.outputs
+    assert same.accepted >= 0.9 * same.draft_tokens
+    noisy = Run(draft_config(tiny_model_dir, noisy_draft_dir, backend=backend), chosen, params)
+    assert noisy.outputs == off.outputs
+    assert 0 < noisy.accepted < noisy.draft_tokens
+    alone_off = Run(config(tiny_model_dir, spec=False, backend=backend), chosen[:1], params)
+    alone = Run(draft_config(tiny_model_dir, noisy_draft_dir, backend=backend), chosen[:1], params)
+    assert alone.outputs == alone_off.outputs
+    assert alone.forwards + alone.accepted == alone_off.forwards and alone.forwards < alone_off.forwards
+    proposer = noisy.core.runner.spec.proposer
+    noisy.core.step()  # the runner hears of the last finished requests with the next step, empty or not
+    assert not proposer.requests and proposer.kv.num_free_blocks == proposer.runner.num_blocks - 1
+
+
+def test_a_draft_model_keeps_seeded_output_and_frees_its_cache_on_aborts(tiny_model_dir, noisy_draft_dir):
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=24, ignore_eos=True)
+              for t, s in ((0.1, 1), (0.8, 2), (0.05, 3), (0.3, 4))]
+    chosen = prompts()[:4]
+    off = Run(config(tiny_model_dir, spec=False), chosen, params)
+    on = Run(draft_config(tiny_model_dir, noisy_draft_dir), chosen, params)
+    assert on.outputs == off.outputs and on.accepted > 0
+    core = EngineCore(draft_config(tiny_model_dir, noisy_draft_dir, num_blocks=64, max_model_len=96))
+    proposer = core.runner.spec.proposer
+    rng = random.Random(1)
+    for cut in range(20):
+        ids = [f"c{cut}-{j}" for j in range(rng.randint(1, 3))]
+        for request_id in ids:
+            core.add_request(EngineCoreRequest(request_id, rng.choice(chosen), params[0]))
+        for _ in range(rng.randint(1, 6)):
+            core.step()
+        core.abort_requests(ids)
+        core.step()  # the runner hears of the aborts with the next step
+        assert not proposer.requests and proposer.kv.num_free_blocks == proposer.runner.num_blocks - 1
+        assert core.scheduler.kv_cache_manager.num_free_blocks == core.info.num_blocks - 1
