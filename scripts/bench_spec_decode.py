@@ -1,4 +1,5 @@
-"""Speculative decoding (n-gram), on and off side by side in one process, on the embedded SmolLM2 (issue 52).
+"""Speculative decoding (n-gram, or a draft model), on and off side by side in one process, on the embedded
+SmolLM2 (issue 52).
 
 One engine with speculation configured serves both modes: "off" sends every request with
 sampling_params.speculative false, so both run the same kernels, plans and KV cache. Rounds alternate the modes.
@@ -19,6 +20,7 @@ correct a text), "fresh" for new text (a story, an explanation); several streams
     python scripts/bench_spec_decode.py                                  # 1 stream copy and fresh, 32 mixed
     python scripts/bench_spec_decode.py --streams 1 2 4 8 16 32 --max-batch 64   # where speculation stops paying
     python scripts/bench_spec_decode.py --streams 1 --rounds 1 --max-tokens 16   # a quick check that it runs
+    python scripts/bench_spec_decode.py --model BIG --draft-model SMALL          # a draft model instead of n-grams
 
 With --max-batch above the stream count every step speculates (the batch rule off): the ratio at each stream count
 says where --speculative-max-batch (engine_core/config.py's DEFAULT_SPECULATIVE_MAX_BATCH) belongs on a machine.
@@ -99,6 +101,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per mode")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--model", default=None, help="a HF folder or .gguf (default: the embedded SmolLM2)")
+    parser.add_argument("--draft-model", default=None,
+                        help="speculate with this draft model (same tokenizer) instead of prompt lookup")
     parser.add_argument("--output", default="bench_results/spec_decode.json", help="where to write JSON")
     return parser.parse_args()
 
@@ -157,8 +161,9 @@ def summarize(rounds: dict[str, list[dict]]) -> dict:
 
 def main() -> None:
     args = parse_args()
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=args.k, prompt_lookup_min=args.prompt_lookup_min,
-                             prompt_lookup_max=args.prompt_lookup_max, max_batch=args.max_batch)
+    spec = SpeculativeConfig(method="draft" if args.draft_model else "ngram", num_speculative_tokens=args.k,
+                             prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
+                             draft_model=args.draft_model, max_batch=args.max_batch)
     engine = LLMEngine(EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=1024),
         cache=CacheConfig(kv_cache_memory_gib=1.0),
@@ -166,8 +171,8 @@ def main() -> None:
         speculative=spec,
     ))
     runner_spec = engine.engine_core.runner.spec
-    print(f"{engine.info.model_name} {engine.info.dtype}, {torch.get_num_threads()} threads, k={args.k}, "
-          f"speculating while at most {runner_spec.max_batch} requests run", flush=True)
+    print(f"{engine.info.model_name} {engine.info.dtype}, {torch.get_num_threads()} threads, {spec.method}, "
+          f"k={args.k}, speculating while at most {runner_spec.max_batch} requests run", flush=True)
     encoded = {name: chat_prompts(engine, texts) for name, texts in WORKLOADS.items()}
     run_round(engine, encoded["fresh"][:2], 4, True)  # warm-up: plans, first-use compilation
     cases = []
@@ -200,7 +205,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     machine = platform.processor() or platform.machine()
     out.write_text(json.dumps({
-        "benchmark": "speculative decoding (ngram), on vs off", "model": engine.info.model_name,
+        "benchmark": f"speculative decoding ({spec.method}), on vs off", "model": engine.info.model_name,
+        "draft_model": args.draft_model,
         "dtype": engine.info.dtype, "k": args.k, "prompt_lookup": [args.prompt_lookup_min, args.prompt_lookup_max],
         "max_batch": runner_spec.max_batch, "max_tokens": args.max_tokens, "rounds": args.rounds,
         "threads": torch.get_num_threads(), "machine": machine, "rows": rows}, indent=2))

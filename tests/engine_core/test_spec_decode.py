@@ -364,3 +364,37 @@ def test_a_draft_model_keeps_seeded_output_and_frees_its_cache_on_aborts(tiny_mo
         core.step()  # the runner hears of the aborts with the next step
         assert not proposer.requests and proposer.kv.num_free_blocks == proposer.runner.num_blocks - 1
         assert core.scheduler.kv_cache_manager.num_free_blocks == core.info.num_blocks - 1
+
+
+@CPP
+def test_verification_rows_through_the_one_op_decode_layers(tiny_model_dir, monkeypatch):
+    """On a CPU the decoder layers run as one C++ op for small steps of any rows (kernels/cpu/decode_layers.py):
+    a verification's 1 + k rows go through it as a prompt chunk's do, and answer as the plain decodes do (the
+    same engine, speculative off per request)."""
+    from engine_core.spec_decode import NgramProposer
+    from engine_core.spec_decode.speculator import Speculator
+    from tests.engine_core.test_cpu_decode_layers import make_engine
+
+    engine = make_engine(tiny_model_dir, monkeypatch, costs={"int8_gemv": 1.0})  # its config speculates not
+    core = engine.engine_core
+    core.runner.spec = Speculator(NgramProposer(), K, max_batch=64)
+    core.scheduler.spec_max_batch = 64
+    model = core.model.model
+    layers_op, rows_seen = model.decode_layers, []
+    assert layers_op is not None
+
+    def counting(h, *args):
+        rows_seen.append(h.shape[0])
+        return layers_op(h, *args)
+
+    model.decode_layers = counting
+    model.decode_layers.max_rows = layers_op.max_rows
+    chosen = [prompts()[i] for i in (0, 6)]
+    answers = {}
+    for speculative in (False, True):
+        rows_seen.clear()
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, speculative=speculative)
+        answers[speculative] = [o.completions[0].token_ids for o in engine.generate(chosen, params)]
+    assert answers[True] == answers[False]
+    # after the prompts' step, the op ran steps of more rows than requests: verifications
+    assert len(rows_seen) < 24 and any(rows > len(chosen) for rows in rows_seen[1:]), rows_seen
