@@ -43,7 +43,11 @@ def load_model(
     `fused` gives its layers the fused elementwise ops (None: plain torch)."""
     model_path = Path(path) if path is not None else default_model_path()
     if not model_path.exists():
-        raise FileNotFoundError(f"model path {model_path} does not exist")
+        hint = ""
+        if isinstance(path, str) and path.count("/") == 1 and not path.startswith((".", "/")) and not model_path.suffix:
+            hint = (f"; {path!r} looks like a Hugging Face Hub id, and Tandem downloads nothing: fetch it first "
+                    f"(huggingface-cli download {path} --local-dir DIR) and give the folder, or a .gguf file")
+        raise FileNotFoundError(f"model path {model_path} does not exist{hint}")
     if model_path.is_dir():
         config, weights = load_hf(model_path)
     elif model_path.suffix == ".gguf":
