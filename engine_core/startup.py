@@ -18,6 +18,7 @@ import torch
 from engine_core.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     EngineConfig,
+    LoraConfig,
     ModelArchConfig,
     SchedulerConfig,
     parse_linear_kernels,
@@ -99,7 +100,8 @@ def build_parts(config: EngineConfig, *, log_stats: bool, kv_events: bool) -> En
     logger.info("step token budget %d", config.scheduler.max_num_batched_tokens)
     block_size = config.cache.block_size
     num_blocks = config.cache.num_blocks or num_blocks_for_memory(config, arch, max_model_len, dtype)
-    lora = LoraRuntime.attach(model, config.lora, device, dtype, attention.name) if config.lora.enable else None
+    lora_config = batch_invariant_lora(config.lora, attention.name) if invariant else config.lora
+    lora = LoraRuntime.attach(model, lora_config, device, dtype, attention.name) if config.lora.enable else None
     structured = StructuredOutputs(tokenizer_path(config, model_path), vocab_size=arch.vocab_size,
                                    eos_token_ids=list(arch.eos_token_ids))
     runner = ModelRunner(
@@ -163,6 +165,17 @@ def batch_invariant_pins(pins: Pins, quantization: str, dtype: torch.dtype, devi
         raise ValueError(f"batch_invariant runs float linears; quantization {quantization!r} cannot be combined "
                          "with it (leave it auto)")
     return {"*": {None: batch_invariant_kernel(dtype)}}
+
+
+def batch_invariant_lora(config: LoraConfig, attention_backend: str) -> LoraConfig:
+    """Adapters in batch-invariant mode: on the C++ attention, the C++ BGMV kernel at every batch size (each
+    row's products in one order, however many rows share a pass); the measured choice per bucket is not."""
+    if attention_backend != "cpp":
+        return config
+    if config.kernel not in ("auto", "cpp"):
+        raise ValueError(f"batch_invariant runs LoRA through the 'cpp' kernel at every batch size; lora kernel "
+                         f"{config.kernel!r} cannot be combined with it (leave it auto)")
+    return replace(config, kernel="cpp")
 
 
 def resolve_scheduler(config: SchedulerConfig, device: torch.device, max_model_len: int) -> SchedulerConfig:

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
 from engine_core.llm_engine import LLMEngine
 from engine_core.protocol import SamplingParams
 from engine_core.startup import batch_invariant_pins
@@ -119,6 +119,27 @@ def test_chunked_prefill_splits_give_one_answer(model_folder, backend, dtype):
     prompts = random_prompts(3, seed=6, shortest=50, longest=70)
     results = {step: answers(engine(model_folder, backend, dtype, step_tokens=step), prompts) for step in (7, 16, 512)}
     assert results[7] == results[16] == results[512]
+
+
+def test_adapter_rows_get_one_answer_at_every_batch_size(model_folder, tmp_path):
+    """A request on a LoRA adapter, beside base-model rows and other adapter rows: the BGMV kernel at every size."""
+    from tests.engine_core.tiny_lora import write_tiny_adapter
+
+    adapter = str(write_tiny_adapter(model_folder, tmp_path / "adapter", rank=8))
+    llm = LLMEngine(EngineConfig(
+        model=ModelConfig(model=model_folder, dtype="bfloat16"),
+        cache=CacheConfig(block_size=16, num_blocks=512, enable_prefix_caching=False),
+        device=DeviceConfig(device="cpu", attention_backend="cpp", batch_invariant=True),
+        lora=LoraConfig(enable=True, adapters={"tiny": adapter}),
+    ))
+    prompt, *others = random_prompts(16, seed=7)
+    seen = set()
+    for size in (1, 2, 3, 5, 8, 16):
+        outputs = llm.generate([prompt] + others[: size - 1], GREEDY,
+                               lora_names=["tiny"] + ["tiny" if i % 2 else None for i in range(size - 1)])
+        completion = outputs[0].outputs[0]
+        seen.add((tuple(completion.token_ids), tuple(lp.logprobs[0] for lp in completion.logprobs)))
+    assert len(seen) == 1, f"{len(seen)} different answers"
 
 
 def test_quantization_pinned_kernels_and_cuda_are_refused(model_folder):
