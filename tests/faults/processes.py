@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 from clients.local_stack import free_port, wait_until_serving
+from tests.waits import STARTUP_TIMEOUT_S
 
-ENGINE_STARTUP_S = 120.0
-FRONTEND_STARTUP_S = 60.0
+ENGINE_STARTUP_S = FRONTEND_STARTUP_S = STARTUP_TIMEOUT_S  # tests/waits.py
 
 
 class Service:

@@ -62,12 +62,7 @@ def engines(tmp_path_factory):
             service.stop()
 
 
-async def wait_until(predicate, timeout_s: float = 30.0, what: str = "a condition") -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
+from tests.waits import wait_until  # noqa: E402
 
 
 async def outcome(call, first_tokens: list[int]) -> tuple[str, int, str]:

@@ -21,6 +21,7 @@ from services.frontend.server import FrontendServer
 from services.frontend.tokenizer import TokenizerBundle, load_tokenizer
 from tests.event_loops import close_loop
 from tests.frontend.fake_engine import FakeEngine, echo_prompt, start_fake_engine
+from tests.waits import STATE_TIMEOUT_S, wait_until  # noqa: F401 (the frontend tests import wait_until here)
 
 
 def smollm2_gguf() -> Path:
@@ -70,7 +71,7 @@ class Stack:
         await self.start_engine("127.0.0.1:0")
         self.client = GrpcEngineClient([f"127.0.0.1:{self.engine_port}"], backoff_initial_s=0.05, backoff_max_s=0.2)
         await self.client.start()
-        await asyncio.wait_for(self.client.wait_for_engine(), 5)
+        await asyncio.wait_for(self.client.wait_for_engine(), STATE_TIMEOUT_S)
         self.llm = AsyncLLM(self.client, self.tokenizer, max_waiting_requests=max_waiting_requests)
         self.frontend = FrontendServer(self.llm, "127.0.0.1:0")
         await self.frontend.start()
@@ -96,15 +97,6 @@ class Stack:
             self.run(self._stop())
         finally:
             close_loop(self.loop)
-
-
-async def wait_until(predicate, timeout_s: float = 5.0) -> None:
-    """Poll `predicate()` until it is true (fails the test after timeout_s)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        assert loop.time() < deadline, "timed out waiting for a condition"
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ token-ish pieces that the fake engine emits a random number at a time."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import uuid
 
@@ -89,4 +88,4 @@ def test_stop_string_split_over_tokens_is_held_back(stack):
     deltas = stack.run(run())
     assert "".join(deltas) == "Hello world"
     assert not any("S" in d for d in deltas)
-    stack.run(asyncio.wait_for(wait_until(lambda: "held" in stack.engine.aborted), 5))
+    stack.run(wait_until(lambda: "held" in stack.engine.aborted))

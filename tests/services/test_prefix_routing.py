@@ -28,12 +28,7 @@ def two_engines(tiny_model_dir):
         server.shutdown()
 
 
-async def wait_until(predicate, timeout_s: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        assert loop.time() < deadline, "timed out waiting for a condition"
-        await asyncio.sleep(0.01)
+from tests.waits import wait_until  # noqa: E402, F401 (routing tests import it from here)
 
 
 async def run_requests(client: GrpcEngineClient, prompts: dict[str, list[int]]) -> dict[str, int]:
