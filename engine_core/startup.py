@@ -91,7 +91,7 @@ def build_parts(config: EngineConfig, *, log_stats: bool, kv_events: bool) -> En
     if invariant:
         pins = batch_invariant_pins(pins, quantization, dtype, device)
     if device.type == "cpu":
-        prepare_for_cpu(model, quantization, pins=pins, decode_layers=not invariant)
+        prepare_for_cpu(model, quantization, pins=pins)
     model_path = str(Path(config.model.model) if config.model.model else default_model_path())
     logger.info("loaded %s in %.1f s", model_path, time.perf_counter() - started)
 
