@@ -54,7 +54,7 @@ WIRING = {
     "services/frontend/health.py",
     "services/frontend/server.py",
     "services/frontend/vllm_engine_servicer.py",
-    "services/frontend/engine_connection.py",
+    "services/frontend/engines/connection.py",
     "clients/client.py",
     "clients/async_client.py",
     "clients/local_stack.py",

@@ -52,7 +52,7 @@ class InProcessBackend:
                  max_num_seqs: int = 256, engine: tuple | None = None) -> None:
         """Starts an engine on a thread of its own, unless `engine` = (busy loop, EngineInfo) is given: then
         the caller steps it (scripts/bench_engine.py runs it on the main thread: run_beside_engine)."""
-        from services.frontend.in_process import start_engine
+        from services.frontend.engines.in_process import start_engine
         from services.frontend.tokenizer import load_tokenizer
 
         self._tokenizer = load_tokenizer(tokenizer_path)
@@ -78,7 +78,7 @@ class InProcessBackend:
     async def _started(self):
         if self._llm is None:
             from services.frontend.async_llm import AsyncLLM
-            from services.frontend.in_process import InProcessEngineClient
+            from services.frontend.engines.in_process import InProcessEngineClient
 
             client = InProcessEngineClient(self._busy_loop, self._info)
             await client.start()

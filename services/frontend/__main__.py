@@ -16,11 +16,11 @@ from pathlib import Path
 from services.cpu_priority import CPU_PRIORITIES, lower_cpu_priority
 from services.frontend.async_llm import DEFAULT_MAX_WAITING_REQUESTS, AsyncLLM
 from services.frontend.chat_setup import choose_chat_setup
-from services.frontend.engine_client import GrpcEngineClient
-from services.frontend.engine_discovery import DEFAULT_RESOLVE_INTERVAL_S, parse_engine_targets
+from services.frontend.engines.discovery import DEFAULT_RESOLVE_INTERVAL_S, parse_engine_targets
+from services.frontend.engines.grpc_client import GrpcEngineClient
+from services.frontend.engines.router import DEFAULT_BALANCE_ABS, DEFAULT_BALANCE_REL, Router, RoutingPolicy
 from services.frontend.limits import RequestLimits
 from services.frontend.output_processor import DEFAULT_MAX_UNSENT_TOKENS
-from services.frontend.router import DEFAULT_BALANCE_ABS, DEFAULT_BALANCE_REL, Router, RoutingPolicy
 from services.frontend.server import FrontendServer
 from services.frontend.telemetry import FrontendTelemetry
 from services.frontend.tokenizer import load_tokenizer

@@ -36,11 +36,11 @@ from engine_core.protocol import (
 )
 from services.frontend.change_listeners import ChangeListeners
 from services.frontend.chat_setup import ChatSetup
-from services.frontend.engine_client import EngineClient
+from services.frontend.engines.client import EngineClient
+from services.frontend.engines.lora_results import lora_results
 from services.frontend.errors import DuplicateRequest, EngineUnavailable, InvalidRequest, NotFound, TooManyRequests
 from services.frontend.input_processor import InputProcessor, Prompt, PromptLike, TextPrompt, as_prompt, new_request_id
 from services.frontend.limits import RequestLimits
-from services.frontend.lora_results import lora_results
 from services.frontend.messages import EmbedResult, EngineCallResult, EngineOutputs
 from services.frontend.output_processor import DEFAULT_MAX_UNSENT_TOKENS, OutputProcessor, RequestOutputCollector
 from services.frontend.telemetry import FrontendTelemetry

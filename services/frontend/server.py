@@ -197,7 +197,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         return admin_pb2.PinLoraAdapterResponse(adapters=convert.lora_adapters(results))
 
     async def _lora_call(self, context, call) -> list[EngineCallResult]:
-        """A LoRA call's results; a refusal ends the call with its status (services/frontend/lora_results.py)."""
+        """A LoRA call's results; a refusal ends the call with its status (engines/lora_results.py)."""
         try:
             return await call
         except Exception as e:  # noqa: BLE001

@@ -21,8 +21,8 @@ from engine_core.protocol import FinishReason, OutputKind, SamplingParams
 from services.engine.busy_loop import EngineBusyLoop
 from services.engine.process import run_beside_engine
 from services.frontend.async_llm import AsyncLLM
+from services.frontend.engines.in_process import InProcessEngineClient
 from services.frontend.errors import EngineUnavailable
-from services.frontend.in_process import InProcessEngineClient
 from services.frontend.input_processor import TextPrompt, TokensPrompt
 from tests.engine_core.tiny_models import write_tiny_model
 

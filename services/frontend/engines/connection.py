@@ -14,7 +14,7 @@ from tandem.v1 import engine_core_pb2_grpc
 
 from engine_core.protocol import EngineInfo, EngineState, KVCacheEvents, SchedulerStats
 from engine_core.protocol.block_hash import BlockHash
-from services.frontend.router import EngineLoad
+from services.frontend.engines.router import EngineLoad
 from services.security.transport import ChannelTransport
 
 

@@ -1,6 +1,6 @@
 """The frontend's link to engine cores: one long-lived Connect stream per engine address.
 
-`EngineClient` (engine_client_base.py) is the interface AsyncLLM uses; `GrpcEngineClient`
+`EngineClient` (client.py) is the interface AsyncLLM uses; `GrpcEngineClient`
 implements it over gRPC for one or many engines (found by discovery, chosen by the router),
 `in_process.InProcessEngineClient` over an engine busy loop of this process.
 
@@ -29,25 +29,19 @@ from engine_core.protocol import (
     UtilityCall,
 )
 from services.frontend import convert
-from services.frontend.engine_client_base import (  # EngineClient re-exported
-    EngineClient,
-    refusal_error,
-    with_adapter,
-)
-from services.frontend.engine_connection import EngineConnection
-from services.frontend.engine_discovery import (
+from services.frontend.engines.client import EngineClient, refusal_error, with_adapter
+from services.frontend.engines.connection import EngineConnection
+from services.frontend.engines.discovery import (
     DEFAULT_RESOLVE_INTERVAL_S,
     EngineDiscovery,
     Resolver,
     parse_engine_targets,
 )
+from services.frontend.engines.router import Router
 from services.frontend.errors import EngineAsleep, EngineUnavailable
 from services.frontend.messages import EngineCallResult, EngineOutputs, EngineStatus
-from services.frontend.router import Router
 from services.security.transport import ENGINE_LINK_MAX_MESSAGE_BYTES, ChannelTransport
 from services.telemetry.metrics import FrontendMetrics
-
-__all__ = ["EngineClient", "GrpcEngineClient"]
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +50,7 @@ PLAINTEXT_LINK = ChannelTransport(max_message_bytes=ENGINE_LINK_MAX_MESSAGE_BYTE
 
 class GrpcEngineClient(EngineClient):
     """Engine cores over gRPC: one Connect stream per engine address, each reconnecting with capped
-    exponential backoff; each request goes where the router says (services/frontend/router.py).
+    exponential backoff; each request goes where the router says (services/frontend/engines/router.py).
 
     `targets` are --engine values: `host:port` or `dns:///name:port`, the latter resolved to every
     address behind the name on an interval and when a stream breaks (engine_discovery.py). Engines

@@ -1,6 +1,6 @@
 """The interface AsyncLLM drives engines through: add and abort requests, utility calls, one output queue.
 
-`engine_client.GrpcEngineClient` implements it over gRPC for one or many engines,
+`grpc_client.GrpcEngineClient` implements it over gRPC for one or many engines,
 `in_process.InProcessEngineClient` over an engine busy loop of this process.
 """
 

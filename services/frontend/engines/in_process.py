@@ -19,7 +19,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from engine_core.protocol import ControlCall, EngineCoreRequest, EngineInfo, EngineState, UtilityCall
-from services.frontend.engine_client_base import EngineClient, refusal_error, with_adapter
+from services.frontend.engines.client import EngineClient, refusal_error, with_adapter
 from services.frontend.errors import EngineAsleep, EngineUnavailable
 from services.frontend.messages import EngineCallResult, EngineOutputs, EngineStatus
 
