@@ -34,7 +34,7 @@ MESSAGE_MODULES = {
     "services/sampling_convert.py",  # the shared types <-> common.proto, for both services
     "services/engine/convert.py",
     "services/frontend/convert.py",
-    "services/frontend/tool_convert.py",  # the tool-calling fields of Chat (called by convert.py)
+    "services/frontend/tools/convert.py",  # the tool-calling fields of Chat (called by frontend/convert.py)
     "services/frontend/vllm_engine_convert.py",  # vLLM's worker protocol (smg-grpc-proto) <-> the dataclasses
     "services/frontend/vllm_engine_servicer.py",
     "clients/messages.py",

@@ -24,7 +24,7 @@ from services.frontend.output_processor import DEFAULT_MAX_UNSENT_TOKENS
 from services.frontend.server import FrontendServer
 from services.frontend.telemetry import FrontendTelemetry
 from services.frontend.tokenizer import load_tokenizer
-from services.frontend.tool_parsers import PARSERS
+from services.frontend.tools.parsers import PARSERS
 from services.ports import PortUnavailable, ensure_can_listen, explain_bind_failure
 from services.security import flags as security_flags
 from services.security.transport import DEFAULT_MAX_MESSAGE_BYTES

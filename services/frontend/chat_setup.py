@@ -17,7 +17,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from services.frontend.tokenizer import TokenizerBundle
-from services.frontend.tool_parsers import PARSERS, parser_for_template
+from services.frontend.tools.parsers import PARSERS, parser_for_template
 
 TEMPLATES = Path(__file__).parent / "templates"
 # Shipped tool-aware templates for models whose own template has no tools branch: (marker in the model's
@@ -31,7 +31,7 @@ class ChatSetup:
 
     template: str | None
     source: str  # "model", "shipped:FILE" or "file:PATH"
-    tool_parser: str | None  # a key of tool_parsers.PARSERS; None: no parser fits (tools need one)
+    tool_parser: str | None  # a key of tools.parsers.PARSERS; None: no parser fits (tools need one)
 
     @property
     def renders_tools(self) -> bool:

@@ -13,7 +13,7 @@ from services.frontend.chat_template import ChatTemplateError, render_chat
 from services.frontend.errors import InvalidRequest
 from services.frontend.limits import RequestLimits
 from services.frontend.tokenizer import TokenizerBundle
-from services.frontend.tool_request import ToolPlan, ToolRequest, plan_tools
+from services.frontend.tools.request import ToolPlan, ToolRequest, plan_tools
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 

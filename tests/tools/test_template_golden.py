@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerFast
 from services.frontend.chat_setup import TEMPLATES, choose_chat_setup
 from services.frontend.input_processor import ChatPrompt, InputProcessor
 from services.frontend.tokenizer import TokenizerBundle
-from services.frontend.tool_request import ToolRequest, ToolSpec, plan_tools
+from services.frontend.tools.request import ToolRequest, ToolSpec, plan_tools
 
 FIXTURES = Path(__file__).parent / "templates"  # sources in templates/SOURCES.md
 FAMILIES = {  # template -> (calls per assistant message, tool call ids must have 9+ characters)

@@ -18,8 +18,8 @@ from engine_core.protocol.structured_output import check_structured_output
 from services.frontend.chat_setup import ChatSetup
 from services.frontend.errors import InvalidRequest
 from services.frontend.limits import DEFAULT_MAX_TOOL_CALLS
-from services.frontend.tool_choice_schema import required_calls_schema
-from services.frontend.tool_parsers import PARSERS, NamedFunctionParser, RequiredCallsParser, ToolParser
+from services.frontend.tools.choice_schema import required_calls_schema
+from services.frontend.tools.parsers import PARSERS, NamedFunctionParser, RequiredCallsParser, ToolParser
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 NONE, AUTO, REQUIRED, FUNCTION = "none", "auto", "required", "function"

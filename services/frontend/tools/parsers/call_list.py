@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.frontend.tool_parsers.json_scan import CALL, PENDING, scan_call, skip_whitespace
-from services.frontend.tool_parsers.tool_call import Scan
+from services.frontend.tools.parsers.json_scan import CALL, PENDING, scan_call, skip_whitespace
+from services.frontend.tools.parsers.tool_call import Scan
 
 
 def scan_call_list(text: str, i: int, final: bool, names: frozenset[str] | None, scan: Scan) -> int | None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine_core.protocol import FinishReason, OutputKind
-from services.frontend.tool_parsers import ToolCall, ToolCallDelta, ToolCallStreamer
-from services.frontend.tool_request import ToolPlan
+from services.frontend.tools.parsers import ToolCall, ToolCallDelta, ToolCallStreamer
+from services.frontend.tools.request import ToolPlan
 
 
 @dataclass

@@ -12,7 +12,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from services.frontend.tool_parsers.tool_call import PartialCall, Scan
+from services.frontend.tools.parsers.tool_call import PartialCall, Scan
 
 _STRUCTURE = re.compile(r'[{}\[\]"\\]')
 _WHITESPACE = re.compile(r"\s*")

@@ -10,9 +10,9 @@ import ast
 import json
 import re
 
-from services.frontend.tool_parsers.json_scan import skip_whitespace
-from services.frontend.tool_parsers.tool_call import PartialCall, Scan
-from services.frontend.tool_parsers.tool_parser import ToolParser
+from services.frontend.tools.parsers.json_scan import skip_whitespace
+from services.frontend.tools.parsers.tool_call import PartialCall, Scan
+from services.frontend.tools.parsers.tool_parser import ToolParser
 
 _CALL_START = re.compile(r"[A-Za-z_][\w.-]*\s*\(")
 _NAME_CHARS = re.compile(r"[\w.\s-]*")

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from services.frontend.tool_parsers.call_list import scan_call_list
-from services.frontend.tool_parsers.json_scan import skip_whitespace, text_before_tag
-from services.frontend.tool_parsers.tool_call import Scan
-from services.frontend.tool_parsers.tool_parser import ToolParser
+from services.frontend.tools.parsers.call_list import scan_call_list
+from services.frontend.tools.parsers.json_scan import skip_whitespace, text_before_tag
+from services.frontend.tools.parsers.tool_call import Scan
+from services.frontend.tools.parsers.tool_parser import ToolParser
 
 TAG = "[TOOL_CALLS]"
 

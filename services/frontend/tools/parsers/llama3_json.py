@@ -3,9 +3,9 @@ optionally after <|python_tag|>; a reply that starts any other way is plain text
 
 from __future__ import annotations
 
-from services.frontend.tool_parsers.json_scan import CALL, PENDING, could_start, scan_call, skip_whitespace
-from services.frontend.tool_parsers.tool_call import Scan
-from services.frontend.tool_parsers.tool_parser import ToolParser
+from services.frontend.tools.parsers.json_scan import CALL, PENDING, could_start, scan_call, skip_whitespace
+from services.frontend.tools.parsers.tool_call import Scan
+from services.frontend.tools.parsers.tool_parser import ToolParser
 
 PYTHON_TAG = "<|python_tag|>"
 

@@ -6,14 +6,14 @@ One parser per model family, chosen from the chat template (`parser_for_template
 
 from __future__ import annotations
 
-from services.frontend.tool_parsers.forced import NamedFunctionParser, RequiredCallsParser
-from services.frontend.tool_parsers.hermes import HermesToolParser
-from services.frontend.tool_parsers.llama3_json import Llama3JsonToolParser
-from services.frontend.tool_parsers.mistral import MistralToolParser
-from services.frontend.tool_parsers.pythonic import PythonicToolParser
-from services.frontend.tool_parsers.streamer import ToolCallStreamer
-from services.frontend.tool_parsers.tool_call import ParsedDelta, ToolCall, ToolCallDelta
-from services.frontend.tool_parsers.tool_parser import ToolParser
+from services.frontend.tools.parsers.forced import NamedFunctionParser, RequiredCallsParser
+from services.frontend.tools.parsers.hermes import HermesToolParser
+from services.frontend.tools.parsers.llama3_json import Llama3JsonToolParser
+from services.frontend.tools.parsers.mistral import MistralToolParser
+from services.frontend.tools.parsers.pythonic import PythonicToolParser
+from services.frontend.tools.parsers.streamer import ToolCallStreamer
+from services.frontend.tools.parsers.tool_call import ParsedDelta, ToolCall, ToolCallDelta
+from services.frontend.tools.parsers.tool_parser import ToolParser
 
 PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser

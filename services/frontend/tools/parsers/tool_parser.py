@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.frontend.tool_parsers.tool_call import Scan
+from services.frontend.tools.parsers.tool_call import Scan
 
 
 class ToolParser:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import uuid
 
-from services.frontend.tool_parsers.tool_call import ParsedDelta, PartialCall, ToolCall, ToolCallDelta
-from services.frontend.tool_parsers.tool_parser import ToolParser
+from services.frontend.tools.parsers.tool_call import ParsedDelta, PartialCall, ToolCall, ToolCallDelta
+from services.frontend.tools.parsers.tool_parser import ToolParser
 
 
 def new_call_id() -> str:

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from services.frontend.tool_parsers.json_scan import (
+from services.frontend.tools.parsers.json_scan import (
     CALL,
     PENDING,
     could_start,
@@ -12,8 +12,8 @@ from services.frontend.tool_parsers.json_scan import (
     skip_whitespace,
     text_before_tag,
 )
-from services.frontend.tool_parsers.tool_call import Scan
-from services.frontend.tool_parsers.tool_parser import ToolParser
+from services.frontend.tools.parsers.tool_call import Scan
+from services.frontend.tools.parsers.tool_parser import ToolParser
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 

@@ -1,11 +1,11 @@
-"""Tool fields between tandem.v1 protos and the frontend's dataclasses (convert.py calls these)."""
+"""Tool fields between tandem.v1 protos and the frontend's dataclasses (services/frontend/convert.py calls these)."""
 
 from __future__ import annotations
 
 from tandem.v1 import generation_pb2
 
 from engine_core.protocol import CompletionOutput
-from services.frontend.tool_request import AUTO, FUNCTION, NONE, REQUIRED, ToolRequest, ToolSpec
+from services.frontend.tools.request import AUTO, FUNCTION, NONE, REQUIRED, ToolRequest, ToolSpec
 
 _MODES = {generation_pb2.TOOL_CHOICE_MODE_UNSPECIFIED: AUTO, generation_pb2.TOOL_CHOICE_MODE_AUTO: AUTO,
           generation_pb2.TOOL_CHOICE_MODE_NONE: NONE, generation_pb2.TOOL_CHOICE_MODE_REQUIRED: REQUIRED}

@@ -6,10 +6,10 @@ a named function: the arguments object alone, reported as one call to that funct
 
 from __future__ import annotations
 
-from services.frontend.tool_parsers.call_list import scan_call_list
-from services.frontend.tool_parsers.json_scan import json_end, skip_whitespace
-from services.frontend.tool_parsers.tool_call import PartialCall, Scan
-from services.frontend.tool_parsers.tool_parser import ToolParser
+from services.frontend.tools.parsers.call_list import scan_call_list
+from services.frontend.tools.parsers.json_scan import json_end, skip_whitespace
+from services.frontend.tools.parsers.tool_call import PartialCall, Scan
+from services.frontend.tools.parsers.tool_parser import ToolParser
 
 
 class RequiredCallsParser(ToolParser):
