@@ -35,8 +35,8 @@ MESSAGE_MODULES = {
     "services/engine/convert.py",
     "services/frontend/convert.py",
     "services/frontend/tools/convert.py",  # the tool-calling fields of Chat (called by frontend/convert.py)
-    "services/frontend/vllm_engine_convert.py",  # vLLM's worker protocol (smg-grpc-proto) <-> the dataclasses
-    "services/frontend/vllm_engine_servicer.py",
+    "services/frontend/gateway/convert.py",  # vLLM's worker protocol (smg-grpc-proto) <-> the dataclasses
+    "services/frontend/gateway/servicer.py",
     "clients/messages.py",
     "clients/embeddings.py",
     "clients/tools.py",  # tool calling's typed request and result, like embeddings.py
@@ -53,7 +53,7 @@ WIRING = {
     "services/engine/health.py",
     "services/frontend/health.py",
     "services/frontend/server.py",
-    "services/frontend/vllm_engine_servicer.py",
+    "services/frontend/gateway/servicer.py",
     "services/frontend/engines/connection.py",
     "clients/client.py",
     "clients/async_client.py",

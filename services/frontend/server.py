@@ -26,11 +26,11 @@ from services.frontend.errors import (
     NotFound,
     TooManyRequests,
 )
+from services.frontend.gateway.servicer import SERVICE_NAME as VLLM_ENGINE_SERVICE
+from services.frontend.gateway.servicer import VllmEngineServicer
 from services.frontend.health import ADMIN_SERVICE, GENERATION_SERVICE, FrontendHealth
 from services.frontend.input_processor import TextPrompt
 from services.frontend.messages import EngineCallResult
-from services.frontend.vllm_engine_servicer import SERVICE_NAME as VLLM_ENGINE_SERVICE
-from services.frontend.vllm_engine_servicer import VllmEngineServicer
 from services.security.transport import ServerTransport
 
 log = logging.getLogger(__name__)
@@ -215,7 +215,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
 # ---- the server -------------------------------------------------------------------
 class FrontendServer:
     """The grpc.aio server: GenerationService, AdminService, vLLM's worker protocol for gateways
-    (vllm_engine_servicer.py), health (services/frontend/health.py), reflection.
+    (gateway/servicer.py), health (services/frontend/health.py), reflection.
 
     `transport` sets TLS, the bearer-token interceptor and the message size limit (default: plaintext).
     """

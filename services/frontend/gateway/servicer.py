@@ -5,7 +5,7 @@ itself, and sends token ids; this servicer runs them through the same AsyncLLM a
 over engines, stop strings, structured output, metrics and traces) and answers with token ids. The gateway
 matches stop strings in its own text but neither aborts nor cancels on a match, so the worker applies them
 (the frontend's output processor does, aborting the engine request). The messages come from the pinned
-`smg-grpc-proto` package; vllm_engine_convert.py maps them.
+`smg-grpc-proto` package; convert.py maps them.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from engine_core.protocol import PoolingParams, PoolingType
-from services.frontend import vllm_engine_convert as convert
 from services.frontend.async_llm import AsyncLLM
 from services.frontend.errors import FrontendError
-from services.frontend.kv_event_feed import KVEventFeed, SubscriberGone
-from services.frontend.tokenizer_archive import TokenizerArchive, build_tokenizer_archive
+from services.frontend.gateway import convert
+from services.frontend.gateway.kv_event_feed import KVEventFeed, SubscriberGone
+from services.frontend.gateway.tokenizer_archive import TokenizerArchive, build_tokenizer_archive
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """vLLM's gRPC worker protocol (vllm.grpc.engine, from the pinned smg-grpc-proto) <-> the frontend's dataclasses.
 
-The only module that reads and builds those messages besides their servicer (vllm_engine_servicer.py).
+The only module that reads and builds those messages besides their servicer (servicer.py).
 What the protocol carries and Tandem cannot do (multimodal inputs, prefill/decode KV transfer, structural
 tags) raises `Unimplemented`; malformed input raises `InvalidRequest`, each naming the field.
 """
@@ -14,8 +14,8 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
 
 from engine_core.protocol import EngineInfo, OutputKind, RequestOutput, SamplingParams, StructuredOutput, TokenLogprobs
 from services.frontend.errors import FrontendError, InvalidRequest
+from services.frontend.gateway.kv_event_feed import KVFeedBatch, WorkerLoad
 from services.frontend.input_processor import Prompt, TextPrompt, TokensPrompt
-from services.frontend.kv_event_feed import KVFeedBatch, WorkerLoad
 from services.frontend.messages import EmbedResult
 from services.frontend.tokenizer import TokenizerBundle
 

@@ -1,6 +1,6 @@
 """The engines' prefix-cache changes and load, as one worker's feed for a gateway (SubscribeKvEvents, GetLoads).
 
-Engines report the chained hashes of the blocks they index and evict (engine_core/block_hash.py) and their
+Engines report the chained hashes of the blocks they index and evict (engine_core/protocol/block_hash.py) and their
 load, on every frontend's Connect stream; the engine client hands each report here. A gateway such as
 smg keeps its own radix tree of token ids per worker, so a stored block must carry its token ids: the
 feed learns them from the prompts that pass through the frontend (every request's, through either API)
