@@ -35,7 +35,7 @@ from engine_core.protocol import (
     WakeUpCall,
 )
 from services.frontend.change_listeners import ChangeListeners
-from services.frontend.chat_setup import ChatSetup
+from services.frontend.chat.template_choice import ChatSetup
 from services.frontend.engines.client import EngineClient
 from services.frontend.engines.lora_results import lora_results
 from services.frontend.errors import DuplicateRequest, EngineUnavailable, InvalidRequest, NotFound, TooManyRequests
@@ -113,7 +113,7 @@ class AsyncLLM(ChangeListeners):
     @property
     def chat_template(self) -> str | None:
         """The chat template text this frontend renders chats with (--chat-template, the model's own, or the
-        tool-aware one shipped for it: services/frontend/chat_setup.py); what a gateway must render with."""
+        tool-aware one shipped for it: services/frontend/chat/template_choice.py); what a gateway must render with."""
         return self.input_processor.chat_setup.template
 
     # ---- generation -----------------------------------------------------------------

@@ -15,7 +15,7 @@ import jsonschema
 
 from engine_core.protocol import StructuredOutput
 from engine_core.protocol.structured_output import check_structured_output
-from services.frontend.chat_setup import ChatSetup
+from services.frontend.chat.template_choice import ChatSetup
 from services.frontend.errors import InvalidRequest
 from services.frontend.limits import DEFAULT_MAX_TOOL_CALLS
 from services.frontend.tools.choice_schema import required_calls_schema
