@@ -169,11 +169,6 @@ def test_every_kernels_reference_lives_in_kernels_reference():
         assert not own, f"{path.relative_to(ROOT)} defines {own}: put it in kernels/reference/ and import it"
 
 
-def test_the_frontend_messages_hold_only_frontend_classes():
-    classes = re.findall(r"^class (\w+)", (ROOT / "services/frontend/messages.py").read_text(), re.MULTILINE)
-    assert classes and not set(classes) & set(engine_core.protocol.__all__), classes
-
-
 # The files one engine step reads, schedule -> execute -> update, overlapped or not (docs/architecture.md names
 # them): a newcomer should be able to read them in an afternoon, and only step code in them. About 2,000 lines is
 # the aim; what a step does not read lives beside them in files of its own (startup, request_intake, utility_calls,

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import math
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from engine_core.protocol import (
     EngineInfo,
@@ -36,12 +36,11 @@ from engine_core.protocol import (
 )
 from services.frontend.change_listeners import ChangeListeners
 from services.frontend.chat.template_choice import ChatSetup
-from services.frontend.engines.client import EngineClient
+from services.frontend.engines.client import EngineCallResult, EngineClient, OutputBatch
 from services.frontend.engines.lora_results import lora_results
 from services.frontend.errors import DuplicateRequest, EngineUnavailable, InvalidRequest, NotFound, TooManyRequests
 from services.frontend.input_processor import InputProcessor, Prompt, PromptLike, TextPrompt, as_prompt, new_request_id
 from services.frontend.limits import RequestLimits
-from services.frontend.messages import EmbedResult, EngineCallResult, EngineOutputs
 from services.frontend.output_processor import DEFAULT_MAX_UNSENT_TOKENS, OutputProcessor, RequestOutputCollector
 from services.frontend.telemetry import FrontendTelemetry
 from services.frontend.tokenizer import TokenizerBundle
@@ -49,6 +48,16 @@ from services.frontend.tokenizer import TokenizerBundle
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_WAITING_REQUESTS = 1024
+
+
+@dataclass
+class EmbedResult:
+    """What `AsyncLLM.embed()` returns: one vector per input, in input order."""
+
+    request_id: str
+    embeddings: list[list[float]]
+    num_prompt_tokens: list[int]
+    usage: Usage
 
 
 class AsyncLLM(ChangeListeners):
@@ -221,7 +230,7 @@ class AsyncLLM(ChangeListeners):
             except Exception:  # a bug on one step must not stop every stream
                 log.exception("error while processing engine outputs")
 
-    def _process(self, outputs: EngineOutputs) -> list[str]:
+    def _process(self, outputs: OutputBatch) -> list[str]:
         """Engine request ids to abort: stop strings hit, slow readers cut off, siblings of failed requests."""
         aborts = []
         if outputs.failed:

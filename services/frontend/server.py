@@ -17,6 +17,7 @@ from tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_
 
 from services.frontend import convert
 from services.frontend.async_llm import AsyncLLM
+from services.frontend.engines.client import EngineCallResult
 from services.frontend.errors import (
     DuplicateRequest,
     EngineUnavailable,
@@ -30,7 +31,6 @@ from services.frontend.gateway.servicer import SERVICE_NAME as VLLM_ENGINE_SERVI
 from services.frontend.gateway.servicer import VllmEngineServicer
 from services.frontend.health import ADMIN_SERVICE, GENERATION_SERVICE, FrontendHealth
 from services.frontend.input_processor import TextPrompt
-from services.frontend.messages import EngineCallResult
 from services.security.transport import ServerTransport
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,9 @@
 """The interface AsyncLLM drives engines through: add and abort requests, utility calls, one output queue.
 
 `grpc_client.GrpcEngineClient` implements it over gRPC for one or many engines,
-`in_process.InProcessEngineClient` over an engine busy loop of this process.
+`in_process.InProcessEngineClient` over an engine busy loop of this process. What an engine client hands
+back is the frontend's own (what crosses to the engine is engine_core/protocol/): an `OutputBatch` on the
+output queue, an `EngineStatus` per engine, an `EngineCallResult` per engine a utility call reached.
 """
 
 from __future__ import annotations
@@ -9,18 +11,72 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from engine_core.protocol import ControlCall, EngineCoreRequest, EngineInfo, RequestError, RequestErrorKind
+from engine_core.protocol import (
+    ControlCall,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineInfo,
+    EngineState,
+    FinishReason,
+    LoraInfo,
+    RequestError,
+    RequestErrorKind,
+    UtilityErrorKind,
+)
 from services.frontend.change_listeners import ChangeListeners
 from services.frontend.errors import EngineAsleep, InvalidRequest, NotFound
-from services.frontend.messages import EngineCallResult, EngineOutputs, EngineStatus
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """One engine address as the engine client sees it."""
+
+    address: str
+    connected: bool
+    num_in_flight: int
+    state: EngineState = EngineState()
+
+
+@dataclass(frozen=True)
+class EngineCallResult:
+    """One engine's answer to a utility call (pause, sleep, ...) made on every engine."""
+
+    address: str
+    ok: bool
+    error: str = ""
+    loras: tuple[LoraInfo, ...] = ()  # the LoRA calls' adapters
+    error_kind: UtilityErrorKind | None = None  # why it was refused, when the engine said
+
+
+@dataclass
+class OutputBatch:
+    """What AsyncLLM's output handler gets from the engine client at a time: one engine step's outputs (an
+    engine's EngineCoreOutputs, read), or requests that failed."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    timestamp: float = 0.0  # the step's time, engine clock
+    failed: list[str] = field(default_factory=list)  # engine request ids ended by `error`
+    error: Exception | None = None
+
+    @classmethod
+    def of_step(cls, step: EngineCoreOutputs) -> OutputBatch:
+        """A step's outputs; ids listed only as finished (ended in the engine without an output) end as ABORT."""
+        outputs = list(step.outputs)
+        if step.finished_request_ids:
+            seen = {o.request_id for o in outputs if o.finish_reason is not None}
+            outputs += [EngineCoreOutput(request_id, [], finish_reason=FinishReason.ABORT)
+                        for request_id in step.finished_request_ids if request_id not in seen]
+        return cls(outputs=outputs, timestamp=step.timestamp)
 
 
 class EngineClient(ChangeListeners, ABC):
     """Adds and aborts engine requests, makes utility calls, and queues engine outputs for `get_output()`."""
 
     def __init__(self) -> None:
-        self._outputs: asyncio.Queue[EngineOutputs] = asyncio.Queue()
+        self._outputs: asyncio.Queue[OutputBatch] = asyncio.Queue()
         ChangeListeners.__init__(self)  # notified when an engine connects, disconnects, pauses, resumes, sleeps, wakes
         self.report_listeners: list[Callable] = []  # see add_report_listener
 
@@ -73,11 +129,11 @@ class EngineClient(ChangeListeners, ABC):
         engine's load and prefix-cache changes as they arrive (a gateway's KV events)."""
         self.report_listeners.append(listener)
 
-    async def get_output(self) -> EngineOutputs:
+    async def get_output(self) -> OutputBatch:
         """The next engine step's outputs, or requests that failed (AsyncLLM's output handler is the reader)."""
         return await self._outputs.get()
 
-    def _put_output(self, outputs: EngineOutputs) -> None:
+    def _put_output(self, outputs: OutputBatch) -> None:
         self._outputs.put_nowait(outputs)
 
 

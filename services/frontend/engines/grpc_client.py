@@ -29,7 +29,14 @@ from engine_core.protocol import (
     UtilityCall,
 )
 from services.frontend import convert
-from services.frontend.engines.client import EngineClient, refusal_error, with_adapter
+from services.frontend.engines.client import (
+    EngineCallResult,
+    EngineClient,
+    EngineStatus,
+    OutputBatch,
+    refusal_error,
+    with_adapter,
+)
 from services.frontend.engines.connection import EngineConnection
 from services.frontend.engines.discovery import (
     DEFAULT_RESOLVE_INTERVAL_S,
@@ -39,7 +46,6 @@ from services.frontend.engines.discovery import (
 )
 from services.frontend.engines.router import Router
 from services.frontend.errors import EngineAsleep, EngineUnavailable
-from services.frontend.messages import EngineCallResult, EngineOutputs, EngineStatus
 from services.security.transport import ENGINE_LINK_MAX_MESSAGE_BYTES, ChannelTransport
 from services.telemetry.metrics import FrontendMetrics
 
@@ -273,8 +279,8 @@ class GrpcEngineClient(EngineClient):
                                                    result.error_kind))
         for error in message.errors:
             engine.untrack([error.request_id])
-            self._put_output(EngineOutputs(failed=[error.request_id], error=refusal_error(error)))
-        step = EngineOutputs.of_step(message)
+            self._put_output(OutputBatch(failed=[error.request_id], error=refusal_error(error)))
+        step = OutputBatch.of_step(message)
         if step.outputs:
             engine.untrack([o.request_id for o in step.outputs if o.finish_reason is not None])
             self._put_output(step)
@@ -287,7 +293,7 @@ class GrpcEngineClient(EngineClient):
             listener(engine.address, engine.load.block_size, SchedulerStats(), KVCacheEvents(cleared=True))
         if lost:
             error = EngineUnavailable(f"engine at {engine.address} disconnected ({reason}); retry the request")
-            self._put_output(EngineOutputs(failed=lost, error=error))
+            self._put_output(OutputBatch(failed=lost, error=error))
         for future in engine.pending.values():
             if not future.done():
                 future.set_result(EngineCallResult(engine.address, False, f"engine at {engine.address} disconnected"))

@@ -19,9 +19,15 @@ import logging
 from typing import TYPE_CHECKING
 
 from engine_core.protocol import ControlCall, EngineCoreRequest, EngineInfo, EngineState, UtilityCall
-from services.frontend.engines.client import EngineClient, refusal_error, with_adapter
+from services.frontend.engines.client import (
+    EngineCallResult,
+    EngineClient,
+    EngineStatus,
+    OutputBatch,
+    refusal_error,
+    with_adapter,
+)
 from services.frontend.errors import EngineAsleep, EngineUnavailable
-from services.frontend.messages import EngineCallResult, EngineOutputs, EngineStatus
 
 if TYPE_CHECKING:
     from services.engine.busy_loop_port import BusyLoopPort
@@ -135,8 +141,8 @@ class InProcessEngineClient(EngineClient):
                                                    result.error_kind))
         for error in item.errors:
             self._in_flight.discard(error.request_id)
-            self._put_output(EngineOutputs(failed=[error.request_id], error=refusal_error(error)))
-        step = EngineOutputs.of_step(item)
+            self._put_output(OutputBatch(failed=[error.request_id], error=refusal_error(error)))
+        step = OutputBatch.of_step(item)
         if step.outputs:
             self._in_flight.difference_update(o.request_id for o in step.outputs if o.finish_reason is not None)
             self._put_output(step)
@@ -146,7 +152,7 @@ class InProcessEngineClient(EngineClient):
         lost = list(self._in_flight)
         self._in_flight.clear()
         if lost:
-            self._put_output(EngineOutputs(failed=lost, error=EngineUnavailable(f"{reason}; retry the request")))
+            self._put_output(OutputBatch(failed=lost, error=EngineUnavailable(f"{reason}; retry the request")))
         for future in self._pending.values():
             if not future.done():
                 future.set_result(EngineCallResult(self.address, False, reason))

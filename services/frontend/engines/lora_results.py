@@ -9,8 +9,8 @@ modules the model lacks), NOT_FOUND, FAILED_PRECONDITION (in use, LoRA off).
 from __future__ import annotations
 
 from engine_core.protocol import UtilityErrorKind
+from services.frontend.engines.client import EngineCallResult
 from services.frontend.errors import FailedPrecondition, FrontendError, InvalidRequest, NotFound
-from services.frontend.messages import EngineCallResult
 
 _ERRORS: dict[UtilityErrorKind, type[FrontendError]] = {
     UtilityErrorKind.INVALID_ARGUMENT: InvalidRequest, UtilityErrorKind.NOT_FOUND: NotFound,

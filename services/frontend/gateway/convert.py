@@ -13,10 +13,10 @@ from llguidance.gbnf_to_lark import any_to_lark
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
 
 from engine_core.protocol import EngineInfo, OutputKind, RequestOutput, SamplingParams, StructuredOutput, TokenLogprobs
+from services.frontend.async_llm import EmbedResult
 from services.frontend.errors import FrontendError, InvalidRequest
 from services.frontend.gateway.kv_event_feed import KVFeedBatch, WorkerLoad
 from services.frontend.input_processor import Prompt, TextPrompt, TokensPrompt
-from services.frontend.messages import EmbedResult
 from services.frontend.tokenizer import TokenizerBundle
 
 SERVER_TYPE = "tandem-grpc"
