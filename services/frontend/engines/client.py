@@ -136,6 +136,36 @@ class EngineClient(ChangeListeners, ABC):
     def _put_output(self, outputs: OutputBatch) -> None:
         self._outputs.put_nowait(outputs)
 
+    # ---- what both transports do with an engine's message, and with its loss ------------
+    def _deliver(self, address: str, message: EngineCoreOutputs, pending: dict[int, asyncio.Future],
+                 untrack: Callable[[list[str]], object]) -> None:
+        """An engine's message, once its transport has read it: the utility answer to its caller, refusals and
+        the step's outputs to the output handler. `pending`: the engine's utility calls by id; `untrack` forgets
+        request ids that ended there."""
+        if message.utility_result is not None:
+            result = message.utility_result
+            future = pending.pop(result.call_id, None)
+            if future is not None and not future.done():
+                future.set_result(EngineCallResult(address, result.ok, result.error, result.loras, result.error_kind))
+        for error in message.errors:
+            untrack([error.request_id])
+            self._put_output(OutputBatch(failed=[error.request_id], error=refusal_error(error)))
+        step = OutputBatch.of_step(message)
+        if step.outputs:
+            untrack([o.request_id for o in step.outputs if o.finish_reason is not None])
+            self._put_output(step)
+
+    def _fail_lost(self, address: str, lost: list[str], pending: dict[int, asyncio.Future], error: Exception,
+                   call_error: str) -> None:
+        """An engine is gone: its requests in flight (`lost`) end with `error` (UNAVAILABLE), its pending utility
+        calls fail with `call_error`."""
+        if lost:
+            self._put_output(OutputBatch(failed=lost, error=error))
+        for future in pending.values():
+            if not future.done():
+                future.set_result(EngineCallResult(address, False, call_error))
+        pending.clear()
+
 
 def with_adapter(engines: list, lora_name: str | None) -> list:
     """The engines (anything with an EngineState `state`) that have the LoRA adapter loaded; NotFound when none

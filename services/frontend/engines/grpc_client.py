@@ -33,8 +33,6 @@ from services.frontend.engines.client import (
     EngineCallResult,
     EngineClient,
     EngineStatus,
-    OutputBatch,
-    refusal_error,
     with_adapter,
 )
 from services.frontend.engines.connection import EngineConnection
@@ -271,19 +269,7 @@ class GrpcEngineClient(EngineClient):
             engine.state = message.engine_state
             log.info("engine at %s: %s", engine.address, _describe(engine.state))
             self._on_change()
-        if message.utility_result is not None:
-            result = message.utility_result
-            future = engine.pending.pop(result.call_id, None)
-            if future is not None and not future.done():
-                future.set_result(EngineCallResult(engine.address, result.ok, result.error, result.loras,
-                                                   result.error_kind))
-        for error in message.errors:
-            engine.untrack([error.request_id])
-            self._put_output(OutputBatch(failed=[error.request_id], error=refusal_error(error)))
-        step = OutputBatch.of_step(message)
-        if step.outputs:
-            engine.untrack([o.request_id for o in step.outputs if o.finish_reason is not None])
-            self._put_output(step)
+        self._deliver(engine.address, message, engine.pending, engine.untrack)
         self._retire_if_idle(engine)
 
     def _on_lost(self, engine: EngineConnection, reason: str) -> None:
@@ -291,13 +277,8 @@ class GrpcEngineClient(EngineClient):
         lost = engine.closed()
         for listener in self.report_listeners:  # its cache and load are unknown until its next snapshot
             listener(engine.address, engine.load.block_size, SchedulerStats(), KVCacheEvents(cleared=True))
-        if lost:
-            error = EngineUnavailable(f"engine at {engine.address} disconnected ({reason}); retry the request")
-            self._put_output(OutputBatch(failed=lost, error=error))
-        for future in engine.pending.values():
-            if not future.done():
-                future.set_result(EngineCallResult(engine.address, False, f"engine at {engine.address} disconnected"))
-        engine.pending.clear()
+        error = EngineUnavailable(f"engine at {engine.address} disconnected ({reason}); retry the request")
+        self._fail_lost(engine.address, lost, engine.pending, error, f"engine at {engine.address} disconnected")
         self._retire_if_idle(engine)
         self._on_change()
 

@@ -23,8 +23,6 @@ from services.frontend.engines.client import (
     EngineCallResult,
     EngineClient,
     EngineStatus,
-    OutputBatch,
-    refusal_error,
     with_adapter,
 )
 from services.frontend.errors import EngineAsleep, EngineUnavailable
@@ -133,30 +131,13 @@ class InProcessEngineClient(EngineClient):
         if item.engine_state is not None:
             self._state = item.engine_state
             self._notify()
-        if item.utility_result is not None:
-            result = item.utility_result
-            future = self._pending.pop(result.call_id, None)
-            if future is not None and not future.done():
-                future.set_result(EngineCallResult(self.address, result.ok, result.error, result.loras,
-                                                   result.error_kind))
-        for error in item.errors:
-            self._in_flight.discard(error.request_id)
-            self._put_output(OutputBatch(failed=[error.request_id], error=refusal_error(error)))
-        step = OutputBatch.of_step(item)
-        if step.outputs:
-            self._in_flight.difference_update(o.request_id for o in step.outputs if o.finish_reason is not None)
-            self._put_output(step)
+        self._deliver(self.address, item, self._pending, self._in_flight.difference_update)
 
     def _lose(self, reason: str) -> None:
         """Every request in flight ends with UNAVAILABLE; pending utility calls fail."""
         lost = list(self._in_flight)
         self._in_flight.clear()
-        if lost:
-            self._put_output(OutputBatch(failed=lost, error=EngineUnavailable(f"{reason}; retry the request")))
-        for future in self._pending.values():
-            if not future.done():
-                future.set_result(EngineCallResult(self.address, False, reason))
-        self._pending.clear()
+        self._fail_lost(self.address, lost, self._pending, EngineUnavailable(f"{reason}; retry the request"), reason)
         self._notify()
 
 
