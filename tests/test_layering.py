@@ -244,7 +244,7 @@ def test_no_import_cycles_between_modules():
 # Modules at a package's root, at most: past that, name prefixes start doing the work of folders.
 MAX_MODULES_AT_A_ROOT = 15
 # Packages still past the bound, at their current counts: each may only shrink, until it is split into folders.
-STILL_TO_SPLIT = {"engine_core": 27, "engine_core/protocol": 20, "services/engine": 16,
+STILL_TO_SPLIT = {"engine_core": 27, "engine_core/protocol": 20,
                   "clients": 18}
 
 

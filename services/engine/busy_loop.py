@@ -8,7 +8,7 @@ wakes an idle loop waits a moment for the rest of its burst (`burst_window_s`).
 
 `run()` steps on the calling thread: `tandem-engine` calls it from the process's main
 thread, because torch's OpenMP work started from any other thread runs 1.4-1.65x
-slower on these CPUs (services/engine/process.py). `start()` runs the same loop on a
+slower on these CPUs (services/engine/processes/engine_process.py). `start()` runs the same loop on a
 thread of its own, for servers embedded in a test's process.
 
 Its parts: `ConnectionRouter` (routing.py) maps engine ids to (connection, request id), so two
@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 
 from engine_core.lora.errors import LoraDisabledError, UnknownLoraError
 from engine_core.protocol import EngineCoreOutputs, EngineCoreRequest, EngineState, RequestErrorKind, UtilityCall
+from services.engine.busy_loop_items import Abort, Add, Call, Close, EngineDied, Open
 from services.engine.control import EngineControl
-from services.engine.messages import Abort, Add, Call, Close, EngineDied, Open
 from services.engine.pause import PauseState
 from services.engine.routing import ConnectionRouter
 from services.engine.telemetry import EngineTelemetry

@@ -3,12 +3,12 @@
 DESIGN's second transport. AsyncLLM runs unchanged over it, so a benchmark of the split measures
 the transport alone. Items cross as the engine's own dataclasses (SamplingParams, FinishReason and
 TokenLogprobs are one class on both sides), through the busy loop's public surface: `open(sink)`,
-`submit(connection, item)`, `close(connection)` and the messages in services/engine/messages.py.
+`submit(connection, item)`, `close(connection)` and the items in services/engine/busy_loop_items.py.
 
 This module never imports torch: the caller builds the busy loop (an EngineBusyLoop around an
 EngineCore) and decides where it steps. `busy_loop.run()` on the process's main thread gives torch
 its full speed; `busy_loop.start()` steps on a thread of its own, 1.4-1.65x slower on these CPUs
-(services/engine/process.py) but enough for tests and tools.
+(services/engine/processes/engine_process.py) but enough for tests and tools.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from services.frontend.engines.client import (
 from services.frontend.errors import EngineAsleep, EngineUnavailable
 
 if TYPE_CHECKING:
-    from services.engine.busy_loop_port import BusyLoopPort
+    from services.engine.processes.busy_loop_interface import BusyLoop
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +36,11 @@ log = logging.getLogger(__name__)
 class InProcessEngineClient(EngineClient):
     """One connection to an engine busy loop of this process; `info` describes its model."""
 
-    def __init__(self, busy_loop: BusyLoopPort, info: EngineInfo, *, address: str = "in-process") -> None:
+    def __init__(self, busy_loop: BusyLoop, info: EngineInfo, *, address: str = "in-process") -> None:
         super().__init__()
-        from services.engine import messages  # the engine's plain messages (torch-free), only when used
+        from services.engine import busy_loop_items  # the busy loop's plain items (torch-free), only when used
 
-        self._messages = messages
+        self._items = busy_loop_items
         self._busy_loop = busy_loop
         self._info = info
         self.address = address
@@ -97,13 +97,13 @@ class InProcessEngineClient(EngineClient):
             raise EngineAsleep()
         self._in_flight.add(request.request_id)
         with_adapter(self.engines(), request.lora_name)  # NotFound when the engine lacks the adapter
-        self._busy_loop.submit(self._connection, self._messages.Add(request))
+        self._busy_loop.submit(self._connection, self._items.Add(request))
 
     def abort(self, request_ids: list[str]) -> None:
         ids = [request_id for request_id in request_ids if request_id in self._in_flight]
         self._in_flight.difference_update(ids)
         if ids and self.is_connected:
-            self._busy_loop.submit(self._connection, self._messages.Abort(ids))
+            self._busy_loop.submit(self._connection, self._items.Abort(ids))
 
     async def call_utility(self, call: ControlCall) -> list[EngineCallResult]:
         if not self.is_connected:
@@ -124,7 +124,7 @@ class InProcessEngineClient(EngineClient):
     def _route(self, item) -> None:
         """Utility answers to their callers; refusals and outputs to the output handler; a new state to the
         listeners."""
-        if isinstance(item, self._messages.EngineDied):
+        if isinstance(item, self._items.EngineDied):
             self._error = item.error
             self._lose(f"the in-process engine died: {item.error}")
             return

@@ -1,13 +1,13 @@
-"""tandem-engine's layout: the model steps on the engine process's main thread, gRPC is served by a
-process of its own.
+"""tandem-engine's engine process: the model steps on its main thread, and it starts the server process,
+which serves gRPC.
 
 torch's OpenMP work started from a thread other than the main one runs 1.4-1.65x slower on
 these CPUs (ATen's parallel elementwise ops; measured in shared/ANCHORS.md and by
 scripts/bench_engine.py), so the busy loop steps on the main thread, as vLLM's EngineCoreProc's
 does. The gRPC server (grpc.aio, its health watchdog) does not share that process: on a thread
 beside the step it took the GIL on every output, and the step waited ~0.2 ms a token for it.
-`serve_on_main_thread` starts it as a child (services/engine/io_process.py, torch-free) joined by
-a socket pair (services/engine/bridge.py), at the CPU priority of --io-cpu-priority
+`serve_on_main_thread` starts it as a child (server_process.py, torch-free) joined by a socket pair
+(socket_pair.py), at the CPU priority of --io-cpu-priority
 (services/cpu_priority.py), and on the CPUs besides the one the stepping thread keeps to (--step-cpu,
 services/cpu_affinity.py). /metrics and the request spans stay with the engine, which records
 them. Both `tandem-engine` and `tandem serve` (which starts `tandem-engine` processes) run
@@ -36,7 +36,7 @@ from typing import Awaitable, Callable, TypeVar
 
 from services.cpu_affinity import choose_step_cpu, cpus_besides, format_cpus, pinned, run_on
 from services.cpu_priority import lower_cpu_priority
-from services.engine.bridge import EngineBridge, socket_pair
+from services.engine.processes.socket_pair import EngineEnd, socket_pair
 from services.engine.server import EngineServer
 
 logger = logging.getLogger(__name__)
@@ -62,32 +62,34 @@ def serve_on_main_thread(server: EngineServer, server_argv: list[str], on_listen
         raise RuntimeError("serve_on_main_thread must run on the main thread: the engine steps there")
     cpu = choose_step_cpu(step_cpu)
     io_cpus = cpus_besides(cpu)
-    engine_end, server_end = socket_pair()
+    engine_sock, server_sock = socket_pair()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path or os.getcwd() for path in sys.path)}
-    child = subprocess.Popen([sys.executable, "-m", "services.engine.io_process", str(server_end.fileno()),
-                              format_cpus(io_cpus), *server_argv], pass_fds=(server_end.fileno(),), env=env)
-    server_end.close()
-    bridge = EngineBridge(server.busy_loop, engine_end)
-    previous = {signum: signal.signal(signum, lambda *_: bridge.request_shutdown(grace)) for signum in _STOP_SIGNALS}
+    child = subprocess.Popen([sys.executable, "-m", "services.engine.processes.server_process",
+                              str(server_sock.fileno()), format_cpus(io_cpus), *server_argv],
+                             pass_fds=(server_sock.fileno(),), env=env)
+    server_sock.close()
+    engine_end = EngineEnd(server.busy_loop, engine_sock)
+    previous = {signum: signal.signal(signum, lambda *_: engine_end.request_shutdown(grace))
+                for signum in _STOP_SIGNALS}
     try:
-        bridge.start(server.info_proto().SerializeToString())
-        port = bridge.wait_listening()
+        engine_end.start(server.info_proto().SerializeToString())
+        port = engine_end.wait_listening()
         server.start_metrics()
         on_listening(port)
-        with pinned(cpu):  # after the bridge's threads started: they keep every CPU
+        with pinned(cpu):  # after the socket end's threads started: they keep every CPU
             server.busy_loop.run()  # until the server process lets it end (after its drain), or it crashes
         return child.wait()  # after a crash it still answers NOT_SERVING / UNAVAILABLE until told to stop
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         if child.poll() is None:
-            bridge.request_shutdown(0)
+            engine_end.request_shutdown(0)
             try:
                 child.wait(_CHILD_EXIT_S)
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
-        bridge.close()
+        engine_end.close()
         server.stop_metrics()
         server.busy_loop.stop(timeout=0)
 

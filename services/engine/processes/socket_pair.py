@@ -1,13 +1,14 @@
-"""The socket between `tandem-engine`'s two processes: the model's and the gRPC server's.
+"""The socket pair between `tandem-engine`'s two processes, the engine process and the server process, and its
+two ends.
 
 CPython lets one thread run Python at a time (the GIL). With the gRPC server on a thread of the
 engine's own process, every output woke that thread inside the step's critical path: the main
 thread, having released the GIL to write the wake-up byte, waited ~0.2 ms for the I/O thread's
 asyncio and gRPC work on each token (measured on a 2-core Xeon, batch-1 decode steps of ~4.5 ms),
 and the I/O thread's later wake-ups took the GIL between the step's kernels. So the gRPC server
-runs in a process of its own (services/engine/io_process.py) and the two talk over one Unix
-socket pair: the model's main thread pickles each connection's outputs and writes them (no other
-thread of its process wants the GIL meanwhile), the server process does everything gRPC.
+runs in a process of its own (server_process.py) and the two talk over one Unix socket pair: the model's
+main thread pickles each connection's outputs and writes them (no other thread of its process wants the
+GIL meanwhile), the server process does everything gRPC.
 
 Frames: a 4-byte little-endian length, then a pickle of a tuple whose first item names it.
 Both ends are our own processes, started together; nothing else can reach the socket pair.
@@ -19,7 +20,7 @@ Both ends are our own processes, started together; nothing else can reach the so
     ("listening", port) | ("failed", why)   ("shutdown", grace)  SIGTERM / SIGINT reached the engine
     ("stop",)  the busy loop may end
 
-`EngineBridge` is the engine process's end: it opens busy-loop connections for the server's, and
+`EngineEnd` is the engine process's end: it opens busy-loop connections for the server's, and
 every `STATUS_PERIOD_S` sends the loop's health. `RemoteBusyLoop` is the server process's end: the
 part of `EngineBusyLoop`'s interface the gRPC server uses (open / submit / close / stop, alive,
 stalled, error), so the server code is the same in both layouts.
@@ -38,7 +39,7 @@ import time
 from collections import deque
 from typing import Callable
 
-from services.engine.messages import EngineDied, Open
+from services.engine.busy_loop_items import EngineDied, Open
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ def socket_pair() -> tuple[socket.socket, socket.socket]:
 
 
 # ---- the engine process's end ----------------------------------------------------------------
-class EngineBridge:
+class EngineEnd:
     """Serves the server process's connections from `busy_loop`, which steps on the main thread.
 
     A reader thread turns the server's frames into busy-loop inputs; each connection's sink (called
@@ -103,8 +104,8 @@ class EngineBridge:
 
     def start(self, info: bytes) -> None:
         self.send(("info", info))
-        self._threads = [threading.Thread(target=self._read, name="engine-bridge-reader", daemon=True),
-                         threading.Thread(target=self._report_status, name="engine-bridge-status", daemon=True)]
+        self._threads = [threading.Thread(target=self._read, name="engine-socket-reader", daemon=True),
+                         threading.Thread(target=self._report_status, name="engine-socket-status", daemon=True)]
         for thread in self._threads:
             thread.start()
 

@@ -1,10 +1,10 @@
-"""`tandem-engine`'s gRPC server process: `python -m services.engine.io_process FD CPUS <tandem-engine flags>`.
+"""`tandem-engine`'s server process: `python -m services.engine.processes.server_process FD CPUS <flags>`.
 
-Started by the engine process (services/engine/process.py) with its end of the socket pair as
-file descriptor FD and the CPUs to run on as CPUS ("1,2"; "-": all of the engine's); it reads
-the same flags (address, TLS, limits, --io-cpu-priority, logging)
-and serves `tandem.v1.EngineCoreService`, health and reflection over the engine's busy loop
-through that socket (services/engine/bridge.py). It never imports torch.
+Started by the engine process (engine_process.py) with its end of the socket pair as file descriptor FD
+and the CPUs to run on as CPUS ("1,2"; "-": all of the engine's); it reads the same flags as tandem-engine
+(address, TLS, limits, --io-cpu-priority, logging) and serves `tandem.v1.EngineCoreService`, health and
+reflection over the engine's busy loop through that socket (socket_pair.py's RemoteBusyLoop). It never
+imports torch.
 
 It stops when the engine process forwards SIGTERM / SIGINT (draining for --grace seconds), on a
 SIGTERM of its own, or at once when the engine process is gone (the socket closes).
@@ -21,8 +21,8 @@ import sys
 from services.cpu_affinity import parse_cpus, run_on
 from services.cpu_priority import lower_cpu_priority
 from services.engine import convert
-from services.engine.bridge import RemoteBusyLoop
 from services.engine.grpc_service import EngineGrpcServer
+from services.engine.processes.socket_pair import RemoteBusyLoop
 from services.security import flags as security_flags
 from services.telemetry.request_log import configure_logging
 
