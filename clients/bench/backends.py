@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
 
-from clients import messages as wire
+from clients import generation
 from clients.async_client import AsyncTandemClient
 from clients.bench.prompts import BenchPrompt
 
@@ -67,9 +67,9 @@ class InProcessBackend:
         if prompt.token_ids is None:
             raise ValueError("the in-process backend needs token-id prompts")
         llm = await self._started()
-        request = wire.generate_request(list(prompt.token_ids), request_id=f"bench-{next(self._ids)}",
-                                        max_tokens=prompt.max_tokens, temperature=0.0, ignore_eos=True,
-                                        output_kind="delta")
+        request = generation.generate_request(list(prompt.token_ids), request_id=f"bench-{next(self._ids)}",
+                                              max_tokens=prompt.max_tokens, temperature=0.0, ignore_eos=True,
+                                              output_kind="delta")
         async for output in llm.generate(convert.prompt_from_generate(request),
                                          convert.sampling_params_from_proto(request.sampling_params),
                                          request.request_id):

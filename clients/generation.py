@@ -1,7 +1,8 @@
-"""Typed requests built from keyword arguments, and typed results read from responses.
+"""tandem.v1.GenerationService's calls (and health) as the clients make them: typed requests built from keyword
+arguments, typed results read from responses.
 
-The only module of the client library that touches generated proto classes. Unknown
-keywords raise TypeError (with a suggestion), values of the wrong kind raise TypeError or
+With admin.py, embeddings.py and tools.py, the only modules of the client library that touch generated proto
+classes. Unknown keywords raise TypeError (with a suggestion), values of the wrong kind raise TypeError or
 ValueError naming the parameter; the server still validates ranges (INVALID_ARGUMENT).
 """
 

@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from clients.cli_options import HelpFormatter
+from clients.cli.options import HelpFormatter
 
 EXAMPLES = """examples:
   tandem plans                                  # each cached plan: kernel per batch bucket, when, how noisy

@@ -14,7 +14,7 @@ import time
 from google.protobuf.json_format import MessageToDict
 
 from clients.admin import engine_state, server_state
-from clients.cli_options import client_from_args, lora_from_args, sampling_from_args
+from clients.cli.options import client_from_args, lora_from_args, sampling_from_args
 
 
 def generate(args: argparse.Namespace) -> int:

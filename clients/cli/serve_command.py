@@ -17,7 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
-from clients.cli_options import HelpFormatter, positive_int
+from clients.cli.options import HelpFormatter, positive_int
 from clients.local_stack import LocalStack, RestartPolicy
 
 ENGINE_EXTRA = "pip install 'tandem[engine]'"

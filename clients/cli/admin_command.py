@@ -21,7 +21,7 @@ import json
 import sys
 
 from clients.admin import PAUSE_MODES
-from clients.cli_options import ADMIN_TOKEN_ENV, TOKEN_ENV, HelpFormatter, client_from_args, connection_parent
+from clients.cli.options import ADMIN_TOKEN_ENV, TOKEN_ENV, HelpFormatter, client_from_args, connection_parent
 
 DEFAULT_DRAIN_WAIT_S = 30.0
 EXAMPLES = """examples:

@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from clients.cli_options import client_from_args, lora_from_args, sampling_from_args, tools_from_args
+from clients.cli.options import client_from_args, lora_from_args, sampling_from_args, tools_from_args
 from clients.client import TandemClient
 
 

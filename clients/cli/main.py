@@ -19,9 +19,9 @@ import argparse
 import importlib.metadata
 import sys
 
-from clients import admin_command, chat_session, commands, plans_command, serve_command
 from clients.bench import command as bench_command
-from clients.cli_options import HelpFormatter, connection_parent, sampling_parent
+from clients.cli import admin_command, chat_session, commands, plans_command, serve_command
+from clients.cli.options import HelpFormatter, connection_parent, sampling_parent
 from clients.errors import TandemError
 
 _EXAMPLES = {
