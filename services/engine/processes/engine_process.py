@@ -1,11 +1,11 @@
 """tandem-engine's engine process: the model steps on its main thread, and it starts the server process,
 which serves gRPC.
 
-torch's OpenMP work started from a thread other than the main one runs 1.4-1.65x slower on
-these CPUs (ATen's parallel elementwise ops; measured in shared/ANCHORS.md and by
-scripts/bench_engine.py), so the busy loop steps on the main thread, as vLLM's EngineCoreProc's
-does. The gRPC server (grpc.aio, its health watchdog) does not share that process: on a thread
-beside the step it took the GIL on every output, and the step waited ~0.2 ms a token for it.
+torch's OpenMP work started from a thread other than the main one runs slower (ATen's parallel
+elementwise ops; docs/cpu-tuning.md#two-processes-per-engine, scripts/bench_engine.py), so the busy
+loop steps on the main thread, as vLLM's EngineCoreProc's does. The gRPC server (grpc.aio, its
+health watchdog) does not share that process: on a thread beside the step it took the GIL on every
+output, and the step waited for it on every token.
 `serve_on_main_thread` starts it as a child (server_process.py, torch-free) joined by a socket pair
 (socket_pair.py), at the CPU priority of --io-cpu-priority
 (services/cpu_priority.py), and on the CPUs besides the one the stepping thread keeps to (--step-cpu,

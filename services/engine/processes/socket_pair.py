@@ -3,12 +3,12 @@ two ends.
 
 CPython lets one thread run Python at a time (the GIL). With the gRPC server on a thread of the
 engine's own process, every output woke that thread inside the step's critical path: the main
-thread, having released the GIL to write the wake-up byte, waited ~0.2 ms for the I/O thread's
-asyncio and gRPC work on each token (measured on a 2-core Xeon, batch-1 decode steps of ~4.5 ms),
-and the I/O thread's later wake-ups took the GIL between the step's kernels. So the gRPC server
-runs in a process of its own (server_process.py) and the two talk over one Unix socket pair: the model's
-main thread pickles each connection's outputs and writes them (no other thread of its process wants the
-GIL meanwhile), the server process does everything gRPC.
+thread, having released the GIL to write the wake-up byte, waited for the I/O thread's asyncio and
+gRPC work on each token (docs/cpu-tuning.md#two-processes-per-engine), and the I/O thread's later
+wake-ups took the GIL between the step's kernels. So the gRPC server runs in a process of its own
+(server_process.py) and the two talk over one Unix socket pair: the model's main thread pickles each
+connection's outputs and writes them (no other thread of its process wants the GIL meanwhile), the
+server process does everything gRPC.
 
 Frames: a 4-byte little-endian length, then a pickle of a tuple whose first item names it.
 Both ends are our own processes, started together; nothing else can reach the socket pair.

@@ -7,8 +7,8 @@ TokenLogprobs are one class on both sides), through the busy loop's public surfa
 
 This module never imports torch: the caller builds the busy loop (an EngineBusyLoop around an
 EngineCore) and decides where it steps. `busy_loop.run()` on the process's main thread gives torch
-its full speed; `busy_loop.start()` steps on a thread of its own, 1.4-1.65x slower on these CPUs
-(services/engine/processes/engine_process.py) but enough for tests and tools.
+its full speed; `busy_loop.start()` steps on a thread of its own, slower
+(docs/cpu-tuning.md#two-processes-per-engine) but enough for tests and tools.
 """
 
 from __future__ import annotations
