@@ -23,7 +23,7 @@ from engine_core.config import CacheConfig, EngineConfig, ModelConfig, Scheduler
 from engine_core.llm_engine import LLMEngine
 from engine_core.loader import default_model_path
 from engine_core.protocol import SamplingParams
-from services.frontend.chat_template import render_chat
+from services.frontend.chat.template import render_chat
 from services.frontend.tokenizer import load_tokenizer
 from tests.engine_core.tiny_models import write_tiny_model
 from tests.services.conftest import engine_stats

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import math
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from engine_core.protocol import (
     EngineInfo,
@@ -35,13 +35,12 @@ from engine_core.protocol import (
     WakeUpCall,
 )
 from services.frontend.change_listeners import ChangeListeners
-from services.frontend.chat_setup import ChatSetup
-from services.frontend.engine_client import EngineClient
+from services.frontend.chat.template_choice import ChatSetup
+from services.frontend.engines.client import EngineCallResult, EngineClient, OutputBatch
+from services.frontend.engines.lora_results import lora_results
 from services.frontend.errors import DuplicateRequest, EngineUnavailable, InvalidRequest, NotFound, TooManyRequests
 from services.frontend.input_processor import InputProcessor, Prompt, PromptLike, TextPrompt, as_prompt, new_request_id
 from services.frontend.limits import RequestLimits
-from services.frontend.lora_results import lora_results
-from services.frontend.messages import EmbedResult, EngineCallResult, EngineOutputs
 from services.frontend.output_processor import DEFAULT_MAX_UNSENT_TOKENS, OutputProcessor, RequestOutputCollector
 from services.frontend.telemetry import FrontendTelemetry
 from services.frontend.tokenizer import TokenizerBundle
@@ -49,6 +48,16 @@ from services.frontend.tokenizer import TokenizerBundle
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_WAITING_REQUESTS = 1024
+
+
+@dataclass
+class EmbedResult:
+    """What `AsyncLLM.embed()` returns: one vector per input, in input order."""
+
+    request_id: str
+    embeddings: list[list[float]]
+    num_prompt_tokens: list[int]
+    usage: Usage
 
 
 class AsyncLLM(ChangeListeners):
@@ -113,7 +122,7 @@ class AsyncLLM(ChangeListeners):
     @property
     def chat_template(self) -> str | None:
         """The chat template text this frontend renders chats with (--chat-template, the model's own, or the
-        tool-aware one shipped for it: services/frontend/chat_setup.py); what a gateway must render with."""
+        tool-aware one shipped for it: services/frontend/chat/template_choice.py); what a gateway must render with."""
         return self.input_processor.chat_setup.template
 
     # ---- generation -----------------------------------------------------------------
@@ -221,7 +230,7 @@ class AsyncLLM(ChangeListeners):
             except Exception:  # a bug on one step must not stop every stream
                 log.exception("error while processing engine outputs")
 
-    def _process(self, outputs: EngineOutputs) -> list[str]:
+    def _process(self, outputs: OutputBatch) -> list[str]:
         """Engine request ids to abort: stop strings hit, slow readers cut off, siblings of failed requests."""
         aborts = []
         if outputs.failed:

@@ -14,8 +14,8 @@ import pytest
 
 from clients.admin import PAUSE_MODES, AdminResult
 from clients.async_client import AsyncTandemClient
-from clients.cli import build_parser
-from clients.cli_options import token_from_args
+from clients.cli.main import build_parser
+from clients.cli.options import token_from_args
 from clients.client import TandemClient
 from clients.connection import RetryPolicy
 from clients.errors import TandemError

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from clients import serve_command
-from clients.cli import build_parser, main
+from clients.cli import serve_command
+from clients.cli.main import build_parser, main
 from clients.client import TandemClient
 from clients.local_stack import RestartPolicy, SupervisedProcess, free_port, wait_until_serving
 from engine_core.loader import default_model_path

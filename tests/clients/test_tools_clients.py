@@ -111,7 +111,8 @@ def test_a_whole_call_reads_as_complete():
 
 
 def test_serve_passes_the_template_and_parser_flags_to_the_frontend(monkeypatch, tmp_path):
-    from clients import cli, serve_command
+    from clients.cli import main as cli
+    from clients.cli import serve_command
 
     started = {}
 

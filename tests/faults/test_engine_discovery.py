@@ -21,7 +21,7 @@ from tandem.v1 import generation_pb2_grpc
 from clients.local_stack import free_port
 from engine_core.loader import default_model_path
 from services.frontend.async_llm import AsyncLLM
-from services.frontend.engine_client import GrpcEngineClient
+from services.frontend.engines.grpc_client import GrpcEngineClient
 from services.frontend.server import FrontendServer
 from services.frontend.tokenizer import load_tokenizer
 from tests.engine_core.tiny_models import write_tiny_model

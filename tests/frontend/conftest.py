@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.v1 import admin_pb2_grpc, generation_pb2_grpc
 
 from services.frontend.async_llm import AsyncLLM
-from services.frontend.engine_client import GrpcEngineClient
+from services.frontend.engines.grpc_client import GrpcEngineClient
 from services.frontend.server import FrontendServer
 from services.frontend.tokenizer import TokenizerBundle, load_tokenizer
 from tests.event_loops import close_loop

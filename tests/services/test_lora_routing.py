@@ -12,9 +12,9 @@ import pytest
 
 from engine_core.config import LoraConfig
 from engine_core.protocol import EngineCoreRequest, SamplingParams, hash_prompt_blocks
-from services.frontend.engine_client import GrpcEngineClient
+from services.frontend.engines.grpc_client import GrpcEngineClient
+from services.frontend.engines.router import Router, RoutingPolicy
 from services.frontend.errors import NotFound
-from services.frontend.router import Router, RoutingPolicy
 from tests.engine_core.tiny_lora import write_tiny_adapter
 from tests.services.conftest import BLOCK_SIZE, ServerThread, tiny_engine_config
 from tests.services.test_prefix_routing import wait_until

@@ -13,8 +13,8 @@ import pytest
 
 from engine_core.protocol import EngineCoreRequest, ResetPrefixCacheCall, SamplingParams
 from engine_core.protocol.block_hash import hash_prompt_blocks
-from services.frontend.engine_client import GrpcEngineClient
-from services.frontend.router import Router, RoutingPolicy
+from services.frontend.engines.grpc_client import GrpcEngineClient
+from services.frontend.engines.router import Router, RoutingPolicy
 from tests.services.conftest import BLOCK_SIZE, ServerThread, tiny_engine_config
 
 SYSTEM = list(range(3, 51))  # 12 blocks of 4
