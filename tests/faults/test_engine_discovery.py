@@ -46,7 +46,7 @@ class ChangingResolver:
         return list(self.addresses)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # fresh engines for each run: the test kills one and drains another (make test-shake repeats it)
 def engines(tmp_path_factory):
     model = write_tiny_model(tmp_path_factory.mktemp("discovery-model"), vocab_size=VOCAB,
                              max_position_embeddings=MAX_MODEL_LEN)

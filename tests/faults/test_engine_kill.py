@@ -53,6 +53,7 @@ def engine_stack(make_fault_stack):
 
 def test_engine_sigkill_mid_batch_then_restart(engine_stack, report):
     stack = engine_stack
+    stack.ensure_engine_serving()
     frontend = stack.frontends[0]
     in_flight = [token_request(p, MAX_MODEL_LEN - 60) for p in random_prompts(8, seed=51)]
     probe = token_request(random_prompts(1, seed=52)[0], 24)
@@ -111,8 +112,8 @@ async def engine_not_serving(address: str) -> None:
 
 def test_engine_sigterm_finishes_streams_in_flight_then_exits_0(engine_stack, report):
     stack = engine_stack
+    stack.ensure_engine_serving()
     frontend = stack.frontends[0]
-    wait_until_serving(frontend.address, STARTUP_TIMEOUT_S)
     requests = [token_request(p, 96) for p in random_prompts(6, seed=53)]
     late = token_request(random_prompts(1, seed=54)[0], 8)
     expected = asyncio.run(quiet_run(frontend.address, requests))
