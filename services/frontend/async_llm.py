@@ -9,6 +9,7 @@ servicers in server.py are thin shells around this class.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -78,6 +79,11 @@ class AsyncLLM(ChangeListeners):
         self.max_waiting_requests = max_waiting_requests
         self.model_info: EngineInfo | None = None  # the last model an engine reported
         self.draining = False  # set by drain(): no new requests are admitted
+        # each admission's engine requests get ids of their own ("{request id}@{admission}"): a client may reuse a
+        # request id as soon as its request ended, while the engine may still send a step or two of the old one
+        # (a stop string ends a request here before the engine hears of the abort); with the client's id those
+        # would reach the new request. vLLM makes its internal request ids unique the same way
+        self._admissions = itertools.count(1)
         self._output_handler: asyncio.Task | None = None
         # called with each admitted request's prompt token ids and LoRA adapter (the gateway's KV event feed)
         self.prompt_listeners: list[Callable[[Sequence[int], str | None], None]] = []
@@ -202,7 +208,7 @@ class AsyncLLM(ChangeListeners):
         request, stats = self.telemetry.start_request(request)  # its span's context goes into the trace headers
         for listener in self.prompt_listeners:
             listener(request.prompt_token_ids, request.lora_name)
-        children = request.fan_out()
+        children = replace(request, request_id=f"{request.request_id}@{next(self._admissions)}").fan_out()
         collector = RequestOutputCollector(request.sampling_params.output_kind)
         self.output_processor.add_request(request.request_id, children, collector, stats, tool_plan,
                                           prompt=prompt.text if isinstance(prompt, TextPrompt) else None)

@@ -86,13 +86,13 @@ def test_engines_added_drained_and_killed_behind_a_dns_name(engines, report):
         frontend = FrontendServer(llm, "127.0.0.1:0")
         await frontend.start()
         connected = lambda: {e.address for e in client.engines() if e.connected}  # noqa: E731
-        placed: dict[str, str] = {}  # engine request id -> the engine it was sent to
+        placed: dict[str, str] = {}  # the client's request id -> the engine it was sent to
         send = client.add_request
 
         def add_request(request):
             send(request)
-            placed[request.request_id] = next(e.address for e in client._engines.values()
-                                              if request.request_id in e.in_flight)
+            client_id = request.request_id.rpartition("@")[0]  # AsyncLLM's engine ids: "{request id}@{admission}"
+            placed[client_id] = next(e.address for e in client._engines.values() if request.request_id in e.in_flight)
 
         client.add_request = add_request
         try:

@@ -20,7 +20,7 @@ from services.frontend.engines.grpc_client import GrpcEngineClient
 from services.frontend.server import FrontendServer
 from services.frontend.tokenizer import TokenizerBundle, load_tokenizer
 from tests.event_loops import close_loop
-from tests.frontend.fake_engine import FakeEngine, echo_prompt, start_fake_engine
+from tests.frontend.fake_engine import FakeEngine, client_id, echo_prompt, start_fake_engine
 from tests.waits import STATE_TIMEOUT_S, wait_until  # noqa: F401 (the frontend tests import wait_until here)
 
 
@@ -51,8 +51,8 @@ class Stack:
         self.run(self._start(max_waiting_requests))
 
     def _script(self, request) -> list[int]:
-        parent = request.request_id.split("_", 1)[-1]
-        ids = self.scripts.get(request.request_id) or self.scripts.get(parent)
+        own = client_id(request.request_id)
+        ids = self.scripts.get(own) or self.scripts.get(own.split("_", 1)[-1])  # a child: its parent's script
         if ids is not None:
             return list(ids)
         return echo_prompt(request)
