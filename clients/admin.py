@@ -1,6 +1,6 @@
 """Operator calls (tandem.v1.AdminService) as the clients make them, and the server states they leave.
 
-Requests from keywords and results from responses, like clients/messages.py (the only other client
+Requests from keywords and results from responses, like clients/generation.py (the only other client
 module that touches generated protos); TandemClient and AsyncTandemClient make the calls, `tandem admin`
 prints PAUSE_MODES in its help and `tandem info` describes the states with the functions below.
 """

@@ -14,8 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 from tandem.v1 import admin_pb2_grpc, generation_pb2_grpc
 
-from clients import admin, embeddings
-from clients import messages as wire
+from clients import admin, embeddings, generation
 from clients.admin import AdminResult
 from clients.client import Metadata
 from clients.connection import (
@@ -27,7 +26,7 @@ from clients.connection import (
     open_aio_channel,
 )
 from clients.errors import TandemError
-from clients.messages import GenerateChunk, Tokens
+from clients.generation import GenerateChunk, Tokens
 
 
 class AsyncTandemClient:
@@ -50,20 +49,20 @@ class AsyncTandemClient:
     def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None, metadata: Metadata = None,
                  traceparent: str | None = None, **sampling) -> AsyncIterator[GenerateChunk]:
         """Stream a completion (see TandemClient.generate); use with `async for`."""
-        request = wire.generate_request(prompt, **sampling)
+        request = generation.generate_request(prompt, **sampling)
         return self._stream(self._stub.Generate, request, timeout, metadata, traceparent)
 
     def chat(self, messages: Iterable, *, timeout: float | None = None, metadata: Metadata = None,
              traceparent: str | None = None, **sampling) -> AsyncIterator[GenerateChunk]:
         """Stream the assistant's answer (see TandemClient.chat); use with `async for`."""
-        request = wire.chat_request(messages, **sampling)
+        request = generation.chat_request(messages, **sampling)
         return self._stream(self._stub.Chat, request, timeout, metadata, traceparent)
 
     async def _stream(self, method, request, timeout, metadata, traceparent) -> AsyncIterator[GenerateChunk]:
         call = method(request, **self._call_options(timeout, metadata, traceparent))
         try:
             async for response in call:
-                yield wire.chunk_from_proto(response)
+                yield generation.chunk_from_proto(response)
         except grpc.RpcError as e:
             raise TandemError.from_rpc_error(e) from None
         finally:
@@ -80,35 +79,36 @@ class AsyncTandemClient:
     async def tokenize(self, text: str | None = None, *, messages: Iterable | None = None,
                        add_special_tokens: bool | None = None, timeout: float | None = None,
                        metadata: Metadata = None, traceparent: str | None = None, **chat_options) -> Tokens:
-        request = wire.tokenize_request(text, messages=messages, add_special_tokens=add_special_tokens,
-                                        **chat_options)
-        return wire.tokens_from_proto(await self._unary(self._stub.Tokenize, request, timeout, metadata, traceparent))
+        request = generation.tokenize_request(text, messages=messages, add_special_tokens=add_special_tokens,
+                                              **chat_options)
+        reply = await self._unary(self._stub.Tokenize, request, timeout, metadata, traceparent)
+        return generation.tokens_from_proto(reply)
 
     async def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool | None = None,
                          timeout: float | None = None, metadata: Metadata = None,
                          traceparent: str | None = None) -> str:
-        request = wire.detokenize_request(token_ids, skip_special_tokens)
+        request = generation.detokenize_request(token_ids, skip_special_tokens)
         return (await self._unary(self._stub.Detokenize, request, timeout, metadata, traceparent)).text
 
     async def abort(self, request_ids: Sequence[str], *, timeout: float | None = None,
                     metadata: Metadata = None) -> list[str]:
-        request = wire.abort_request(request_ids)
+        request = generation.abort_request(request_ids)
         return list((await self._unary(self._stub.Abort, request, timeout, metadata, None)).aborted_request_ids)
 
     async def model_info(self, *, timeout: float | None = None,
-                         metadata: Metadata = None) -> wire.ModelInfo:
-        return await self._unary(self._stub.GetModelInfo, wire.model_info_request(), timeout, metadata,
+                         metadata: Metadata = None) -> generation.ModelInfo:
+        return await self._unary(self._stub.GetModelInfo, generation.model_info_request(), timeout, metadata,
                                  None)
 
     async def server_info(self, *, timeout: float | None = None,
-                          metadata: Metadata = None) -> wire.ServerInfo:
-        return await self._unary(self._stub.GetServerInfo, wire.server_info_request(), timeout, metadata,
+                          metadata: Metadata = None) -> generation.ServerInfo:
+        return await self._unary(self._stub.GetServerInfo, generation.server_info_request(), timeout, metadata,
                                  None)
 
     async def health(self, service: str = "", *, timeout: float | None = None, metadata: Metadata = None) -> str:
-        reply = await self._unary(self._health.Check, wire.health_request(service), timeout,
+        reply = await self._unary(self._health.Check, generation.health_request(service), timeout,
                                   metadata, None)
-        return wire.health_status(reply)
+        return generation.health_status(reply)
 
     # ---- operator calls (see TandemClient: same names, same keywords) ----
     async def pause(self, mode: str = "abort", *, timeout: float | None = None,

@@ -25,8 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 from tandem.v1 import admin_pb2_grpc, generation_pb2_grpc
 
-from clients import admin, embeddings
-from clients import messages as wire
+from clients import admin, embeddings, generation
 from clients.admin import AdminResult
 from clients.connection import (
     DEFAULT_ADDRESS,
@@ -37,7 +36,7 @@ from clients.connection import (
     open_channel,
 )
 from clients.errors import TandemError
-from clients.messages import GenerateChunk, Tokens
+from clients.generation import GenerateChunk, Tokens
 
 Metadata = Mapping[str, str] | Sequence[tuple[str, str]] | None
 
@@ -63,7 +62,7 @@ class TandemClient:
                  traceparent: str | None = None, **sampling) -> Iterator[GenerateChunk]:
         """Stream a completion of a text prompt or of token ids. Keywords: SamplingParams fields
         (temperature, max_tokens, stop, seed, ...) and request_id, priority, add_special_tokens, lora_name."""
-        request = wire.generate_request(prompt, **sampling)
+        request = generation.generate_request(prompt, **sampling)
         return self._stream(self._stub.Generate, request, timeout, metadata, traceparent)
 
     def chat(self, messages: Iterable, *, timeout: float | None = None, metadata: Metadata = None,
@@ -71,14 +70,14 @@ class TandemClient:
         """Stream the assistant's answer to chat messages. Keywords: SamplingParams fields and
         request_id, priority, add_generation_prompt, continue_final_message, lora_name, and tools, tool_choice,
         parallel_tool_calls (calls arrive as chunk.completions[i].tool_call_deltas, then tool_calls)."""
-        request = wire.chat_request(messages, **sampling)
+        request = generation.chat_request(messages, **sampling)
         return self._stream(self._stub.Chat, request, timeout, metadata, traceparent)
 
     def _stream(self, method, request, timeout, metadata, traceparent) -> Iterator[GenerateChunk]:
         call = method(request, **self._call_options(timeout, metadata, traceparent))
         try:
             for response in call:
-                yield wire.chunk_from_proto(response)
+                yield generation.chunk_from_proto(response)
         except grpc.RpcError as e:
             raise TandemError.from_rpc_error(e) from None
         finally:
@@ -98,34 +97,34 @@ class TandemClient:
                  add_special_tokens: bool | None = None, timeout: float | None = None, metadata: Metadata = None,
                  traceparent: str | None = None, **chat_options) -> Tokens:
         """Token ids and token strings of text, or of chat messages rendered by the chat template."""
-        request = wire.tokenize_request(text, messages=messages, add_special_tokens=add_special_tokens,
-                                            **chat_options)
-        return wire.tokens_from_proto(self._unary(self._stub.Tokenize, request, timeout, metadata, traceparent))
+        request = generation.tokenize_request(text, messages=messages, add_special_tokens=add_special_tokens,
+                                              **chat_options)
+        return generation.tokens_from_proto(self._unary(self._stub.Tokenize, request, timeout, metadata, traceparent))
 
     def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool | None = None,
                    timeout: float | None = None, metadata: Metadata = None, traceparent: str | None = None) -> str:
-        request = wire.detokenize_request(token_ids, skip_special_tokens)
+        request = generation.detokenize_request(token_ids, skip_special_tokens)
         return self._unary(self._stub.Detokenize, request, timeout, metadata, traceparent).text
 
     def abort(self, request_ids: Sequence[str], *, timeout: float | None = None,
               metadata: Metadata = None) -> list[str]:
         """Abort in-flight requests by id; returns those that were in flight."""
-        request = wire.abort_request(request_ids)
+        request = generation.abort_request(request_ids)
         return list(self._unary(self._stub.Abort, request, timeout, metadata, None).aborted_request_ids)
 
     def model_info(self, *, timeout: float | None = None,
-                   metadata: Metadata = None) -> wire.ModelInfo:
-        return self._unary(self._stub.GetModelInfo, wire.model_info_request(), timeout, metadata, None)
+                   metadata: Metadata = None) -> generation.ModelInfo:
+        return self._unary(self._stub.GetModelInfo, generation.model_info_request(), timeout, metadata, None)
 
     def server_info(self, *, timeout: float | None = None,
-                    metadata: Metadata = None) -> wire.ServerInfo:
-        return self._unary(self._stub.GetServerInfo, wire.server_info_request(), timeout, metadata, None)
+                    metadata: Metadata = None) -> generation.ServerInfo:
+        return self._unary(self._stub.GetServerInfo, generation.server_info_request(), timeout, metadata, None)
 
     def health(self, service: str = "", *, timeout: float | None = None, metadata: Metadata = None) -> str:
         """The grpc.health.v1 status name: SERVING, NOT_SERVING, SERVICE_UNKNOWN or UNKNOWN."""
-        reply = self._unary(self._health.Check, wire.health_request(service), timeout, metadata,
+        reply = self._unary(self._health.Check, generation.health_request(service), timeout, metadata,
                             None)
-        return wire.health_status(reply)
+        return generation.health_status(reply)
 
     # ---- operator calls (tandem.v1.AdminService, forwarded to every engine) ----
     def pause(self, mode: str = "abort", *, timeout: float | None = None, metadata: Metadata = None) -> AdminResult:

@@ -1,4 +1,4 @@
-"""Embed's typed request and result (part of clients/messages.py's proto edge, re-exported there)."""
+"""Embed's typed request and result (the client library's proto edge for Embed, beside clients/generation.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from tandem.v1 import common_pb2, generation_pb2
 
-from clients.messages import Usage
+from clients.generation import Usage
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The Shepherd Model Gateway (smg) in front of a Tandem frontend, on this machine, plus a few HTTP calls to it.
 
-smg speaks vLLM's gRPC worker protocol to the frontend (services/frontend/vllm_engine_servicer.py) and gives
+smg speaks vLLM's gRPC worker protocol to the frontend (services/frontend/gateway/servicer.py) and gives
 the OpenAI chat/completions, Responses and Anthropic Messages APIs over HTTP. `Gateway` runs `smg launch` as a
 child process pointed at one frontend and waits until the model is listed; `post_json` and `stream_sse`
 are the two HTTP calls the demo, the tests and the benchmark make (standard library only: the client

@@ -1,5 +1,5 @@
 """Tools in the Python client: tool definitions, tool_choice and history messages with calls, as protos;
-streamed tool-call deltas and finished calls, as dataclasses. clients/messages.py uses these."""
+streamed tool-call deltas and finished calls, as dataclasses. clients/generation.py uses these."""
 
 from __future__ import annotations
 

@@ -5,10 +5,9 @@ libgomp's worker threads spin-wait GOMP_SPINCOUNT times before they sleep: 300,0
 (when OMP_WAIT_POLICY is unset), several milliseconds. Alone on a machine that costs nothing, but
 an engine is rarely alone: its own gRPC thread, a co-located frontend or client, another engine or
 any other torch process needs a core between the engine's parallel regions and finds it held by
-a spinning worker, while that process's own workers spin for the engine's cores in turn. On the
-2-core AMD EPYC of shared/ANCHORS.md, beside one other torch process, LLMEngine's batch-1 decode
-step went from 10.8 ms (alone) to ~950 ms with the default; with 3,000 spins it took 32 ms, and
-alone 3,000 is as fast as the default (scripts/bench_openmp_spin.py measures both).
+a spinning worker, while that process's own workers spin for the engine's cores in turn. Beside
+another torch process the default made a decode step many times slower, and alone 3,000 spins are as
+fast as the default (docs/cpu-tuning.md#cpu-threads; scripts/bench_openmp_spin.py measures both).
 """
 
 from __future__ import annotations

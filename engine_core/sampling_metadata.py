@@ -176,6 +176,7 @@ def _build_penalties(requests: list[Request], rows: list[int], device: torch.dev
 
 
 def _flat_tensor(lists: list[list[int]], total: int, device: torch.device | str) -> torch.Tensor:
-    """Concatenate token lists into one int64 tensor (numpy's fromiter: ~10x torch.tensor)."""
+    """Concatenate token lists into one int64 tensor: numpy's fromiter, much faster than torch.tensor on a list
+    (docs/benchmarks.md#host-work-per-decode-step)."""
     flat = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=total)
     return to_device(flat, torch.int64, device)

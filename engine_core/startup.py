@@ -19,6 +19,7 @@ from engine_core.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_SPECULATIVE_MAX_BATCH,
     EngineConfig,
+    LoraConfig,
     ModelArchConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -95,7 +96,7 @@ def build_parts(config: EngineConfig, *, log_stats: bool, kv_events: bool) -> En
     if invariant:
         pins = batch_invariant_pins(pins, quantization, dtype, device)
     if device.type == "cpu":
-        prepare_for_cpu(model, quantization, pins=pins, decode_layers=not invariant)
+        prepare_for_cpu(model, quantization, pins=pins)
     model_path = str(Path(config.model.model) if config.model.model else default_model_path())
     logger.info("loaded %s in %.1f s", model_path, time.perf_counter() - started)
 
@@ -104,7 +105,8 @@ def build_parts(config: EngineConfig, *, log_stats: bool, kv_events: bool) -> En
     logger.info("step token budget %d", config.scheduler.max_num_batched_tokens)
     block_size = config.cache.block_size
     num_blocks = config.cache.num_blocks or num_blocks_for_memory(config, arch, max_model_len, dtype)
-    lora = LoraRuntime.attach(model, config.lora, device, dtype, attention.name) if config.lora.enable else None
+    lora_config = batch_invariant_lora(config.lora, attention.name) if invariant else config.lora
+    lora = LoraRuntime.attach(model, lora_config, device, dtype, attention.name) if config.lora.enable else None
     structured = StructuredOutputs(tokenizer_path(config, model_path), vocab_size=arch.vocab_size,
                                    eos_token_ids=list(arch.eos_token_ids))
     overlap = resolve_overlap(config.device.overlap, device, config.speculative)
@@ -172,6 +174,17 @@ def batch_invariant_pins(pins: Pins, quantization: str, dtype: torch.dtype, devi
         raise ValueError(f"batch_invariant runs float linears; quantization {quantization!r} cannot be combined "
                          "with it (leave it auto)")
     return {"*": {None: batch_invariant_kernel(dtype)}}
+
+
+def batch_invariant_lora(config: LoraConfig, attention_backend: str) -> LoraConfig:
+    """Adapters in batch-invariant mode: on the C++ attention, the C++ BGMV kernel at every batch size (each
+    row's products in one order, however many rows share a pass); the measured choice per bucket is not."""
+    if attention_backend != "cpp":
+        return config
+    if config.kernel not in ("auto", "cpp"):
+        raise ValueError(f"batch_invariant runs LoRA through the 'cpp' kernel at every batch size; lora kernel "
+                         f"{config.kernel!r} cannot be combined with it (leave it auto)")
+    return replace(config, kernel="cpp")
 
 
 def resolve_scheduler(config: SchedulerConfig, device: torch.device, max_model_len: int) -> SchedulerConfig:

@@ -158,7 +158,7 @@ def transport_round(engine, model: str, tokenizer_path: str, prompts: list[Bench
     """The LLMEngine's core under a fresh busy loop stepping on the main thread, the frontend beside it."""
     from clients.bench.backends import InProcessBackend
     from services.engine.busy_loop import EngineBusyLoop
-    from services.engine.process import run_beside_engine
+    from services.engine.processes.engine_process import run_beside_engine
 
     core = engine.engine_core
     busy_loop = EngineBusyLoop(core)

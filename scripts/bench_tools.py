@@ -34,7 +34,7 @@ from tokenizers.decoders import DecodeStream  # noqa: E402
 
 from clients.local_stack import free_port, wait_until_serving  # noqa: E402
 from services.frontend.tokenizer import load_tokenizer  # noqa: E402
-from services.frontend.tool_parsers import PARSERS, ToolCallStreamer  # noqa: E402
+from services.frontend.tools.parsers import PARSERS, ToolCallStreamer  # noqa: E402
 
 TOOLS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
          "search": {"type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}}}}

@@ -20,7 +20,7 @@ from engine_core.config import EngineConfig, ModelConfig, SchedulerConfig  # noq
 from engine_core.llm_engine import LLMEngine  # noqa: E402
 from engine_core.loader.registry import default_model_path  # noqa: E402
 from engine_core.protocol import OutputKind, SamplingParams  # noqa: E402
-from services.frontend.chat_template import render_chat  # noqa: E402
+from services.frontend.chat.template import render_chat  # noqa: E402
 from services.frontend.tokenizer import load_tokenizer  # noqa: E402
 
 

@@ -5,11 +5,10 @@ alone and its share of each OpenMP region. Whatever wakes beside it (the gRPC se
 or the in-process transport's I/O thread) is placed by the kernel on the waker's CPU, preempts
 the stepping thread there and stalls the whole step, while the CPU of the OpenMP worker (idle
 between regions) waits. `--step-cpu auto` pins the stepping thread to the CPU it runs on and
-keeps the I/O on the others, where it fills the workers' idle moments instead.
+keeps the I/O on the others, where it fills the workers' idle moments instead: gRPC's share of
+in-process throughput rises (docs/cpu-tuning.md#two-processes-per-engine; scripts/bench_engine.py).
 
-Measured on a 2-core Intel Xeon (Sapphire Rapids class, no AMX), one stream, 3 alternating rounds
-each (scripts/bench_engine.py): gRPC / in-process tok/s 0.86-0.88 unpinned, 0.92-0.93 pinned;
-32 streams 0.94 pinned. Only the stepping thread is pinned: the OpenMP workers, made before it is
+Only the stepping thread is pinned: the OpenMP workers, made before it is
 (the model's load runs parallel regions), keep the process's CPUs, and so do threads started
 before it. Several engines on one machine each want all their CPUs (OpenMP): give each its own
 set (`taskset`, `docker run --cpuset-cpus`), which `auto` chooses within.

@@ -2,14 +2,13 @@
 
 An engine core on CPU runs every parallel region of its step as an OpenMP team, one thread per
 core, that meets at a barrier when the region ends: whenever another thread takes one of those
-cores, even for 100 µs, the whole team waits for it. A frontend beside the engine (`tandem serve`,
+cores, even briefly, the whole team waits for it. A frontend beside the engine (`tandem serve`,
 `docker compose` on one host) wakes several threads for each generated token (gRPC's event
 engine, its completion-queue poller, the asyncio loop), and every wake-up lands on a core that an
 OpenMP thread holds. At `low` (nice 19) those threads mostly wait for a core the engine leaves free
 between its parallel regions and steps; at `idle` (SCHED_IDLE) they always do, so each output
-waits about one decode step. Measured on a 2-core AMD EPYC (Zen 4), one stream over gRPC, frontend
-and client lowered, two A/Bs: normal 98 / 82 generated tok/s, low 112 / 96, idle 121 / 95; TTFT
-+3-10 ms at `low`, +13-22 ms at `idle`.
+waits about one decode step. `low` gains throughput for a few milliseconds of TTFT
+(docs/cpu-tuning.md#cpu-priorities).
 
 Threads inherit the policy of the thread that creates them, so `set_cpu_priority` covers the
 process's threads now and those started later (or only the calling thread, `whole_process=False`).

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from engine_core.protocol import UtilityCall
-from services.engine.messages import Abort
+from services.engine.busy_loop_items import Abort
 
 HOLD_TIMEOUT_S = 30.0  # an input that never comes fails the test instead of hanging it
 _POLL_S = 0.005  # how often a held step looks for other queued inputs

@@ -10,7 +10,7 @@ from engine_core.loader import default_model_path
 from engine_core.models.layers import LINEAR_ROLES
 from engine_core.protocol import SamplingParams
 from kernels.cpu.linear import KERNELS, MAX_ROWS, CpuLinear, LinearRole, auto_kernels
-from services.frontend.chat_template import render_chat
+from services.frontend.chat.template import render_chat
 from services.frontend.tokenizer import load_tokenizer
 from tests.engine_core.test_loader import CHAT_PROMPT
 

@@ -22,6 +22,7 @@ from engine_core.protocol import SamplingParams
 from tests.engine_core.tiny_lora import write_tiny_adapter
 from tests.engine_core.tiny_models import write_tiny_model
 from tests.test_stack import ENGINE_FLAGS, MAX_MODEL_LEN, VOCAB, Services, greedy, stream_tokens
+from tests.waits import STATE_TIMEOUT_S
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 2, 198]
 
@@ -58,6 +59,16 @@ def offline_tokens(tiny_model_dir, adapters, lora_name, max_tokens):
     return engine.generate([PROMPT], params, lora_names=lora_name)[0].completions[0].token_ids
 
 
+async def back_to_only_x(admin, adapters) -> None:
+    """The adapters as the fixture started them (x alone), whatever an earlier run of a test left loaded."""
+    listed = await admin.ListLoraAdapters(admin_pb2.ListLoraAdaptersRequest())
+    for adapter in listed.adapters:
+        if adapter.name != "x":
+            await admin.UnloadLoraAdapter(admin_pb2.UnloadLoraAdapterRequest(lora_name=adapter.name))
+    if "x" not in {adapter.name for adapter in listed.adapters}:
+        await admin.LoadLoraAdapter(admin_pb2.LoadLoraAdapterRequest(lora_name="x", lora_path=str(adapters["x"])))
+
+
 def test_adapters_over_grpc(lora_services, tiny_model_dir, adapters):
     async def run():
         async with grpc.aio.insecure_channel(lora_services.frontend_address) as channel:
@@ -69,6 +80,7 @@ def test_adapters_over_grpc(lora_services, tiny_model_dir, adapters):
                     token_ids=generation_pb2.TokenIds(ids=PROMPT), sampling_params=greedy(max_tokens),
                     lora_name=lora_name))
 
+            await back_to_only_x(admin, adapters)  # the stack lives for the module; make test-shake repeats this
             listed = await admin.ListLoraAdapters(admin_pb2.ListLoraAdaptersRequest())
             assert [(a.name, a.rank, list(a.target_modules)) for a in listed.adapters] == [("x", 4, ["q_proj",
                                                                                                    "v_proj"])]
@@ -188,10 +200,11 @@ def test_a_gateways_kv_events_name_the_adapter_of_its_blocks(lora_services, adap
             for lora_name in ("kv", ""):
                 await stream_tokens(generation, generation_pb2.GenerateRequest(
                     token_ids=generation_pb2.TokenIds(ids=prompt), sampling_params=greedy(2), lora_name=lora_name))
-            deadline = asyncio.get_running_loop().time() + 30  # load reports keep coming: bound the wait itself
+            # load reports keep coming: bound the wait itself
+            deadline = asyncio.get_running_loop().time() + STATE_TIMEOUT_S
             while len(stored) < 4:
                 assert asyncio.get_running_loop().time() < deadline, f"blocks stored so far: {stored}"
-                batch = await asyncio.wait_for(events.read(), 10)
+                batch = await asyncio.wait_for(events.read(), STATE_TIMEOUT_S)
                 for event in batch.events:
                     if event.WhichOneof("data") == "stored":
                         name = event.stored.lora_name if event.stored.HasField("lora_name") else None

@@ -23,10 +23,11 @@ from engine_core.config import CacheConfig, EngineConfig, ModelConfig, Scheduler
 from engine_core.llm_engine import LLMEngine
 from engine_core.loader import default_model_path
 from engine_core.protocol import SamplingParams
-from services.frontend.chat_template import render_chat
+from services.frontend.chat.template import render_chat
 from services.frontend.tokenizer import load_tokenizer
 from tests.engine_core.tiny_models import write_tiny_model
 from tests.services.conftest import engine_stats
+from tests.waits import STARTUP_TIMEOUT_S
 
 VOCAB = 49152  # SmolLM2's, so its tokenizer fits the tiny model
 MAX_MODEL_LEN = 256
@@ -46,7 +47,7 @@ class Services:
             self.start_engine()
             self.frontend = self._spawn("services.frontend", "--engine", self.engine_address, "--port",
                                         str(self.frontend_port), "--host", "127.0.0.1", *frontend_flags)
-            wait_until_serving(self.frontend_address, 60, self.frontend)
+            wait_until_serving(self.frontend_address, STARTUP_TIMEOUT_S, self.frontend)
         except BaseException:
             self.stop()
             raise
@@ -61,7 +62,7 @@ class Services:
     def start_engine(self) -> None:
         self.engine = self._spawn("services.engine", "--host", "127.0.0.1", "--port", str(self.engine_port),
                                   *self.engine_flags)
-        wait_until_serving(self.engine_address, 120, self.engine)
+        wait_until_serving(self.engine_address, STARTUP_TIMEOUT_S, self.engine)
 
     def kill_engine(self) -> None:
         self.engine.send_signal(signal.SIGKILL)
@@ -215,7 +216,7 @@ def test_engine_killed_then_restarted(services):
         assert excinfo.value.code() == grpc.StatusCode.UNAVAILABLE
 
         services.start_engine()  # same port: the frontend reconnects by itself
-        wait_until_serving(services.frontend_address, 30)
+        wait_until_serving(services.frontend_address, STARTUP_TIMEOUT_S)
         short = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[5, 6, 7]),
                                                sampling_params=greedy(4))
         tokens = [t for response in stub.Generate(short, timeout=30) for c in response.completions for t in c.token_ids]

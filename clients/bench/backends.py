@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
 
-from clients import messages as wire
+from clients import generation
 from clients.async_client import AsyncTandemClient
 from clients.bench.prompts import BenchPrompt
 
@@ -52,7 +52,7 @@ class InProcessBackend:
                  max_num_seqs: int = 256, engine: tuple | None = None) -> None:
         """Starts an engine on a thread of its own, unless `engine` = (busy loop, EngineInfo) is given: then
         the caller steps it (scripts/bench_engine.py runs it on the main thread: run_beside_engine)."""
-        from services.frontend.in_process import start_engine
+        from services.frontend.engines.in_process import start_engine
         from services.frontend.tokenizer import load_tokenizer
 
         self._tokenizer = load_tokenizer(tokenizer_path)
@@ -67,9 +67,9 @@ class InProcessBackend:
         if prompt.token_ids is None:
             raise ValueError("the in-process backend needs token-id prompts")
         llm = await self._started()
-        request = wire.generate_request(list(prompt.token_ids), request_id=f"bench-{next(self._ids)}",
-                                        max_tokens=prompt.max_tokens, temperature=0.0, ignore_eos=True,
-                                        output_kind="delta")
+        request = generation.generate_request(list(prompt.token_ids), request_id=f"bench-{next(self._ids)}",
+                                              max_tokens=prompt.max_tokens, temperature=0.0, ignore_eos=True,
+                                              output_kind="delta")
         async for output in llm.generate(convert.prompt_from_generate(request),
                                          convert.sampling_params_from_proto(request.sampling_params),
                                          request.request_id):
@@ -78,7 +78,7 @@ class InProcessBackend:
     async def _started(self):
         if self._llm is None:
             from services.frontend.async_llm import AsyncLLM
-            from services.frontend.in_process import InProcessEngineClient
+            from services.frontend.engines.in_process import InProcessEngineClient
 
             client = InProcessEngineClient(self._busy_loop, self._info)
             await client.start()

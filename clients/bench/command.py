@@ -22,7 +22,7 @@ from clients.bench.metrics import summarize
 from clients.bench.plot import plot_sweep
 from clients.bench.prompts import BenchPrompt, jsonl_prompts, repeat_to, synthetic_prompts
 from clients.bench.report import format_table, write_json
-from clients.cli_options import HelpFormatter, client_from_args, client_kwargs_from_args, positive_int
+from clients.cli.options import HelpFormatter, client_from_args, client_kwargs_from_args, positive_int
 
 EXAMPLES = """examples:
   tandem bench                                         # 32 requests, 1 at a time, 128 in / 128 out tokens

@@ -43,7 +43,11 @@ def load_model(
     `fused` gives its layers the fused elementwise ops (None: plain torch)."""
     model_path = Path(path) if path is not None else default_model_path()
     if not model_path.exists():
-        raise FileNotFoundError(f"model path {model_path} does not exist")
+        hint = ""
+        if isinstance(path, str) and path.count("/") == 1 and not path.startswith((".", "/")) and not model_path.suffix:
+            hint = (f"; {path!r} looks like a Hugging Face Hub id, and Tandem downloads nothing: fetch it first "
+                    f"(huggingface-cli download {path} --local-dir DIR) and give the folder, or a .gguf file")
+        raise FileNotFoundError(f"model path {model_path} does not exist{hint}")
     if model_path.is_dir():
         config, weights = load_hf(model_path)
     elif model_path.suffix == ".gguf":
@@ -57,18 +61,17 @@ def load_model(
 
 
 def prepare_for_cpu(model: LlamaForCausalLM, quantization: str = "none", timer: Timer | None = None,
-                    pins: Pins | None = None, decode_layers: bool = True) -> None:
+                    pins: Pins | None = None) -> None:
     """Give a tied LM head its own linear over the embedding, let every linear layer take the kernel
     measured fastest here per batch bucket among those its role allows (`quantization`: none | int8 |
     int4 | auto; the roles: LINEAR_ROLES) or the one `pins` names (`--linear-kernels`), then time the
     decoder layers as one C++ op each at small decode batches (kernels/cpu/decode_layers.py; it keeps pinned
-    kernels; `decode_layers` False: never, as batch-invariant mode wants). One planning call: the model says
-    what it computes (LINEAR_ROLES, its `decoder_stack`), the kernels choose (kernels.plan_cpu_model)."""
+    kernels). One planning call: the model says what it computes (LINEAR_ROLES, its `decoder_stack`), the
+    kernels choose (kernels.plan_cpu_model)."""
     if model.lm_head is None:
         embedding = model.model.embed_tokens.weight
         model.lm_head = torch.nn.Linear(embedding.shape[1], embedding.shape[0], bias=False, device="meta")
         model.lm_head.weight = embedding
-    model.model.decode_layers = plan_cpu_model(
-        model, quantization, roles=LINEAR_ROLES, pins=pins,
-        decoder_stack=model.model.decoder_stack if decode_layers else None, timer=timer,
-        layer_timer=timer or wall_timer)
+    model.model.decode_layers = plan_cpu_model(model, quantization, roles=LINEAR_ROLES, pins=pins,
+                                               decoder_stack=model.model.decoder_stack, timer=timer,
+                                               layer_timer=timer or wall_timer)

@@ -183,7 +183,8 @@ class LlamaModel(nn.Module):
             layers=[DecoderLayerSpec(
                 input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
                 eps=layer.input_layernorm.eps, linears=tuple(op_linears(layer)), scale=layer.self_attn.scale,
-                window=layer.self_attn.window or 0, softcap=layer.self_attn.softcap or 0.0) for layer in layers],
+                window=layer.self_attn.window or 0, softcap=layer.self_attn.softcap or 0.0,
+                batch_invariant=layer.self_attn.attention.batch_invariant) for layer in layers],
             num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
             dtype=self.norm.weight.dtype, embed=self.embed_tokens, rope=self.rotary_emb, modules=modules,
         )

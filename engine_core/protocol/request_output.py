@@ -26,7 +26,7 @@ class CompletionOutput:
     stop_string: str | None = None
     stop_token_id: int | None = None
     embedding: list[float] | None = None  # an embedding request's vector (its only message)
-    # Chat with tools (the frontend's tool parsers, services/frontend/tool_parsers/; never the engine's):
+    # Chat with tools (the frontend's tool parsers, services/frontend/tools/parsers/; never the engine's):
     tool_call_deltas: list = field(default_factory=list)  # ToolCallDelta, in DELTA output
     tool_calls: list = field(default_factory=list)  # ToolCall: so far (CUMULATIVE) or all (the last message)
     # The sum of the sampled tokens' logprobs so far, whatever the output kind; None unless logprobs were asked

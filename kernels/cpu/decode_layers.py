@@ -73,6 +73,7 @@ class DecoderLayerSpec:
     scale: float  # attention's score scale, sliding window (0: none) and logit softcap (0: none)
     window: int
     softcap: float
+    batch_invariant: bool = False  # attention never splits a context by the batch (the backend's setting)
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ class CpuDecodeLayers:
             for rows, by_layer in linears.items()
         }
         # per layer: its attention settings after the KV cache
-        self.attention = [(layer.scale, layer.window, layer.softcap) for layer in stack.layers]
+        self.attention = [(layer.scale, layer.window, layer.softcap, layer.batch_invariant) for layer in stack.layers]
         # per layer: the adapter slots (A, B, pieces) of qkv, o, gate_up and down, once LoRA is attached
         self.lora_slots: list[tuple[torch.Tensor, ...]] = [(_EMPTY,) * 12 for _ in stack.layers]
         self.serves_lora = False  # until attach_lora: a step with adapter rows takes the module path

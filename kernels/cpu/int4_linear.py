@@ -2,7 +2,7 @@
 
 The layout is GGUF's own 4-bit block (32 weights, a scale and a zero). Two kernels multiply by it:
 torch's `_weight_int4pack_mm_for_cpu` (`int4`: w = (q - 8) * scale + zero per group; bf16
-activations: its fp32 path is exact but 10-60x slower), and for a few rows Tandem's C++ GEMV
+activations: its fp32 path is exact but far slower, docs/cpu-kernels.md#int4_gemv), and for a few rows Tandem's C++ GEMV
 (`int4_gemv`, kernels/cpu/csrc/int4_gemv.cpp, where the CPU has AVX512-VNNI: 5 bits a weight read
 at close to memory speed, activations rounded to 16 bits per row as int8_gemv's are, fp16 scales
 and mins). Each group keeps whichever of two grids reconstructs it better:

@@ -74,9 +74,8 @@ from kernels.cpu.onednn_linear import onednn_supported, prepare_onednn, run_oned
 logger = logging.getLogger(__name__)
 
 # Rows timed at load; a call takes the smallest bucket >= its rows, else the last. 512 stands for
-# prefill chunks (hundreds to thousands of rows, compute-bound): at 128 rows W8A8 and oneDNN bf16
-# ran within 1.3x of each other on a Zen 4 and one noisy load picked bf16 for every prefill, while
-# from 256 rows on W8A8 led by 1.5-1.6x (gate/up, q/k/v, o).
+# prefill chunks (hundreds to thousands of rows, compute-bound): 128 rows ranked the kernels as a
+# noisy load could flip, 256 and more as prefill does (docs/cpu-kernels.md#how-a-linear-layer-chooses-its-kernel).
 BUCKETS = (1, 8, 32, 128, 512)
 class LinearRole(str, enum.Enum):
     """What the model knows about one of its linears that limits the kernels it may take; the model names
@@ -100,16 +99,15 @@ GROUPED_KERNELS = ("int8_grouped",)  # activations rounded to int8 per token and
 BLOCKWISE_KERNELS = ("int8_blockwise",)
 # Kernels built for small batches, never timed above this many rows: the last bucket's kernel also
 # serves every larger batch (prefill chunks of thousands of rows), which its timing cannot see.
-# int8_vnni keeps one 8-row register tile per weight pass: on a Zen 4 1.2-1.5x oneDNN's int8 GEMM
-# (int8_dynamic) at 32 rows, 1.07-1.28x at 128 (a 128-token prompt, a 128-sequence decode),
-# 1.02-1.15x at 512 (a CPU step's default budget: its quantize and rescale run inside the GEMM,
-# not as two more passes over the rows), 0.91-0.99x at 2048, with the same bits. linear_bf16_packed,
-# the same tiles in bf16, 1.0-1.2x oneDNN at 32 and level at 128, stays at 32: its sums round
+# int8_vnni keeps one 8-row register tile per weight pass: ahead of oneDNN's int8 GEMM (int8_dynamic)
+# up to 512 rows (a CPU step's default budget: its quantize and rescale run inside the GEMM, not as two
+# more passes over the rows), behind it at 2048, with the same bits (docs/cpu-kernels.md#int8_vnni).
+# linear_bf16_packed, the same tiles in bf16, ahead of oneDNN at 32 and level at 128, stays at 32: its sums round
 # differently from oneDNN's in ~0.01 % of outputs, and on the 128 bucket that flipped SmolLM2's
 # greedy bf16 chat answer (tests/test_default_model.py) from "Paris" to "L'Étoile ...", an answer
 # on a knife's edge (per-token W8A8 on down_proj flipped it the same way).
-# int4_gemv streams 5-bit weights for a few rows (1.3-1.56x int8_gemv at one row on the Zen 4) and
-# is level with int8_gemv by 8, where its group-by-group fp32 sums cost as much as the reads saved.
+# int4_gemv streams 5-bit weights for a few rows, ahead of int8_gemv at one row (docs/cpu-kernels.md#int4_gemv),
+# and is level with int8_gemv by 8, where its group-by-group fp32 sums cost as much as the reads saved.
 MAX_ROWS = {"int8_vnni": 512, "linear_bf16_packed": 32, "int4_gemv": 8}
 INT4_KERNELS = ("int4", "int4_gemv")  # only where the weights are int4 (see _kernels_for)
 # Kernels whose every output is one row's sums in an order fixed by the kernel, whatever the number of rows
@@ -288,7 +286,7 @@ class CpuLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:  # leading dims flattened and restored; the models pass [T, in] already
             return self.forward(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
-        # at decode this runs ~120 times a step for a ~20 us kernel: no lookups beyond the plan
+        # at decode this runs for every linear of every layer, each a short kernel: no lookups beyond the plan
         rows = x.shape[0]
         for limit, run, state in self._steps:
             if rows <= limit:
@@ -307,9 +305,8 @@ def allowed_kernels(quantization: str) -> tuple[str, ...]:
     shapes they cannot take); auto: float kernels and the int8 kernels, plus the int4 ones for layers
     int4 holds exactly (`int4_is_exact`, checked by `_kernels_for`).
 
-    In auto, W8A8 is timed like the rest and wins only where the GEMM is compute-bound: on the
-    2-core EPYC Zen 4 from 32 rows on (prefill chunks 1.7x faster than oneDNN bf16 on q/k/v,
-    o and gate/up), never at 1 row. It never takes down_proj (`_kernels_for`).
+    In auto, W8A8 is timed like the rest and may win only where the GEMM is compute-bound, from 32
+    rows on, never at 1 row (docs/cpu-kernels.md#w8a8-around-torch_int_mm). It never takes down_proj (`_kernels_for`).
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")

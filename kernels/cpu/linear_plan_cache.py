@@ -11,7 +11,7 @@ timings in the log).
 Only answers timed on a quiet machine are kept (`keep`): a race that stayed noisy after its retakes
 (kernels/cpu/linear_timing.py) serves its load and is timed again by the next. Each kept answer records
 when it was measured and how noisy its races were, and each key a readable `machine` entry, for
-`tandem plans` (clients/plans_command.py reads this file without torch):
+`tandem plans` (clients/cli/plans_command.py reads this file without torch):
 
     {KEY: {"machine": {"cpu": ..., "torch": ..., "threads": ..., "kernels": ...},
            ENTRY: {"answer": ..., "measured_at": ISO time, "noise": ..., "retakes": ..., "one_thread_takes": ...}}}

@@ -106,7 +106,8 @@ def rotating(run: Callable, states: list, x: torch.Tensor) -> Callable[[], objec
     """One call per timing, each on the next weight of the list: a weight is cold again when its
     turn comes back (as in a real step, which reads every layer once), and one call is short
     enough to fall between a neighbour's bursts, where a whole sweep of layers rarely does (on
-    2 oversubscribed OpenMP threads every op of a sweep may wait a time slice, ~8 ms here)."""
+    2 oversubscribed OpenMP threads every op of a sweep may wait a time slice:
+    docs/cpu-kernels.md#timings-taken-on-a-busy-machine)."""
     turns = itertools.cycle(states)
     return lambda: run(next(turns), x)
 
@@ -115,7 +116,7 @@ def rotating(run: Callable, states: list, x: torch.Tensor) -> Callable[[], objec
 def one_thread() -> Iterator[None]:
     """Load-time preparation (quantizing, packing) on one thread: its many small ops each open an
     OpenMP parallel region, and on a shared, oversubscribed machine a region waits for a
-    descheduled partner thread (int4_is_exact: 0.85 ms on 1 thread, 26-34 ms on 2, here)."""
+    descheduled partner thread, many times the work's own time (docs/cpu-kernels.md#timings-taken-on-a-busy-machine)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

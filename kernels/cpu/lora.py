@@ -2,8 +2,8 @@
 
 Each kernel adds into y [T, out] in place from x [T, in], the slot tensors A [S, R, in] and
 B [S, R, out] and the step's `LoraStepIndex`; rows of slot -1 (the base model) are untouched. The
-products run in the slots' dtype (fp32 on the CPU, where bf16 matmuls of LoRA's thin shapes cost 3-8x
-fp32's on CPUs without native bf16: docs/lora.md), x cast to it and the sum cast back to y's.
+products run in the slots' dtype (fp32 on the CPU, where bf16 matmuls of LoRA's thin shapes cost several
+times fp32's on CPUs without native bf16: docs/lora.md#measured), x cast to it and the sum cast back to y's.
 
 - `per_slot`: the plain per-slot matmul (the baseline): each slot's rows gathered, two matmuls,
   added back with index_add.

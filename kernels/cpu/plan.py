@@ -53,8 +53,8 @@ def fastest_float_dtype(hidden: int, intermediate: int, timer: Timer | None = No
     bf16 halves the bytes read, but CPUs without bf16 dot products emulate it several times slower.
     The CPU's flags (`native_bf16`, default: AVX-512 BF16 or AMX) name the expected winner, and the
     measurement overturns it only by a clear margin (`_DTYPE_MARGIN`): on a shared machine one dtype
-    can miss every quiet moment of a short race (measured here: fp32 "4x faster" in one load, bf16
-    2x faster in the next). Candidates reach `timer` named "kernel/dtype".
+    can miss every quiet moment of a short race, and either can look the faster by far
+    (docs/cpu-kernels.md#timings-taken-on-a-busy-machine). Candidates reach `timer` named "kernel/dtype".
     """
     if native_bf16 is None:
         native_bf16 = _native_bf16()

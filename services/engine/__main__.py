@@ -3,7 +3,7 @@
     python -m services.engine --model ./my-llama --port 50061
 
 Every EngineConfig field is a flag. The engine steps on the main thread, gRPC I/O runs on a
-background thread (services/engine/process.py). SIGTERM / SIGINT drain gracefully: health goes
+background thread (services/engine/processes/engine_process.py). SIGTERM / SIGINT drain gracefully: health goes
 NOT_SERVING, new requests are held, requests in flight get --grace seconds to finish,
 then the streams close (held requests end UNAVAILABLE) and the process exits 0. A taken --port
 or --metrics-port ends it at once with one line and exit 1, before the model loads (services/ports.py).
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                               max_pending_outputs=args.max_pending_outputs, burst_window_s=args.burst_window_ms / 1000,
                               transport=transport, tracer_provider=tracer_provider,
                               metrics_port=args.metrics_port, metrics_host=args.host)
-        from services.engine.process import serve_on_main_thread
+        from services.engine.processes.engine_process import serve_on_main_thread
 
         def announce(port: int) -> None:
             print(f"tandem-engine listening on {args.host}:{port}", flush=True)

@@ -7,9 +7,9 @@ run one step if there is work; block on the queue when there is none. A request 
 wakes an idle loop waits a moment for the rest of its burst (`burst_window_s`).
 
 `run()` steps on the calling thread: `tandem-engine` calls it from the process's main
-thread, because torch's OpenMP work started from any other thread runs 1.4-1.65x
-slower on these CPUs (services/engine/process.py). `start()` runs the same loop on a
-thread of its own, for servers embedded in a test's process.
+thread, because torch's OpenMP work started from any other thread runs slower
+(docs/cpu-tuning.md#two-processes-per-engine). `start()` runs the same loop on a thread of its
+own, for servers embedded in a test's process.
 
 Its parts: `ConnectionRouter` (routing.py) maps engine ids to (connection, request id), so two
 frontends may use the same ids; `PauseState` (pause.py) says whether it admits and steps; `EngineControl`
@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 
 from engine_core.lora.errors import LoraDisabledError, UnknownLoraError
 from engine_core.protocol import EngineCoreOutputs, EngineCoreRequest, EngineState, RequestErrorKind, UtilityCall
+from services.engine.busy_loop_items import Abort, Add, Call, Close, EngineDied, Open
 from services.engine.control import EngineControl
-from services.engine.messages import Abort, Add, Call, Close, EngineDied, Open
 from services.engine.pause import PauseState
 from services.engine.routing import ConnectionRouter
 from services.engine.telemetry import EngineTelemetry
@@ -43,10 +43,9 @@ logger = logging.getLogger(__name__)
 _STOP = object()  # the sentinel that ends the loop
 _IDLE_TICK_S = 1.0  # an idle loop still records a heartbeat this often
 # An idle engine's first request may open a burst: it waits for the rest, each arriving within this
-# gap of the last (32 requests from one client came 0.3-0.6 ms apart over gRPC on a 2-core Xeon), for
-# at most the burst window. Stepping at once on the first instead ran a 128-token step alone, and a
-# frontend at low CPU priority could not forward the others until it ended: 32 prompts of 128 tokens
-# reached the engine over 2-4 steps, and their TTFT p50 grew by a step or more.
+# gap of the last (a client's burst arrives well within it), for at most the burst window. Stepping at
+# once on the first instead ran a 128-token step alone, and a frontend at low CPU priority could not
+# forward the others until it ended, a step or more of TTFT for each (docs/cpu-tuning.md#bursts).
 BURST_GAP_S = 0.002
 DEFAULT_BURST_WINDOW_S = 0.02
 

@@ -1,7 +1,7 @@
 """Protos <-> the protocol's types (engine_core/protocol/): the only module of the engine service that touches
 generated classes.
 
-Inputs: `EngineCoreInput` -> `messages.Add | Abort` or a `UtilityCall` (its call mapped by name: each arm of
+Inputs: `EngineCoreInput` -> `busy_loop_items.Add | Abort` or a `UtilityCall` (its call mapped by name: each arm of
 UtilityCall.call is the protocol class of its message's name, with the same fields); ValueError only when it cannot
 convert (the request's own checks are `EngineCore.add_request`'s, once). Outputs: `EngineCoreOutputs` -> proto;
 `EngineInfo` -> proto. The protocol's enums are numbered like tandem.v1's, so they cross as ints.
@@ -35,7 +35,7 @@ from engine_core.protocol import (
     UtilityResult,
 )
 from services import sampling_convert
-from services.engine.messages import Abort, Add
+from services.engine.busy_loop_items import Abort, Add
 
 logger = logging.getLogger(__name__)
 
@@ -207,5 +207,5 @@ def engine_info_to_proto(info: EngineInfo, config: EngineConfig) -> engine_core_
 
 
 def engine_info_from_bytes(data: bytes) -> engine_core_pb2.GetEngineInfoResponse:
-    """The engine process's GetEngineInfo answer, as it crosses to the gRPC server process (bridge.py)."""
+    """The engine process's GetEngineInfo answer, as it crosses to the server process (processes/socket_pair.py)."""
     return engine_core_pb2.GetEngineInfoResponse.FromString(data)

@@ -8,7 +8,7 @@ closes and the busy loop aborts its requests.
 
 The busy loop is either this process's `EngineBusyLoop` (a server embedded in a test
 process, `EngineServer`) or, in `tandem-engine`, the engine process's seen through the
-socket between the two (`bridge.RemoteBusyLoop`, services/engine/io_process.py). Torch-free.
+socket between the two (`processes/socket_pair.RemoteBusyLoop`, from processes/server_process.py). Torch-free.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from tandem.v1 import engine_core_pb2, engine_core_pb2_grpc
 
 from engine_core.protocol import EngineCoreOutputs, PauseCall, PauseMode, UtilityCall
 from services.engine import convert
-from services.engine.busy_loop_port import BusyLoopPort
+from services.engine.busy_loop_items import EngineDied
 from services.engine.health import ENGINE_CORE_SERVICE, EngineHealth
-from services.engine.messages import EngineDied
 from services.engine.outbox import DEFAULT_MAX_PENDING_OUTPUTS, ConnectionOutbox, Overflowed
+from services.engine.processes.busy_loop_interface import BusyLoop
 from services.security.transport import ENGINE_LINK_MAX_MESSAGE_BYTES, ServerTransport
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ _INPUT_ENDED = object()  # the reader's last item on a connection's queue
 
 
 class EngineCoreServicer(engine_core_pb2_grpc.EngineCoreServiceServicer):
-    def __init__(self, busy_loop: BusyLoopPort, info: engine_core_pb2.GetEngineInfoResponse,
+    def __init__(self, busy_loop: BusyLoop, info: engine_core_pb2.GetEngineInfoResponse,
                  max_pending_outputs: int = DEFAULT_MAX_PENDING_OUTPUTS) -> None:
         self.busy_loop = busy_loop
         self.info = info
@@ -85,7 +85,7 @@ class EngineCoreServicer(engine_core_pb2_grpc.EngineCoreServiceServicer):
             outbox.put_final(_INPUT_ENDED)
 
 
-def drain(busy_loop: BusyLoopPort) -> asyncio.Future:
+def drain(busy_loop: BusyLoop) -> asyncio.Future:
     """Stop admitting (adds are held) and resolve once nothing is in flight: a PAUSE WAIT on a connection
     of our own, answered by the busy loop when its last running request finishes (or at once if it died)."""
     loop = asyncio.get_running_loop()
@@ -113,7 +113,7 @@ class EngineGrpcServer:
     message size limit.
     """
 
-    def __init__(self, busy_loop: BusyLoopPort, info: engine_core_pb2.GetEngineInfoResponse, address: str, *,
+    def __init__(self, busy_loop: BusyLoop, info: engine_core_pb2.GetEngineInfoResponse, address: str, *,
                  stall_timeout: float = 30.0, max_pending_outputs: int = DEFAULT_MAX_PENDING_OUTPUTS,
                  transport: ServerTransport = ServerTransport(max_message_bytes=ENGINE_LINK_MAX_MESSAGE_BYTES)) -> None:
         if max_pending_outputs < 1:

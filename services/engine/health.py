@@ -14,7 +14,7 @@ import logging
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.engine.busy_loop_port import BusyLoopPort
+from services.engine.processes.busy_loop_interface import BusyLoop
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class EngineHealth:
-    def __init__(self, busy_loop: BusyLoopPort, stall_timeout: float = 30.0) -> None:
+    def __init__(self, busy_loop: BusyLoop, stall_timeout: float = 30.0) -> None:
         if stall_timeout <= 0:
             raise ValueError(f"stall_timeout must be > 0 seconds, got {stall_timeout}")
         self.busy_loop = busy_loop

@@ -4,7 +4,7 @@ The EngineCore, its busy loop, request telemetry and /metrics live here; the gRP
 (services/engine/grpc_service.py) serves them. `start()` runs the busy loop on a thread of its
 own beside the server: for servers embedded in a test's or a tool's process. `tandem-engine`
 instead steps this server's busy loop on its main thread and serves gRPC from a process of its
-own (services/engine/process.py).
+own (services/engine/processes/engine_process.py).
 """
 
 from __future__ import annotations

@@ -15,16 +15,16 @@ from pathlib import Path
 
 from services.cpu_priority import CPU_PRIORITIES, lower_cpu_priority
 from services.frontend.async_llm import DEFAULT_MAX_WAITING_REQUESTS, AsyncLLM
-from services.frontend.chat_setup import choose_chat_setup
-from services.frontend.engine_client import GrpcEngineClient
-from services.frontend.engine_discovery import DEFAULT_RESOLVE_INTERVAL_S, parse_engine_targets
+from services.frontend.chat.template_choice import choose_chat_setup
+from services.frontend.engines.discovery import DEFAULT_RESOLVE_INTERVAL_S, parse_engine_targets
+from services.frontend.engines.grpc_client import GrpcEngineClient
+from services.frontend.engines.router import DEFAULT_BALANCE_ABS, DEFAULT_BALANCE_REL, Router, RoutingPolicy
 from services.frontend.limits import RequestLimits
 from services.frontend.output_processor import DEFAULT_MAX_UNSENT_TOKENS
-from services.frontend.router import DEFAULT_BALANCE_ABS, DEFAULT_BALANCE_REL, Router, RoutingPolicy
 from services.frontend.server import FrontendServer
 from services.frontend.telemetry import FrontendTelemetry
 from services.frontend.tokenizer import load_tokenizer
-from services.frontend.tool_parsers import PARSERS
+from services.frontend.tools.parsers import PARSERS
 from services.ports import PortUnavailable, ensure_can_listen, explain_bind_failure
 from services.security import flags as security_flags
 from services.security.transport import DEFAULT_MAX_MESSAGE_BYTES
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chat-template", metavar="FILE",
                         help="a Jinja chat template to render chats with instead of the model's own (e.g. one with "
                              "a tools branch); default: the model's, or a tool-aware one Tandem ships for the model "
-                             "(services/frontend/templates/) when the model's has no tools branch")
+                             "(services/frontend/chat/templates/) when the model's has no tools branch")
     parser.add_argument("--tool-parser", choices=sorted(PARSERS), metavar="NAME",
                         help="how tool calls are read from the model's text: " + ", ".join(sorted(PARSERS))
                              + " (default: the one the chat template's call syntax shows)")

@@ -9,10 +9,11 @@ servicers in server.py are thin shells around this class.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from engine_core.protocol import (
     EngineInfo,
@@ -35,13 +36,12 @@ from engine_core.protocol import (
     WakeUpCall,
 )
 from services.frontend.change_listeners import ChangeListeners
-from services.frontend.chat_setup import ChatSetup
-from services.frontend.engine_client import EngineClient
+from services.frontend.chat.template_choice import ChatSetup
+from services.frontend.engines.client import EngineCallResult, EngineClient, OutputBatch
+from services.frontend.engines.lora_results import lora_results
 from services.frontend.errors import DuplicateRequest, EngineUnavailable, InvalidRequest, NotFound, TooManyRequests
 from services.frontend.input_processor import InputProcessor, Prompt, PromptLike, TextPrompt, as_prompt, new_request_id
 from services.frontend.limits import RequestLimits
-from services.frontend.lora_results import lora_results
-from services.frontend.messages import EmbedResult, EngineCallResult, EngineOutputs
 from services.frontend.output_processor import DEFAULT_MAX_UNSENT_TOKENS, OutputProcessor, RequestOutputCollector
 from services.frontend.telemetry import FrontendTelemetry
 from services.frontend.tokenizer import TokenizerBundle
@@ -49,6 +49,16 @@ from services.frontend.tokenizer import TokenizerBundle
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_WAITING_REQUESTS = 1024
+
+
+@dataclass
+class EmbedResult:
+    """What `AsyncLLM.embed()` returns: one vector per input, in input order."""
+
+    request_id: str
+    embeddings: list[list[float]]
+    num_prompt_tokens: list[int]
+    usage: Usage
 
 
 class AsyncLLM(ChangeListeners):
@@ -69,6 +79,11 @@ class AsyncLLM(ChangeListeners):
         self.max_waiting_requests = max_waiting_requests
         self.model_info: EngineInfo | None = None  # the last model an engine reported
         self.draining = False  # set by drain(): no new requests are admitted
+        # each admission's engine requests get ids of their own ("{request id}@{admission}"): a client may reuse a
+        # request id as soon as its request ended, while the engine may still send a step or two of the old one
+        # (a stop string ends a request here before the engine hears of the abort); with the client's id those
+        # would reach the new request. vLLM makes its internal request ids unique the same way
+        self._admissions = itertools.count(1)
         self._output_handler: asyncio.Task | None = None
         # called with each admitted request's prompt token ids and LoRA adapter (the gateway's KV event feed)
         self.prompt_listeners: list[Callable[[Sequence[int], str | None], None]] = []
@@ -113,7 +128,7 @@ class AsyncLLM(ChangeListeners):
     @property
     def chat_template(self) -> str | None:
         """The chat template text this frontend renders chats with (--chat-template, the model's own, or the
-        tool-aware one shipped for it: services/frontend/chat_setup.py); what a gateway must render with."""
+        tool-aware one shipped for it: services/frontend/chat/template_choice.py); what a gateway must render with."""
         return self.input_processor.chat_setup.template
 
     # ---- generation -----------------------------------------------------------------
@@ -193,7 +208,7 @@ class AsyncLLM(ChangeListeners):
         request, stats = self.telemetry.start_request(request)  # its span's context goes into the trace headers
         for listener in self.prompt_listeners:
             listener(request.prompt_token_ids, request.lora_name)
-        children = request.fan_out()
+        children = replace(request, request_id=f"{request.request_id}@{next(self._admissions)}").fan_out()
         collector = RequestOutputCollector(request.sampling_params.output_kind)
         self.output_processor.add_request(request.request_id, children, collector, stats, tool_plan,
                                           prompt=prompt.text if isinstance(prompt, TextPrompt) else None)
@@ -221,7 +236,7 @@ class AsyncLLM(ChangeListeners):
             except Exception:  # a bug on one step must not stop every stream
                 log.exception("error while processing engine outputs")
 
-    def _process(self, outputs: EngineOutputs) -> list[str]:
+    def _process(self, outputs: OutputBatch) -> list[str]:
         """Engine request ids to abort: stop strings hit, slow readers cut off, siblings of failed requests."""
         aborts = []
         if outputs.failed:

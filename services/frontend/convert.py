@@ -29,10 +29,11 @@ from engine_core.protocol import (
     UtilityResult,
 )
 from services import sampling_convert
-from services.frontend import tool_convert
+from services.frontend.async_llm import EmbedResult
+from services.frontend.engines.client import EngineCallResult, EngineStatus
 from services.frontend.errors import InvalidRequest
 from services.frontend.input_processor import ChatPrompt, Prompt, TextPrompt, TokensPrompt
-from services.frontend.messages import EmbedResult, EngineCallResult, EngineStatus
+from services.frontend.tools import convert as tool_convert
 
 
 # ---- public API -> frontend ------------------------------------------------------

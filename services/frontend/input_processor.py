@@ -7,13 +7,13 @@ import uuid
 from dataclasses import dataclass, field, replace
 
 from engine_core.protocol import EngineCoreRequest, OutputKind, PoolingParams, SamplingParams, validate_sampling_params
-from services.frontend.chat_history import template_messages
-from services.frontend.chat_setup import ChatSetup, choose_chat_setup
-from services.frontend.chat_template import ChatTemplateError, render_chat
+from services.frontend.chat.history import template_messages
+from services.frontend.chat.template import ChatTemplateError, render_chat
+from services.frontend.chat.template_choice import ChatSetup, choose_chat_setup
 from services.frontend.errors import InvalidRequest
 from services.frontend.limits import RequestLimits
 from services.frontend.tokenizer import TokenizerBundle
-from services.frontend.tool_request import ToolPlan, ToolRequest, plan_tools
+from services.frontend.tools.request import ToolPlan, ToolRequest, plan_tools
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 

@@ -30,8 +30,8 @@ from engine_core.protocol import (
 from services.frontend.detokenizer import Detokenizer, decode_logprobs
 from services.frontend.errors import SlowReader
 from services.frontend.telemetry import FrontendTelemetry, RequestStats
-from services.frontend.tool_output import ToolOutput
-from services.frontend.tool_request import ToolPlan
+from services.frontend.tools.output import ToolOutput
+from services.frontend.tools.request import ToolPlan
 
 DEFAULT_MAX_UNSENT_TOKENS = 8192
 

@@ -17,6 +17,7 @@ from tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_
 
 from services.frontend import convert
 from services.frontend.async_llm import AsyncLLM
+from services.frontend.engines.client import EngineCallResult
 from services.frontend.errors import (
     DuplicateRequest,
     EngineUnavailable,
@@ -26,11 +27,10 @@ from services.frontend.errors import (
     NotFound,
     TooManyRequests,
 )
+from services.frontend.gateway.servicer import SERVICE_NAME as VLLM_ENGINE_SERVICE
+from services.frontend.gateway.servicer import VllmEngineServicer
 from services.frontend.health import ADMIN_SERVICE, GENERATION_SERVICE, FrontendHealth
 from services.frontend.input_processor import TextPrompt
-from services.frontend.messages import EngineCallResult
-from services.frontend.vllm_engine_servicer import SERVICE_NAME as VLLM_ENGINE_SERVICE
-from services.frontend.vllm_engine_servicer import VllmEngineServicer
 from services.security.transport import ServerTransport
 
 log = logging.getLogger(__name__)
@@ -197,7 +197,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         return admin_pb2.PinLoraAdapterResponse(adapters=convert.lora_adapters(results))
 
     async def _lora_call(self, context, call) -> list[EngineCallResult]:
-        """A LoRA call's results; a refusal ends the call with its status (services/frontend/lora_results.py)."""
+        """A LoRA call's results; a refusal ends the call with its status (engines/lora_results.py)."""
         try:
             return await call
         except Exception as e:  # noqa: BLE001
@@ -215,7 +215,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
 # ---- the server -------------------------------------------------------------------
 class FrontendServer:
     """The grpc.aio server: GenerationService, AdminService, vLLM's worker protocol for gateways
-    (vllm_engine_servicer.py), health (services/frontend/health.py), reflection.
+    (gateway/servicer.py), health (services/frontend/health.py), reflection.
 
     `transport` sets TLS, the bearer-token interceptor and the message size limit (default: plaintext).
     """

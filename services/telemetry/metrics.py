@@ -173,7 +173,7 @@ class FrontendMetrics:
                               ["code"], registry=r)
         self.streams_in_flight = Gauge("tandem:num_streams_in_flight", "Client streams open on this frontend.",
                                        registry=r)
-        # ---- the router (services/frontend/router.py)
+        # ---- the router (services/frontend/engines/router.py)
         self.router_prefix_hit_tokens = Counter(
             "tandem:router_prefix_hit_tokens",
             "Prompt tokens the chosen engine held in its prefix cache when the router sent a request there "

@@ -14,12 +14,13 @@ import pytest
 
 from clients.admin import PAUSE_MODES, AdminResult
 from clients.async_client import AsyncTandemClient
-from clients.cli import build_parser
-from clients.cli_options import token_from_args
+from clients.cli.main import build_parser
+from clients.cli.options import token_from_args
 from clients.client import TandemClient
 from clients.connection import RetryPolicy
 from clients.errors import TandemError
 from tests.clients.conftest import run_async, run_cli
+from tests.waits import STATE_TIMEOUT_S
 
 DONE = AdminResult(True, "done on 1 engine(s)")
 
@@ -29,7 +30,7 @@ def address(live_stack):
     yield live_stack.frontend_address
     with TandemClient(live_stack.frontend_address, timeout=60) as client:
         client.wake_up(), client.resume()  # wake first: a resumed engine that still sleeps refuses requests
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + STATE_TIMEOUT_S
         while client.health() != "SERVING":
             assert time.monotonic() < deadline, "the shared stack did not come back to SERVING"
             time.sleep(0.05)

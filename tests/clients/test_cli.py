@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from clients.cli import main
+from clients.cli.main import main
 from clients.client import TandemClient
 from clients.local_stack import free_port
 from tests.clients.conftest import run_cli

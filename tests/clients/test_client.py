@@ -14,6 +14,7 @@ from clients.errors import TandemError
 from clients.local_stack import free_port
 from tests.clients.conftest import run_async
 from tests.test_stack import MAX_MODEL_LEN, VOCAB
+from tests.waits import STATE_TIMEOUT_S
 
 GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
 
@@ -74,7 +75,7 @@ def test_stopping_early_aborts_the_request_on_the_server(client):
         stream.close()
     finally:
         assert client.resume().ok
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + STATE_TIMEOUT_S
     while client.server_info().num_in_flight and time.monotonic() < deadline:
         time.sleep(0.05)
     assert client.server_info().num_in_flight == 0

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from clients import plans_command
-from clients.cli import main
+from clients.cli import plans_command
+from clients.cli.main import main
 from kernels.cpu import linear_plan_cache
 from kernels.cpu.linear_timing import NOISE_LIMIT, Race
 from tests.clients.conftest import REPO, run_cli
@@ -83,7 +83,7 @@ def test_json_prints_the_file(capsys):
 def test_the_command_runs_without_torch(private_cache):
     """As the CLI's other client commands: a `pip install .` without the engine has `tandem plans`."""
     linear_plan_cache.keep(ENTRY, PLAN, [Race({}, noise=0.0, contended=False)])
-    code = ("import sys; from clients.cli import main; code = main(['plans']); "
+    code = ("import sys; from clients.cli.main import main; code = main(['plans']); "
             "assert not [m for m in sys.modules if m.split('.')[0] in ('torch', 'kernels', 'engine_core')]; "
             "sys.exit(code)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from clients import serve_command
-from clients.cli import build_parser, main
+from clients.cli import serve_command
+from clients.cli.main import build_parser, main
 from clients.client import TandemClient
 from clients.local_stack import RestartPolicy, SupervisedProcess, free_port, wait_until_serving
 from engine_core.loader import default_model_path
@@ -142,17 +142,19 @@ def test_serve_otel_traces_a_request_across_the_frontend_and_the_engine(traced_s
     with TandemClient(traced_stack.address, timeout=60) as client:
         list(client.generate("The capital of France is", max_tokens=4, ignore_eos=True, request_id="traced-serve"))
 
-    def the_request_and_its_engine_span(spans):
+    def the_rpc_request_and_engine_spans(spans):
+        """The three spans of the request once all have arrived (each service exports its spans in batches, the
+        RPC's own span last: it ends after the response)."""
         requests = [s for s in spans if (s.service, s.name) == ("tandem-frontend", "llm_request")
                     and s.attributes.get("gen_ai.request.id") == "traced-serve"]
         engine = [s for s in spans if (s.service, s.name) == ("tandem-engine", "engine_core.request")
                   and requests and s.parent_span_id == requests[0].span_id]
-        return (requests[0], engine[0]) if engine else None
+        rpc = [s for s in spans if requests and s.span_id == requests[0].parent_span_id]
+        return (rpc, requests[0], engine[0]) if engine and rpc else None
 
-    request, engine = traced_stack.receiver.wait_for(
-        the_request_and_its_engine_span, "the frontend's llm_request span and the engine's child span")
+    rpc, request, engine = traced_stack.receiver.wait_for(
+        the_rpc_request_and_engine_spans, "the RPC's span, its llm_request child and the engine's grandchild")
     assert engine.trace_id == request.trace_id  # one trace: the engine's span is the frontend span's child
-    rpc = [s for s in traced_stack.receiver.spans if s.span_id == request.parent_span_id]
     assert [(s.service, s.name, s.trace_id) for s in rpc] == [
         ("tandem-frontend", "/tandem.v1.GenerationService/Generate", request.trace_id)]
 

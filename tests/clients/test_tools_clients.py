@@ -17,6 +17,7 @@ from engine_core.loader import default_model_path
 from tests.clients.conftest import REPO, run_cli
 from tests.clients.test_node_client import node, node_chat  # noqa: F401 - the node fixture
 from tests.test_stack import Services, free_port, wait_until_serving
+from tests.waits import STARTUP_TIMEOUT_S
 
 TOOLS_FILE = REPO / "docs" / "examples" / "tools.json"
 TOOLS = json.loads(TOOLS_FILE.read_text())
@@ -32,7 +33,7 @@ def tools_frontend(live_stack):
                               "--host", "127.0.0.1", "--tokenizer", str(default_model_path()), "--log-level",
                               "WARNING", "--chat-template", str(Path(__file__).parent / "compact_tools.jinja"))
     try:
-        wait_until_serving(f"127.0.0.1:{port}", 60, process)
+        wait_until_serving(f"127.0.0.1:{port}", STARTUP_TIMEOUT_S, process)
         yield f"127.0.0.1:{port}"
     finally:
         process.terminate()
@@ -110,7 +111,8 @@ def test_a_whole_call_reads_as_complete():
 
 
 def test_serve_passes_the_template_and_parser_flags_to_the_frontend(monkeypatch, tmp_path):
-    from clients import cli, serve_command
+    from clients.cli import main as cli
+    from clients.cli import serve_command
 
     started = {}
 

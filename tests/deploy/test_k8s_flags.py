@@ -17,8 +17,8 @@ import pytest
 from services.engine.__main__ import build_parser as engine_parser
 from services.engine.__main__ import config_from_args
 from services.frontend.__main__ import parse_args as frontend_parse_args
-from services.frontend.engine_discovery import EngineTarget, parse_engine_targets
-from services.frontend.router import RoutingPolicy
+from services.frontend.engines.discovery import EngineTarget, parse_engine_targets
+from services.frontend.engines.router import RoutingPolicy
 from services.security import flags as security_flags
 from services.telemetry.flags import tracing_settings
 from tests.deploy.conftest import (

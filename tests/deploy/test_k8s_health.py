@@ -21,6 +21,7 @@ from tandem.v1 import admin_pb2, common_pb2
 
 from services.engine.health import SERVICES as ENGINE_HEALTH_SERVICES
 from tests.deploy.conftest import PROBES, Workload, probe_target
+from tests.waits import STATE_TIMEOUT_S
 
 # operator calls that put the stack in a state, and the call that ends it
 STATES = {
@@ -71,7 +72,7 @@ def test_only_the_frontends_readiness_fails_while_drained_paused_or_asleep(overl
 
     async def engine_during_state() -> dict[str, str]:
         assert (await getattr(stack.admin, enter)(enter_request, timeout=30)).ok
-        deadline = asyncio.get_running_loop().time() + 10
+        deadline = asyncio.get_running_loop().time() + STATE_TIMEOUT_S
         while (frontend := await statuses(stack.frontend.port, ready | alive)) != {
                 **dict.fromkeys(ready, "NOT_SERVING"), **dict.fromkeys(alive, "SERVING")}:
             assert asyncio.get_running_loop().time() < deadline, frontend  # the engine's news is on its way

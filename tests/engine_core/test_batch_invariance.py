@@ -14,11 +14,15 @@ import random
 import pytest
 import torch
 
-from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
 from engine_core.llm_engine import LLMEngine
+from engine_core.loader import registry
 from engine_core.protocol import SamplingParams
 from engine_core.startup import batch_invariant_pins
 from kernels.cpu import extension as cpu_extension
+from kernels.cpu.bf16_linear import bf16_packed_supported
+from kernels.cpu.decode_layers import OP_KERNELS
+from tests.engine_core.test_cpu_decode_layers import timer_preferring
 from tests.engine_core.tiny_models import write_tiny_model
 
 VOCAB = 512
@@ -121,6 +125,27 @@ def test_chunked_prefill_splits_give_one_answer(model_folder, backend, dtype):
     assert results[7] == results[16] == results[512]
 
 
+def test_adapter_rows_get_one_answer_at_every_batch_size(model_folder, tmp_path):
+    """A request on a LoRA adapter, beside base-model rows and other adapter rows: the BGMV kernel at every size."""
+    from tests.engine_core.tiny_lora import write_tiny_adapter
+
+    adapter = str(write_tiny_adapter(model_folder, tmp_path / "adapter", rank=8))
+    llm = LLMEngine(EngineConfig(
+        model=ModelConfig(model=model_folder, dtype="bfloat16"),
+        cache=CacheConfig(block_size=16, num_blocks=512, enable_prefix_caching=False),
+        device=DeviceConfig(device="cpu", attention_backend="cpp", batch_invariant=True),
+        lora=LoraConfig(enable=True, adapters={"tiny": adapter}),
+    ))
+    prompt, *others = random_prompts(16, seed=7)
+    seen = set()
+    for size in (1, 2, 3, 5, 8, 16):
+        outputs = llm.generate([prompt] + others[: size - 1], GREEDY,
+                               lora_names=["tiny"] + ["tiny" if i % 2 else None for i in range(size - 1)])
+        completion = outputs[0].outputs[0]
+        seen.add((tuple(completion.token_ids), tuple(lp.logprobs[0] for lp in completion.logprobs)))
+    assert len(seen) == 1, f"{len(seen)} different answers"
+
+
 def test_quantization_pinned_kernels_and_cuda_are_refused(model_folder):
     with pytest.raises(ValueError, match="CPU only for now"):  # cuBLAS tiles by the batch (docs/batch-invariance.md)
         batch_invariant_pins({}, "auto", torch.bfloat16, torch.device("cuda"))
@@ -135,7 +160,8 @@ def test_quantization_pinned_kernels_and_cuda_are_refused(model_folder):
                                device=DeviceConfig(device="cpu", attention_backend="torch", batch_invariant=True)))
 
 
-def test_every_linear_runs_one_kernel_at_every_batch_size(model_folder):
+def test_every_linear_runs_one_kernel_at_every_batch_size(model_folder, monkeypatch):
+    monkeypatch.setattr(registry, "wall_timer", timer_preferring("one_op"))
     llm = engine(model_folder, "cpp", "bfloat16")
     from kernels.cpu.linear import BATCH_INVARIANT_KERNELS, CpuLinear
 
@@ -143,4 +169,24 @@ def test_every_linear_runs_one_kernel_at_every_batch_size(model_folder):
     linears = [m for m in model.modules() if isinstance(m, CpuLinear)]
     assert linears and all(len({name for _, name in m.plan}) == 1 for m in linears)
     assert all(m.plan[0][1] in BATCH_INVARIANT_KERNELS for m in linears)
-    assert model.model.decode_layers is None
+    op = model.model.decode_layers  # where the one-op layers run, they run the same kernels and attention
+    if linears[0].plan[0][1] == "linear_bf16_packed":
+        assert op is not None and {kind for weights in op.weights.values() for layer in weights
+                                   for kind in layer[3::5]} == {OP_KERNELS["linear_bf16_packed"]}
+        assert all(attention[-1] for attention in op.attention)  # batch_invariant
+    else:
+        assert op is None  # linear_rowwise is not one of the op's kernels
+
+
+@pytest.mark.parametrize("one_op", [True, False], ids=["one-op-layers", "modules"])
+def test_decode_steps_through_the_one_op_layers_or_the_modules_give_one_answer(model_folder, monkeypatch, one_op):
+    """Decode-only steps may run as one C++ op per layer (the load's timing decides; forced here both ways)
+    while steps with a prefill chunk run the modules: a request's answer is the same either way."""
+    monkeypatch.setattr(registry, "wall_timer", timer_preferring("one_op" if one_op else "modules"))
+    llm = engine(model_folder, "cpp", "bfloat16", step_tokens=24)
+    assert (llm.engine_core.runner.model.model.decode_layers is not None) == (one_op and bf16_packed_supported())
+    prompt, *others = random_prompts(16, seed=8)
+    alone = engine(model_folder, "cpp", "bfloat16")  # (the load's own choice of op or modules)
+    expected = answers(alone, [prompt])[0]
+    for size in (1, 2, 5, 16):
+        assert answers(llm, [prompt] + others[: size - 1])[0] == expected, f"batch of {size}"

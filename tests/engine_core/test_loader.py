@@ -97,8 +97,14 @@ def test_hf_config_unsupported_architecture(tmp_path):
 
 
 def test_missing_path(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(FileNotFoundError, match="does not exist$"):
         load_model(str(tmp_path / "nope"), torch.float32, CPU, TORCH)
+
+
+def test_a_hub_id_is_named_as_one_with_how_to_fetch_it(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # no folder of that name here
+    with pytest.raises(FileNotFoundError, match="looks like a Hugging Face Hub id.*huggingface-cli download"):
+        load_model("facebook/opt-125m", torch.float32, CPU, TORCH)
 
 
 def test_folder_without_weights(tmp_path):

@@ -10,12 +10,14 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from clients.local_stack import free_port, wait_until_serving
+from services.ports import PortUnavailable, ensure_can_listen
+from tests.waits import STARTUP_TIMEOUT_S
 
-ENGINE_STARTUP_S = 120.0
-FRONTEND_STARTUP_S = 60.0
+ENGINE_STARTUP_S = FRONTEND_STARTUP_S = STARTUP_TIMEOUT_S  # tests/waits.py
 
 
 class Service:
@@ -101,8 +103,26 @@ class FaultStack:
         return frontend.start(FRONTEND_STARTUP_S)
 
     def restart_engine(self) -> None:
-        """Start the engine again on its port (after a kill)."""
+        """Start the engine again on its port (after a kill or a drain), once the port is free: a SIGKILLed
+        tandem-engine's gRPC server process notices its engine died and exits a moment later (on a loaded
+        machine, seconds), and until then it holds the port, which a new engine refuses to share."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            try:
+                ensure_can_listen("127.0.0.1", self.engine.port)
+                break
+            except PortUnavailable:
+                assert time.monotonic() < deadline, f"{self.engine.address} stayed taken after its engine ended"
+                time.sleep(0.05)
         self.engine.start(ENGINE_STARTUP_S)
+
+    def ensure_engine_serving(self) -> None:
+        """The engine running (started again if an earlier test killed or drained it: tests share the stack, and
+        make test-shake repeats them in any order), and every frontend SERVING on it."""
+        if not self.engine.running:
+            self.restart_engine()
+        for frontend in self.frontends:
+            wait_until_serving(frontend.address, FRONTEND_STARTUP_S, frontend.process)
 
     def services(self) -> list[Service]:
         return [self.engine, *self.frontends]

@@ -21,7 +21,7 @@ from tandem.v1 import generation_pb2_grpc
 from clients.local_stack import free_port
 from engine_core.loader import default_model_path
 from services.frontend.async_llm import AsyncLLM
-from services.frontend.engine_client import GrpcEngineClient
+from services.frontend.engines.grpc_client import GrpcEngineClient
 from services.frontend.server import FrontendServer
 from services.frontend.tokenizer import load_tokenizer
 from tests.engine_core.tiny_models import write_tiny_model
@@ -46,7 +46,7 @@ class ChangingResolver:
         return list(self.addresses)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # fresh engines for each run: the test kills one and drains another (make test-shake repeats it)
 def engines(tmp_path_factory):
     model = write_tiny_model(tmp_path_factory.mktemp("discovery-model"), vocab_size=VOCAB,
                              max_position_embeddings=MAX_MODEL_LEN)
@@ -62,12 +62,7 @@ def engines(tmp_path_factory):
             service.stop()
 
 
-async def wait_until(predicate, timeout_s: float = 30.0, what: str = "a condition") -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
+from tests.waits import wait_until  # noqa: E402
 
 
 async def outcome(call, first_tokens: list[int]) -> tuple[str, int, str]:
@@ -91,13 +86,13 @@ def test_engines_added_drained_and_killed_behind_a_dns_name(engines, report):
         frontend = FrontendServer(llm, "127.0.0.1:0")
         await frontend.start()
         connected = lambda: {e.address for e in client.engines() if e.connected}  # noqa: E731
-        placed: dict[str, str] = {}  # engine request id -> the engine it was sent to
+        placed: dict[str, str] = {}  # the client's request id -> the engine it was sent to
         send = client.add_request
 
         def add_request(request):
             send(request)
-            placed[request.request_id] = next(e.address for e in client._engines.values()
-                                              if request.request_id in e.in_flight)
+            client_id = request.request_id.rpartition("@")[0]  # AsyncLLM's engine ids: "{request id}@{admission}"
+            placed[client_id] = next(e.address for e in client._engines.values() if request.request_id in e.in_flight)
 
         client.add_request = add_request
         try:

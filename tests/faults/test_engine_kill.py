@@ -29,6 +29,7 @@ from tests.faults.probes import (
     stream_tokens,
     token_request,
 )
+from tests.waits import STARTUP_TIMEOUT_S
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -52,6 +53,7 @@ def engine_stack(make_fault_stack):
 
 def test_engine_sigkill_mid_batch_then_restart(engine_stack, report):
     stack = engine_stack
+    stack.ensure_engine_serving()
     frontend = stack.frontends[0]
     in_flight = [token_request(p, MAX_MODEL_LEN - 60) for p in random_prompts(8, seed=51)]
     probe = token_request(random_prompts(1, seed=52)[0], 24)
@@ -87,7 +89,7 @@ def test_engine_sigkill_mid_batch_then_restart(engine_stack, report):
 
     stack.restart_engine()
     report.fault("engine restart")
-    wait_until_serving(frontend.address, 60)  # the frontend reconnected by itself
+    wait_until_serving(frontend.address, STARTUP_TIMEOUT_S)  # the frontend reconnected by itself
     assert asyncio.run(quiet_run(frontend.address, [probe])) == [expected]
     report.status(grpc.StatusCode.OK)
     assert frontend.running
@@ -110,8 +112,8 @@ async def engine_not_serving(address: str) -> None:
 
 def test_engine_sigterm_finishes_streams_in_flight_then_exits_0(engine_stack, report):
     stack = engine_stack
+    stack.ensure_engine_serving()
     frontend = stack.frontends[0]
-    wait_until_serving(frontend.address, 60)
     requests = [token_request(p, 96) for p in random_prompts(6, seed=53)]
     late = token_request(random_prompts(1, seed=54)[0], 8)
     expected = asyncio.run(quiet_run(frontend.address, requests))

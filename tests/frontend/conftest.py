@@ -16,11 +16,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.v1 import admin_pb2_grpc, generation_pb2_grpc
 
 from services.frontend.async_llm import AsyncLLM
-from services.frontend.engine_client import GrpcEngineClient
+from services.frontend.engines.grpc_client import GrpcEngineClient
 from services.frontend.server import FrontendServer
 from services.frontend.tokenizer import TokenizerBundle, load_tokenizer
 from tests.event_loops import close_loop
-from tests.frontend.fake_engine import FakeEngine, echo_prompt, start_fake_engine
+from tests.frontend.fake_engine import FakeEngine, client_id, echo_prompt, start_fake_engine
+from tests.waits import STATE_TIMEOUT_S, wait_until  # noqa: F401 (the frontend tests import wait_until here)
 
 
 def smollm2_gguf() -> Path:
@@ -50,8 +51,8 @@ class Stack:
         self.run(self._start(max_waiting_requests))
 
     def _script(self, request) -> list[int]:
-        parent = request.request_id.split("_", 1)[-1]
-        ids = self.scripts.get(request.request_id) or self.scripts.get(parent)
+        own = client_id(request.request_id)
+        ids = self.scripts.get(own) or self.scripts.get(own.split("_", 1)[-1])  # a child: its parent's script
         if ids is not None:
             return list(ids)
         return echo_prompt(request)
@@ -70,7 +71,7 @@ class Stack:
         await self.start_engine("127.0.0.1:0")
         self.client = GrpcEngineClient([f"127.0.0.1:{self.engine_port}"], backoff_initial_s=0.05, backoff_max_s=0.2)
         await self.client.start()
-        await asyncio.wait_for(self.client.wait_for_engine(), 5)
+        await asyncio.wait_for(self.client.wait_for_engine(), STATE_TIMEOUT_S)
         self.llm = AsyncLLM(self.client, self.tokenizer, max_waiting_requests=max_waiting_requests)
         self.frontend = FrontendServer(self.llm, "127.0.0.1:0")
         await self.frontend.start()
@@ -96,15 +97,6 @@ class Stack:
             self.run(self._stop())
         finally:
             close_loop(self.loop)
-
-
-async def wait_until(predicate, timeout_s: float = 5.0) -> None:
-    """Poll `predicate()` until it is true (fails the test after timeout_s)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        assert loop.time() < deadline, "timed out waiting for a condition"
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture(scope="module")

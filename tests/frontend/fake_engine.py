@@ -31,6 +31,13 @@ def echo_prompt(request: engine_core_pb2.EngineCoreRequest) -> list[int]:
     return list(itertools.islice(itertools.cycle(request.prompt_token_ids), count))
 
 
+def client_id(engine_request_id: str) -> str:
+    """The frontend's request id behind an engine request id: AsyncLLM sends "ID@N" (N: its admission), and
+    "I_ID@N" for child I of an n > 1 request ("I_ID" then); an id sent by an engine client directly is its own."""
+    head, at, admission = engine_request_id.rpartition("@")
+    return head if at and admission.isdigit() else engine_request_id
+
+
 class _Running:
     def __init__(self, request: engine_core_pb2.EngineCoreRequest, tokens: list[int]) -> None:
         self.request, self.tokens, self.num_generated = request, tokens, 0
@@ -80,11 +87,11 @@ class FakeEngine(engine_core_pb2_grpc.EngineCoreServiceServicer):
             async for message in request_iterator:
                 kind = message.WhichOneof("kind")
                 if kind == "add":
-                    self.added[message.add.request_id] = message.add
+                    self.added[client_id(message.add.request_id)] = message.add
                     running[message.add.request_id] = _Running(message.add, self.script(message.add))
                 elif kind == "abort":
                     for request_id in message.abort.request_ids:
-                        self.aborted.append(request_id)
+                        self.aborted.append(client_id(request_id))
                         running.pop(request_id, None)
                 elif kind == "utility":
                     self.utility_calls.append(message.utility)
@@ -112,7 +119,7 @@ class FakeEngine(engine_core_pb2_grpc.EngineCoreServiceServicer):
         finally:
             reader.cancel()
             self._streams.remove((notices, wake))
-            self.aborted.extend(running)  # closing the stream aborts what was left
+            self.aborted.extend(map(client_id, running))  # closing the stream aborts what was left
 
     def _step(self, running: dict[str, _Running]) -> engine_core_pb2.EngineCoreOutputs:
         batch = engine_core_pb2.EngineCoreOutputs(timestamp=time.time())
@@ -122,7 +129,7 @@ class FakeEngine(engine_core_pb2_grpc.EngineCoreServiceServicer):
             if r.num_generated == 0 and params.HasField("prompt_logprobs"):
                 out.new_prompt_logprobs.extend(self._logprobs(t, params.prompt_logprobs)
                                                for t in r.request.prompt_token_ids[1:])
-            for _ in range(max(1, self.tokens_per_step(request_id))):
+            for _ in range(max(1, self.tokens_per_step(client_id(request_id)))):
                 if r.num_generated >= len(r.tokens):
                     out.finish_reason = STOP
                     break

@@ -8,14 +8,14 @@ import socket
 import pytest
 
 from engine_core.protocol import EngineCoreRequest, SamplingParams
-from services.frontend.engine_client import GrpcEngineClient
-from services.frontend.engine_discovery import (
+from services.frontend.engines.discovery import (
     EngineDiscovery,
     EngineTarget,
     SystemResolver,
     parse_engine_target,
     parse_engine_targets,
 )
+from services.frontend.engines.grpc_client import GrpcEngineClient
 from tests.frontend.conftest import wait_until
 from tests.frontend.fake_engine import start_fake_engine
 

@@ -25,7 +25,7 @@ def req(request_id="", max_tokens=1000) -> generation_pb2.GenerateRequest:
 async def two_engines(tokenizer):
     """Two fake engines, one GrpcEngineClient connected to both, an AsyncLLM over it: (engines, client, llm)."""
     from services.frontend.async_llm import AsyncLLM
-    from services.frontend.engine_client import GrpcEngineClient
+    from services.frontend.engines.grpc_client import GrpcEngineClient
     from tests.frontend.fake_engine import start_fake_engine
 
     engines = [await start_fake_engine(step_delay_s=0.01, vocab_size=tokenizer.vocab_size) for _ in range(2)]

@@ -7,7 +7,7 @@ import uuid
 import pytest
 from tandem.v1 import common_pb2, generation_pb2
 
-from services.frontend.chat_template import render_chat
+from services.frontend.chat.template import render_chat
 
 DELTA, CUMULATIVE, FINAL_ONLY = (common_pb2.OUTPUT_KIND_DELTA, common_pb2.OUTPUT_KIND_CUMULATIVE,
                                  common_pb2.OUTPUT_KIND_FINAL_ONLY)

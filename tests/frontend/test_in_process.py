@@ -19,10 +19,10 @@ from engine_core.engine_core import EngineCore
 from engine_core.llm_engine import LLMEngine
 from engine_core.protocol import FinishReason, OutputKind, SamplingParams
 from services.engine.busy_loop import EngineBusyLoop
-from services.engine.process import run_beside_engine
+from services.engine.processes.engine_process import run_beside_engine
 from services.frontend.async_llm import AsyncLLM
+from services.frontend.engines.in_process import InProcessEngineClient
 from services.frontend.errors import EngineUnavailable
-from services.frontend.in_process import InProcessEngineClient
 from services.frontend.input_processor import TextPrompt, TokensPrompt
 from tests.engine_core.tiny_models import write_tiny_model
 
@@ -150,7 +150,7 @@ def test_utility_calls_and_a_closed_client(engine, tokenizer):
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="needs pytest's main thread")
 def test_run_beside_engine_steps_on_the_main_thread(engine_config, tokenizer):
-    """The in-process transport's full-speed layout (services/engine/process.py): the frontend on a
+    """The in-process transport's full-speed layout (services/engine/processes/engine_process.py): the frontend on a
     background event loop, the engine stepping on the main thread, stopped when the frontend is done."""
     core = EngineCore(engine_config)
     busy_loop = EngineBusyLoop(core)

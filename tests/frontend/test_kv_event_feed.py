@@ -9,8 +9,8 @@ from smg_grpc_proto.generated import common_pb2
 
 from engine_core.protocol import KVCacheEvents, SchedulerStats
 from engine_core.protocol.block_hash import hash_prompt_blocks
-from services.frontend import vllm_engine_convert as convert
-from services.frontend.kv_event_feed import KVEventFeed, KVFeedBatch, StoredBlock
+from services.frontend.gateway import convert
+from services.frontend.gateway.kv_event_feed import KVEventFeed, KVFeedBatch, StoredBlock
 
 BLOCK = 4
 PROMPT = list(range(100, 111))  # two full blocks and three tokens

@@ -10,7 +10,7 @@ import pytest
 from engine_core.protocol import KVCacheEvents, SamplingParams
 from engine_core.protocol.block_hash import hash_block_tokens, hash_prompt_blocks
 from engine_core.request import Request
-from services.frontend.router import EngineLoad, PrefixIndex, Router, RoutingPolicy
+from services.frontend.engines.router import EngineLoad, PrefixIndex, Router, RoutingPolicy
 
 BLOCK = 4
 SYSTEM_A = list(range(100, 124))  # 6 blocks

@@ -3,7 +3,6 @@ token-ish pieces that the fake engine emits a random number at a time."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import uuid
 
@@ -79,8 +78,9 @@ def test_stop_string_split_over_tokens_is_held_back(stack):
     tok = stack.tokenizer
     ids = [i for piece in ["Hello", " wor", "ld", " ST", "O", "P", " more", *PADDING]
            for i in tok.encode(piece, add_special_tokens=False)]
-    stack.scripts["held"] = ids
-    request = generation_pb2.GenerateRequest(request_id="held", text="x", sampling_params=common_pb2.SamplingParams(
+    request_id = f"held-{uuid.uuid4().hex[:8]}"  # the stack lives for the module; make test-shake repeats this
+    stack.scripts[request_id] = ids
+    request = generation_pb2.GenerateRequest(request_id=request_id, text="x", sampling_params=common_pb2.SamplingParams(
         max_tokens=len(ids), stop=[" STOP"]))
 
     async def run():
@@ -89,4 +89,4 @@ def test_stop_string_split_over_tokens_is_held_back(stack):
     deltas = stack.run(run())
     assert "".join(deltas) == "Hello world"
     assert not any("S" in d for d in deltas)
-    stack.run(asyncio.wait_for(wait_until(lambda: "held" in stack.engine.aborted), 5))
+    stack.run(wait_until(lambda: request_id in stack.engine.aborted))

@@ -20,7 +20,7 @@ from engine_core.protocol import (
 )
 from services.frontend import convert
 from services.frontend.async_llm import AsyncLLM
-from services.frontend.engine_client import EngineClient, refusal_error
+from services.frontend.engines.client import EngineClient, refusal_error
 from services.frontend.output_processor import RequestOutputCollector
 from services.frontend.server import GenerationServicer, status_for
 

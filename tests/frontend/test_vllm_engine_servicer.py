@@ -16,9 +16,9 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb
 from tokenizers import Tokenizer
 
 from services.frontend.async_llm import AsyncLLM
+from services.frontend.gateway.servicer import VllmEngineServicer
+from services.frontend.gateway.tokenizer_archive import CHUNK_BYTES
 from services.frontend.server import VERSION, status_for
-from services.frontend.tokenizer_archive import CHUNK_BYTES
-from services.frontend.vllm_engine_servicer import VllmEngineServicer
 from tests.frontend.conftest import wait_until
 from tests.frontend.test_units import _NoEngine, _SyncShell
 

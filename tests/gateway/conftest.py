@@ -14,6 +14,7 @@ from clients.local_stack import free_port, wait_until_serving
 from engine_core.loader import default_model_path
 from tests.engine_core.tiny_models import write_tiny_model
 from tests.test_stack import VOCAB, Services
+from tests.waits import STARTUP_TIMEOUT_S
 
 MAX_MODEL_LEN = 2048
 ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "16",
@@ -47,7 +48,7 @@ class GatewayStack(Services):
     def start_frontend(self) -> None:
         self.frontend = self._spawn("services.frontend", "--engine", self.engine_address, "--port",
                                     str(self.frontend_port), "--host", "127.0.0.1", *self.frontend_args)
-        wait_until_serving(self.frontend_address, 60, self.frontend)
+        wait_until_serving(self.frontend_address, STARTUP_TIMEOUT_S, self.frontend)
 
     def stop(self) -> None:
         self.gateway.stop()

@@ -10,6 +10,7 @@ import grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from tests.event_loops import close_loop
+from tests.waits import STATE_TIMEOUT_S
 
 _RUNS = itertools.count()
 
@@ -32,10 +33,11 @@ def test_a_prompts_blocks_reach_a_subscriber_with_their_tokens(gateway_stack):
             [response] = [r async for r in stub.Generate(request)]
             assert response.complete.finish_reason
             stored = {}
-            deadline = asyncio.get_running_loop().time() + 30  # load reports keep coming: bound the wait itself
+            # load reports keep coming: bound the wait itself
+            deadline = asyncio.get_running_loop().time() + STATE_TIMEOUT_S
             while len(stored) < 2:
                 assert asyncio.get_running_loop().time() < deadline, f"blocks stored so far: {stored}"
-                batch = await asyncio.wait_for(events.read(), 10)
+                batch = await asyncio.wait_for(events.read(), STATE_TIMEOUT_S)
                 assert batch.sequence_number >= 1 and batch.HasField("load")
                 for event in batch.events:
                     for block in (event.stored.blocks if event.WhichOneof("data") == "stored" else []):

@@ -21,7 +21,7 @@ from tandem.v1 import admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2
 
 from services.engine.server import EngineServer
 from services.frontend.async_llm import AsyncLLM
-from services.frontend.engine_client import GrpcEngineClient
+from services.frontend.engines.grpc_client import GrpcEngineClient
 from services.frontend.server import FrontendServer
 from services.frontend.telemetry import FrontendTelemetry
 from services.frontend.tokenizer import load_tokenizer

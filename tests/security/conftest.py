@@ -15,7 +15,7 @@ import pytest
 from tandem.v1 import admin_pb2_grpc, engine_core_pb2, engine_core_pb2_grpc, generation_pb2_grpc
 
 from services.frontend.async_llm import AsyncLLM
-from services.frontend.engine_client import GrpcEngineClient
+from services.frontend.engines.grpc_client import GrpcEngineClient
 from services.frontend.limits import RequestLimits
 from services.frontend.server import FrontendServer
 from services.frontend.tokenizer import TokenizerBundle, load_tokenizer

@@ -148,8 +148,8 @@ def test_health_and_reflection_stay_open(locked):
 
 
 def test_tandem_serve_passes_the_token_flags_to_its_frontend(monkeypatch):
-    import clients.cli as cli
-    from clients import serve_command
+    from clients.cli import main as cli
+    from clients.cli import serve_command
     from clients.local_stack import free_port
 
     stacks = []

@@ -12,7 +12,7 @@ from tandem.v1 import common_pb2, engine_core_pb2, engine_core_pb2_grpc, generat
 from engine_core.protocol import EngineInfo
 from services.frontend.__main__ import parse_args
 from services.frontend.async_llm import AsyncLLM
-from services.frontend.engine_client import EngineClient
+from services.frontend.engines.client import EngineClient
 from services.frontend.errors import EngineUnavailable
 from services.frontend.limits import RequestLimits
 from services.frontend.server import GenerationServicer

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from clients.cli import build_parser as cli_parser
+from clients.cli.main import build_parser as cli_parser
 from services.engine.__main__ import build_parser as engine_parser
 from services.frontend.__main__ import parse_args as frontend_parse_args
 

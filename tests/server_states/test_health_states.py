@@ -16,6 +16,7 @@ from tandem.v1 import admin_pb2, common_pb2, generation_pb2
 
 from engine_core.protocol import SleepCall
 from tests.held_steps import steps_held_until, utility_call
+from tests.waits import STATE_TIMEOUT_S
 
 READINESS = ("", "tandem.v1.GenerationService")
 ADMIN = "tandem.v1.AdminService"
@@ -107,7 +108,7 @@ def test_pause_keep_holds_new_requests_until_resume_while_readiness_says_not_ser
         assert not held.done()
 
         assert (await stack.admin.Resume(admin_pb2.ResumeRequest(), timeout=10)).ok
-        assert (await asyncio.wait_for(held, 30))[-1].usage.completion_tokens == 3
+        assert (await asyncio.wait_for(held, STATE_TIMEOUT_S))[-1].usage.completion_tokens == 3
         await until_readiness(stack, "SERVING")
         (engine,) = (await server_info(stack)).engines
         assert (engine.paused, engine.pause_mode) == (False, common_pb2.PAUSE_MODE_UNSPECIFIED)
@@ -154,7 +155,7 @@ def test_bad_admin_input_gets_invalid_argument_naming_the_fix_and_the_server_sta
             await running.read()  # it runs, and cannot finish before the Sleep call reaches the engine
             refused = await stack.admin.Sleep(admin_pb2.SleepRequest(), timeout=30)  # an engine's refusal: ok = false
         assert not refused.ok and "in flight" in refused.detail
-        assert (await asyncio.wait_for(read_to_end(running), 30))[-1].usage.completion_tokens == 60
+        assert (await asyncio.wait_for(read_to_end(running), STATE_TIMEOUT_S))[-1].usage.completion_tokens == 60
         assert await statuses(stack) == readiness("SERVING")  # nothing above changed the server's state
         assert (await stack.generate(PROMPT, 2))[-1].usage.completion_tokens == 2
 

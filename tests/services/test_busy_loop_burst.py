@@ -10,7 +10,7 @@ import pytest
 
 from engine_core.protocol import EngineCoreOutputs, EngineCoreRequest, SamplingParams
 from services.engine.busy_loop import EngineBusyLoop
-from services.engine.messages import Add
+from services.engine.busy_loop_items import Add
 
 WAIT_S = 30.0
 

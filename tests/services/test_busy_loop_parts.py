@@ -125,21 +125,21 @@ def test_pause_abort_takes_every_held_add():
 
 
 def test_both_busy_loops_implement_the_port():
-    """The gRPC service and the in-process client drive either through BusyLoopPort's methods alone."""
+    """The gRPC service and the in-process client drive either through BusyLoop's methods alone."""
     import inspect
     import socket
 
-    from services.engine.bridge import RemoteBusyLoop
     from services.engine.busy_loop import EngineBusyLoop
-    from services.engine.busy_loop_port import BusyLoopPort
+    from services.engine.processes.busy_loop_interface import BusyLoop
+    from services.engine.processes.socket_pair import RemoteBusyLoop
 
-    port_methods = {name for name, _ in inspect.getmembers(BusyLoopPort) if not name.startswith("_")}
+    port_methods = {name for name, _ in inspect.getmembers(BusyLoop) if not name.startswith("_")}
     for cls in (EngineBusyLoop, RemoteBusyLoop):
         assert port_methods <= set(dir(cls)), (cls, port_methods - set(dir(cls)))
     left, right = socket.socketpair()
     try:
-        assert isinstance(RemoteBusyLoop(left), BusyLoopPort)
-        assert isinstance(EngineBusyLoop(engine=None), BusyLoopPort)
+        assert isinstance(RemoteBusyLoop(left), BusyLoop)
+        assert isinstance(EngineBusyLoop(engine=None), BusyLoop)
     finally:
         left.close()
         right.close()

@@ -1,5 +1,5 @@
 """tandem-engine's structure: the model steps on the engine process's main thread, gRPC is served by a
-process of its own (services/engine/process.py, services/engine/bridge.py).
+process of its own (services/engine/processes/engine_process.py, services/engine/processes/socket_pair.py).
 
 torch's parallel CPU work runs 1.4-1.65x slower when started from a non-main thread, and a gRPC
 server on a thread of the engine's own process took the GIL from the stepping thread on every
@@ -22,7 +22,7 @@ import grpc
 import pytest
 
 from clients.local_stack import free_port
-from services.engine.process import serve_on_main_thread
+from services.engine.processes.engine_process import serve_on_main_thread
 from services.engine.server import EngineServer
 from tests.services.conftest import WAIT_S, Stream
 
@@ -69,7 +69,7 @@ def test_tandem_engine_steps_on_the_main_thread_serves_from_its_own_process_and_
     def client(port: int) -> None:
         """One greedy request over the real Connect stream, then SIGTERM to this process."""
         try:
-            servers = [pid for pid in _children() if "services.engine.io_process" in _cmdline(pid)]
+            servers = [pid for pid in _children() if "services.engine.processes.server_process" in _cmdline(pid)]
             served["server_pids"] = servers
             served["policies"] = {pid: os.sched_getscheduler(pid) for pid in servers}
             served["server_cpus"] = {cpus for pid in servers for cpus in map(frozenset, _thread_cpus(pid).values())}
@@ -114,8 +114,8 @@ def test_tandem_engine_steps_on_the_main_thread_serves_from_its_own_process_and_
         assert step_cpus[0] == allowed and served["server_cpus"] == {frozenset(allowed)}
     assert others_cpus and all(cpus == allowed for cpus in others_cpus.values())
     assert not server.busy_loop.alive  # drained and stopped; the handler we replaced is back
-    # its bridge threads were joined: left to the interpreter's exit, one freed the engine's tensors there
-    assert not [t for t in threading.enumerate() if t.name.startswith("engine-bridge")]
+    # its socket end's threads were joined: left to the interpreter's exit, one freed the engine's tensors there
+    assert not [t for t in threading.enumerate() if t.name.startswith("engine-socket")]
     assert signal.getsignal(signal.SIGTERM) is previous
 
 
@@ -125,7 +125,7 @@ def test_an_address_the_server_process_cannot_bind_fails_the_start_and_leaves_no
     with pytest.raises(RuntimeError, match="bind|listen"):
         serve_on_main_thread(server, ["--host", "203.0.113.1", "--port", "1", "--log-level", "ERROR"],
                              on_listening=lambda port: pytest.fail("it cannot listen"), grace=0)
-    assert not [pid for pid in _children() if "services.engine.io_process" in _cmdline(pid)]
+    assert not [pid for pid in _children() if "services.engine.processes.server_process" in _cmdline(pid)]
 
 
 def test_serving_off_the_main_thread_is_refused(engine_config):
@@ -154,7 +154,7 @@ def _start_tandem_engine(model_dir) -> tuple[subprocess.Popen, int]:
     try:
         assert "listening" in engine.stdout.readline()
         children = Path(f"/proc/{engine.pid}/task/{engine.pid}/children").read_text().split()
-        assert len(children) == 1 and "services.engine.io_process" in _cmdline(int(children[0]))
+        assert len(children) == 1 and "services.engine.processes.server_process" in _cmdline(int(children[0]))
     except BaseException:
         engine.kill()
         engine.wait()

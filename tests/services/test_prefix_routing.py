@@ -13,8 +13,8 @@ import pytest
 
 from engine_core.protocol import EngineCoreRequest, ResetPrefixCacheCall, SamplingParams
 from engine_core.protocol.block_hash import hash_prompt_blocks
-from services.frontend.engine_client import GrpcEngineClient
-from services.frontend.router import Router, RoutingPolicy
+from services.frontend.engines.grpc_client import GrpcEngineClient
+from services.frontend.engines.router import Router, RoutingPolicy
 from tests.services.conftest import BLOCK_SIZE, ServerThread, tiny_engine_config
 
 SYSTEM = list(range(3, 51))  # 12 blocks of 4
@@ -28,12 +28,7 @@ def two_engines(tiny_model_dir):
         server.shutdown()
 
 
-async def wait_until(predicate, timeout_s: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        assert loop.time() < deadline, "timed out waiting for a condition"
-        await asyncio.sleep(0.01)
+from tests.waits import wait_until  # noqa: E402, F401 (routing tests import it from here)
 
 
 async def run_requests(client: GrpcEngineClient, prompts: dict[str, list[int]]) -> dict[str, int]:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from clients import messages as wire
+from clients import generation
 from engine_core.protocol import SamplingParams, StructuredOutput, validate_sampling_params
 from engine_core.protocol.structured_output import grammar_text
 from engine_core.request import Request
@@ -122,13 +122,13 @@ def test_min_tokens_bans_ends_unless_nothing_else_is_allowed():
 
 # ---- the Python client --------------------------------------------------------------------------
 def test_client_keywords_build_one_constraint():
-    params = wire.sampling_params(json_schema=PERSON, whitespace_flexible=True, max_tokens=8)
+    params = generation.sampling_params(json_schema=PERSON, whitespace_flexible=True, max_tokens=8)
     assert json.loads(params.structured.json_schema) == PERSON and params.structured.whitespace_flexible
-    assert list(wire.sampling_params(choice=["a", "b"]).structured.choice.options) == ["a", "b"]
-    assert wire.sampling_params(json_object=True).structured.json_object
+    assert list(generation.sampling_params(choice=["a", "b"]).structured.choice.options) == ["a", "b"]
+    assert generation.sampling_params(json_object=True).structured.json_object
     with pytest.raises(ValueError, match="give exactly one of"):
-        wire.sampling_params(regex="a", choice=["b"])
+        generation.sampling_params(regex="a", choice=["b"])
     with pytest.raises(TypeError, match="choice must be a list of strings"):
-        wire.sampling_params(choice="ab")
+        generation.sampling_params(choice="ab")
     with pytest.raises(TypeError, match="did you mean 'json_schema'"):
-        wire.sampling_params(json_shema="{}")
+        generation.sampling_params(json_shema="{}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from services.frontend.__main__ import parse_args
-from services.frontend.chat_setup import choose_chat_setup, effective_chat_template
+from services.frontend.chat.template_choice import choose_chat_setup, effective_chat_template
 from tests.tools.test_template_golden import FIXTURES
 
 CHATML = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"

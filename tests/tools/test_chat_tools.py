@@ -10,8 +10,8 @@ import grpc
 import pytest
 from tandem.v1 import common_pb2, generation_pb2
 
-from services.frontend.chat_setup import ChatSetup
-from services.frontend.tool_choice_schema import required_calls_schema
+from services.frontend.chat.template_choice import ChatSetup
+from services.frontend.tools.choice_schema import required_calls_schema
 from tests.frontend.test_generate import collect
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.frontend.tool_parsers import (
+from services.frontend.tools.parsers import (
     PARSERS,
     NamedFunctionParser,
     RequiredCallsParser,

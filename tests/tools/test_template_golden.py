@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
-from services.frontend.chat_setup import TEMPLATES, choose_chat_setup
+from services.frontend.chat.template_choice import TEMPLATES, choose_chat_setup
 from services.frontend.input_processor import ChatPrompt, InputProcessor
 from services.frontend.tokenizer import TokenizerBundle
-from services.frontend.tool_request import ToolRequest, ToolSpec, plan_tools
+from services.frontend.tools.request import ToolRequest, ToolSpec, plan_tools
 
 FIXTURES = Path(__file__).parent / "templates"  # sources in templates/SOURCES.md
 FAMILIES = {  # template -> (calls per assistant message, tool call ids must have 9+ characters)
@@ -115,5 +115,5 @@ def _own_template(tokenizer, _cache={}) -> Path:
 def test_the_shipped_template_is_in_the_package_data():
     import tomllib
     pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
-    patterns = pyproject["tool"]["setuptools"]["package-data"]["services.frontend"]
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["services.frontend.chat"]
     assert (TEMPLATES / "smollm2_tools.jinja").is_file() and "templates/*.jinja" in patterns

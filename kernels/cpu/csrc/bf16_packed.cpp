@@ -1,7 +1,7 @@
 // bf16 GEMM for decode-sized batches on AVX512-BF16: out[M, N] = x[M, K] . w[N, K]^T (+ bias[N]).
 //
-// oneDNN's bf16 matmul reaches ~260 GFLOP/s at 32 rows on SmolLM2's down_proj on a 2-core Zen 4,
-// 60% of vdpbf16ps's peak there. Here the weight is packed once at load as
+// oneDNN's bf16 matmul reaches well under vdpbf16ps's peak at decode batch sizes
+// (docs/cpu-kernels.md#linear_bf16_packed). Here the weight is packed once at load as
 // [ceil(N / 16), K / 2, 16, 2], the operand layout of vdpbf16ps (16 fp32 lanes += 2 bf16 products
 // each), and multiplied in register tiles (packed_tiles.h); each sum is rounded once to bf16.
 

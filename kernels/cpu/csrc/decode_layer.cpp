@@ -2,7 +2,7 @@
 //
 // At one decode row a SmolLM2 layer is ten small kernels (two norms, four GEMVs, rotary, the
 // KV write, attention, SiLU * mul), and calling each from Python through the dispatcher costs
-// 4-8 us, about as much as the kernels themselves. Here the same kernels run back to back from
+// about as much as the kernels themselves (docs/cpu-kernels.md#decoder-layers-as-one-c-op). Here the same kernels run back to back from
 // C++ (ops.h), in the order and with the arithmetic of the module path, so one call replaces
 // ten. The caller (kernels/cpu/decode_layers.py) makes the step's scratch tensors and
 // their views once per forward; every layer reuses them.
@@ -55,7 +55,7 @@ void llama_decode_layer(
     int64_t o_kind, Tensor o_a, Tensor o_b, Tensor o_c, Tensor o_d,
     int64_t gate_up_kind, Tensor gate_up_a, Tensor gate_up_b, Tensor gate_up_c, Tensor gate_up_d,
     int64_t down_kind, Tensor down_a, Tensor down_b, Tensor down_c, Tensor down_d,
-    Tensor key_cache, Tensor value_cache, double scale, int64_t window, double softcap,
+    Tensor key_cache, Tensor value_cache, double scale, int64_t window, double softcap, bool batch_invariant,
     Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc,
     Tensor qkv, Tensor qk, Tensor q, Tensor k, Tensor v, Tensor attn, Tensor attn_rows,
     Tensor o, Tensor gate_up, Tensor act,
@@ -69,7 +69,7 @@ void llama_decode_layer(
   rotary_embedding(qk, cos, sin);
   write_kv_cache(k, v, key_cache, value_cache, slot_mapping);
   paged_attention(attn, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window,
-                  softcap, /*batch_invariant=*/false);  // the engine runs no one-op layers in that mode
+                  softcap, batch_invariant);
   linear(o_kind, o, attn_rows, o_a, o_b, o_c, o_d);
   adapters(o, attn_rows, o_lora_a, o_lora_b, o_lora_pieces, lora_row_slots);
   // MLP: o <- norm(o + residual); its output goes to hidden, the next layer's input
@@ -91,7 +91,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(tandem, m) {
       "int o_kind, Tensor o_a, Tensor o_b, Tensor o_c, Tensor o_d, "
       "int gate_up_kind, Tensor gate_up_a, Tensor gate_up_b, Tensor gate_up_c, Tensor gate_up_d, "
       "int down_kind, Tensor down_a, Tensor down_b, Tensor down_c, Tensor down_d, "
-      "Tensor(c!) key_cache, Tensor(d!) value_cache, float scale, int window, float softcap, "
+      "Tensor(c!) key_cache, Tensor(d!) value_cache, float scale, int window, float softcap, bool batch_invariant, "
       "Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
       "Tensor query_start_loc, Tensor(e!) qkv, Tensor(f!) qk, Tensor q, Tensor k, Tensor v, "
       "Tensor(g!) attn, Tensor attn_rows, Tensor(h!) o, Tensor(i!) gate_up, Tensor(j!) act, "

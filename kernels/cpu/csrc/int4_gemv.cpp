@@ -48,7 +48,7 @@ inline __m512i broadcast4(const int8_t* p) {
 // operands and the R x C fp32 totals stay in registers, with enough independent sums to keep
 // vpdpbusd's pipeline full at one row. `next`: the same C blocks of the thread's next unit (or
 // null), prefetched a line per block per step: the codes come from memory once per step, and
-// the hardware prefetchers alone left the int4 GEMV at 22 GB/s where int8_gemv streams 29.
+// the hardware prefetchers alone left the int4 GEMV slower than int8_gemv (docs/cpu-kernels.md#int4_gemv).
 template <int R, int C>
 void tile_sums(const uint8_t* weight, int64_t block_bytes, int64_t groups, const int8_t* bytes, int64_t k_len,
                const float* group_sums, const uint8_t* next, f32x16* y) {

@@ -1,16 +1,15 @@
 // Weight-only int8 for a few rows: y[M, N] = (x[M, K] . q[N, K]^T) * scale[N].
 //
 // At decode's one row the product is a matrix-vector one and reading the weight is the whole
-// cost: torch._weight_int8pack_mm reads SmolLM2's int8 LM head at ~12 GB/s on a 2-core Zen 4,
-// oneDNN's bf16 at ~22 GB/s. Two paths, chosen by the packing (kernels/cpu/int8_linear.py):
+// cost, which torch._weight_int8pack_mm and oneDNN's bf16 pay slowly (docs/cpu-kernels.md#int8_gemv). Two paths, chosen by the packing (kernels/cpu/int8_linear.py):
 //
 // - AVX512-VNNI, weight [ceil(N/16), K/4, 16, 4] uint8 holding q + 128 (packed_tiles.h's order).
 //   Each row of x is rounded to 16-bit integers with its own scale (|xq| <= 32512 = 127 * 256)
 //   and split into two signed bytes, xq = 256 * hi + lo, each multiplied by the weight with
 //   vpdpbusd (64 weight bytes per instruction, exact int32 sums). 16 bits keep the activations
 //   finer than bf16 does (2^-15 of the row's largest value against 2^-8 of each value), so this
-//   is still a weight-only product; it reads the weight ~1.6x faster per core than widening it
-//   to fp32 (26 vs 40-46 GB/s from cache on the Zen 4), fast enough to stream from memory.
+//   is still a weight-only product; it reads the weight faster per core than widening it to fp32,
+//   fast enough to stream from memory (docs/cpu-kernels.md#int8_gemv).
 // - Elsewhere, weight [ceil(N/16), K, 16] int8 in blocks of 16 output columns: each k of a block
 //   is one 16-byte load, widened to 16 fp32 lanes and multiplied by the broadcast x[k] (fp32 sums).
 //   Each thread streams its blocks front to back, each weight byte read once per 4 rows of x.

@@ -6,8 +6,7 @@
 //       rounded once to out's dtype
 //
 // In torch these are ten ops and as many temporaries; at decode batch sizes they cost more than
-// torch._int_mm itself (measured at 32 rows on SmolLM2's q/k/v: 52 us for the GEMM, 64 us for
-// the torch ops around it). The arithmetic is the torch path's, in the same order: the same
+// torch._int_mm itself (docs/cpu-kernels.md#w8a8-around-torch_int_mm). The arithmetic is the torch path's, in the same order: the same
 // bits, except that a bias add may fuse into the rescale's multiply (-ffp-contract=fast).
 
 #include "int8_quantize.h"

@@ -3,8 +3,8 @@
 //   xq[M, K], x_scale[M] = per-token int8 of x (int8_quantize.h)
 //   out[M, N] = (xq . q[N, K]^T) * (x_scale[M] * w_scale[N]) (+ bias[N])
 //
-// torch._int_mm (oneDNN) takes the int8 weight as a plain matrix and reaches ~400 GOP/s at 32
-// rows and ~150 at 8 on a 2-core Zen 4, against ~650 at 128 rows. Here the weight is packed
+// torch._int_mm (oneDNN) takes the int8 weight as a plain matrix and runs well below its large-batch
+// speed at decode batch sizes (docs/cpu-kernels.md#int8_vnni). Here the weight is packed
 // once at load in VNNI order, [ceil(N / 16), K / 4, 16, 4], the operand layout of vpdpbusd
 // (16 int32 lanes += 4 u8 x s8 products each), and multiplied in register tiles (packed_tiles.h).
 //
@@ -13,7 +13,7 @@
 // sums are exact, so the int32 results are torch._int_mm's; the quantization is quantize_rows_int8's
 // and the rescale scale_int32_rows's arithmetic in the same order: the same bits as the unfused
 // int8_dynamic path, in one call instead of three (at 32 rows the two extra dispatches and
-// temporaries cost ~20 us a layer, a fifth of the GEMM).
+// temporaries cost a good part of the GEMM's time: docs/cpu-kernels.md#int8_vnni).
 
 #include "int8_quantize.h"
 #include "packed_tiles.h"

@@ -40,7 +40,7 @@ constexpr int64_t kTaskOps = 1 << 20;  // multiply-adds per parallel task at lea
 #if defined(__AVX512F__)
 // A Dot names the instruction: `Acc` (its sum type), `zero()` and `dot(acc, x lanes, w lanes)`.
 // The instructions go in as inline assembly: with the intrinsics GCC 12 spills the 24 sums to
-// the stack on every k step (measured on a Zen 4 core: 0.85 vs 3.5 G vpdpbusd/s).
+// the stack on every k step, a several-fold slowdown (docs/cpu-kernels.md#int8_vnni).
 template <class Dot>
 using Tile = typename Dot::Acc[kTileRows][kTileBlocks];
 
@@ -105,10 +105,8 @@ void tile_sums(const uint8_t* x, int64_t row_bytes, const uint8_t* w, int64_t bl
 
 // The full tile (8 rows x 3 blocks, all but the edges of a product) as one loop in assembly. The
 // intrinsics loop above keeps the sums in registers, but GCC 12 adds ~10 instructions a k step
-// (moves among the 32 vector registers, scalars parked in vector registers, the prefetch test).
-// On one Zen 4 core, int8_vnni on SmolLM2's gate/up at 512 rows: 2.55 G vpdpbusd/s with it,
-// 2.95 with this loop (which alone, on data in L1, runs at the instruction's peak, 3.6); a
-// 512-token prefill step, A/B in one process: 210 against 221 ms.
+// (moves among the 32 vector registers, scalars parked in vector registers, the prefetch test);
+// this loop runs at the instruction's peak on data in L1 (docs/cpu-kernels.md#int8_vnni).
 // Registers: zmm0-23 the sums (row r, block c in zmm{3r + c}), zmm24-26 the weights, zmm27-28 the
 // broadcast activations (alternating, so one row's broadcast need not wait for the last's dots).
 #define TANDEM_DOT_AW(OP, W, A, S) OP " %%zmm" #W ", %%zmm" #A ", %%zmm" #S "\n\t"  // a: src1, w: src2
