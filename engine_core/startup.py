@@ -237,7 +237,7 @@ def load_draft(config: EngineConfig, arch: ModelArchConfig, device: torch.device
         raise ValueError(f"the draft model's vocabulary ({draft_arch.vocab_size} tokens) is larger than the model's "
                          f"({arch.vocab_size}): a draft model must share the model's tokenizer")
     if device.type == "cpu":
-        prepare_for_cpu(model, quantization, pins=pins, decode_layers=not config.device.batch_invariant)
+        prepare_for_cpu(model, quantization, pins=pins)
     max_len = min(max_model_len, draft_arch.max_position_embeddings)
     runner = ModelRunner(model, draft_arch, attention, num_blocks=num_blocks, block_size=config.cache.block_size,
                          device=device, dtype=dtype, max_model_len=max_len,

@@ -62,8 +62,8 @@ def test_the_per_request_switch_crosses_the_wire():
 def test_the_cli_and_the_python_client_send_it():
     import argparse
 
-    from clients.cli_options import sampling_from_args, sampling_parent
-    from clients.messages import sampling_params
+    from clients.cli.options import sampling_from_args, sampling_parent
+    from clients.generation import sampling_params
 
     parser = argparse.ArgumentParser(parents=[sampling_parent()])
     assert sampling_from_args(parser.parse_args(["--no-speculative"]))["speculative"] is False
