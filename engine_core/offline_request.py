@@ -42,13 +42,16 @@ class OfflineCompletion:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def update(self, output: EngineCoreOutput, tokenizer: Tokenizer | None) -> bool:
-        """Take one step's news; True when a stop string ended the completion here (the engine must abort it)."""
+    def update(self, output: EngineCoreOutput, tokenizer: Tokenizer | None) -> tuple[bool, EngineCoreOutput]:
+        """Take one step's news; True when a stop string ended the completion here (the engine must abort it), and
+        the news as kept (none of its tokens past a stop string)."""
         finish = output.finish_reason
         stop_string = None
         if self.detokenizer is not None:
             skip_last = finish == FinishReason.STOP and output.stop_token_id is not None and not self.include_stop
             stop_string = self.detokenizer.update(output.new_token_ids, skip_last=skip_last)
+            if stop_string is not None:
+                output = self.detokenizer.cut(output)  # no token past the stop string's last
         self.token_ids.extend(output.new_token_ids)
         self.embedding = output.embedding if output.embedding is not None else self.embedding
         new_logprobs = decode_logprobs(tokenizer, output.new_logprobs) if tokenizer else list(output.new_logprobs or ())
@@ -57,10 +60,10 @@ class OfflineCompletion:
             self.cumulative_logprob += sum(entry.logprobs[0] for entry in new_logprobs)
         if stop_string is not None:
             self.finish_reason, self.stop_string = FinishReason.STOP, stop_string
-            return finish is None
+            return finish is None, output
         self.finish_reason = finish
         self.stop_token_id = output.stop_token_id if finish == FinishReason.STOP else None
-        return False
+        return False, output
 
     def message(self, index: int, kind: OutputKind, new: EngineCoreOutput | None) -> CompletionOutput:
         """This completion as the caller sees it now: what is new (DELTA, `new`'s tokens) or all of it."""
@@ -106,7 +109,8 @@ class OfflineRequest:
             completion = self.completions[index]
             if completion.finished:  # ended by a stop string while the engine still ran it
                 continue
-            if completion.update(output, self.tokenizer):
+            stopped_here, output = completion.update(output, self.tokenizer)
+            if stopped_here:
                 stopped.append(index)
             if index == 0:
                 self.prompt_logprobs.extend(decode_logprobs(self.tokenizer, output.new_prompt_logprobs)

@@ -9,10 +9,12 @@ ever sees half a stop string that is later cut off.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from engine_core.protocol import SamplingParams, TokenLogprobs
+from engine_core.protocol import EngineCoreOutput, SamplingParams, TokenLogprobs
 
 
 class Detokenizer:
@@ -27,6 +29,7 @@ class Detokenizer:
         self.hold_back = max(map(len, self.stop)) - 1 if self.stop and not self.include_stop else 0
         self.text = ""
         self.num_tokens = 0
+        self.num_kept = 0  # of the last update's tokens, those up to the one that completed its stop string (or all)
         self.sent_offset = 0  # characters already handed out as deltas
 
     def update(self, new_token_ids: list[int], skip_last: bool = False) -> str | None:
@@ -35,11 +38,14 @@ class Detokenizer:
         skip_last: the last token is a stop token (EOS) whose text is not shown.
         """
         check_from = len(self.text)
+        self.num_kept = len(new_token_ids)
+        ends = []  # the text's length after each token
         for i, token_id in enumerate(new_token_ids):
             self.num_tokens += 1
             if skip_last and i == len(new_token_ids) - 1:
                 break
             self.text += self.stream.step(self.tokenizer, token_id) or ""
+            ends.append(len(self.text))
             if self.num_tokens <= self.min_tokens:  # stop strings count only after min_tokens
                 check_from = len(self.text)
         if not self.stop or check_from == len(self.text):
@@ -48,8 +54,18 @@ class Detokenizer:
         if match is None:
             return None
         stop, start = match
+        self.num_kept = next(i + 1 for i, end in enumerate(ends) if end >= start + len(stop))
         self.text = self.text[:start + len(stop)] if self.include_stop else self.text[:start]
         return stop
+
+    def cut(self, output: EngineCoreOutput) -> EngineCoreOutput:
+        """`output` without the tokens after the one that completed the stop string its update found: a step may
+        emit several tokens (speculative decoding), and those past a stop are not the completion's."""
+        if self.num_kept >= len(output.new_token_ids):
+            return output
+        logprobs = output.new_logprobs[:self.num_kept] if output.new_logprobs else output.new_logprobs
+        return replace(output, new_token_ids=output.new_token_ids[:self.num_kept], new_logprobs=logprobs,
+                       stop_token_id=None)
 
     def next_text(self, finished: bool, delta: bool) -> str:
         """The text to send now: new text (delta) or all of it, minus the held-back tail."""

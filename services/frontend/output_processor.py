@@ -183,6 +183,7 @@ class OutputProcessor:
                 finish = FinishReason.STOP
                 if out.finish_reason is None:
                     stopped.append(out.request_id)
+                out = state.detokenizer.cut(out)  # no token past the stop string's last
             state.token_ids.extend(out.new_token_ids)
             new_logprobs = decode_logprobs(self.tokenizer, out.new_logprobs)
             state.logprobs.extend(new_logprobs)

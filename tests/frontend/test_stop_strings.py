@@ -64,6 +64,13 @@ def test_stop_strings(stack, text, cuts, stops, include, steps, kind):
     assert streamed[-1] == expected_text
     if not include:
         assert not any(stop in s for s in streamed for stop in stops)
+    # token ids: the script's, up to the one that completed the stop string (a step may emit several past it)
+    token_ids = [i for c in chunks for i in c.token_ids] if kind == common_pb2.OUTPUT_KIND_DELTA else \
+        list(chunks[-1].token_ids)
+    assert token_ids == ids[:len(token_ids)]
+    if expected_stop is not None:
+        assert reference(tok.decode(token_ids), stops, include)[1] is not None
+        assert reference(tok.decode(token_ids[:-1]), stops, include)[1] is None
     last = chunks[-1]
     if expected_stop is None:
         assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
