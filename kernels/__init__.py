@@ -17,7 +17,9 @@ have the same signature on every backend:
 
     write_kv_cache(key, value, key_cache, value_cache, slot_mapping, metadata=None)
         key, value: [T, num_kv_heads, head_dim]
-        key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim]
+        key_cache, value_cache: [num_blocks, num_kv_heads, block_size, row]: row = head_dim values, or an 8-bit
+            cache's head_dim codes and fp16 scale (kernels/kv_cache_layout.py: `kv_cache_shape`, the element
+            types of --kv-cache-dtype; every backend reads int8, Triton fp8_e4m3 too)
         slot_mapping: [T] int64; slot -1 is skipped
         metadata: the step's AttentionMetadata, when the caller has it (lets a backend
             reuse per-step work across layers); optional
@@ -115,14 +117,21 @@ from kernels.cpu.linear import (  # noqa: E402
 from kernels.cpu.linear_timing import Timer, fastest_uncontended, one_thread, wall_timer  # noqa: E402
 from kernels.cpu.plan import fastest_float_dtype, plan_cpu_model  # noqa: E402
 from kernels.fused_ops import FusedOps, argmax, select_fused_ops  # noqa: E402
+from kernels.kv_cache_layout import (  # noqa: E402
+    KV_CACHE_DTYPES,
+    is_quantized,
+    kv_bytes_per_token,
+    kv_cache_shape,
+    resolve_kv_cache_dtype,
+)
 from kernels.lora_index import LoraStepIndex  # noqa: E402
 from kernels.lora_ops import LORA_KERNELS, LoraOps, LoraPlan, select_lora_ops  # noqa: E402
 
 __all__ = [
     "AttentionBackend", "AttentionMetadata", "BUCKETS", "CpuDecodeLayers", "DecoderLayerSpec", "DecoderStack",
-    "FusedOps", "LORA_KERNELS", "LinearRole", "LoraOps", "LoraPlan", "Pins", "LoraStepIndex", "Timer",
-    "allowed_kernels", "argmax", "batch_invariant_kernel", "fastest_float_dtype", "fastest_uncontended",
-    "int4_allowed", "kernel_fits", "lossy_linear_kernels", "one_thread", "plan_cpu_model", "prepare_int4_gemv",
-    "prepare_int8_gemv", "reference", "select_backend", "select_fused_ops", "select_lora_ops",
-    "use_measured_linears", "wall_timer",
+    "FusedOps", "KV_CACHE_DTYPES", "LORA_KERNELS", "LinearRole", "LoraOps", "LoraPlan", "Pins", "LoraStepIndex",
+    "Timer", "allowed_kernels", "argmax", "batch_invariant_kernel", "fastest_float_dtype", "fastest_uncontended",
+    "int4_allowed", "is_quantized", "kernel_fits", "kv_bytes_per_token", "kv_cache_shape", "lossy_linear_kernels",
+    "one_thread", "plan_cpu_model", "prepare_int4_gemv", "prepare_int8_gemv", "reference", "resolve_kv_cache_dtype",
+    "select_backend", "select_fused_ops", "select_lora_ops", "use_measured_linears", "wall_timer",
 ]

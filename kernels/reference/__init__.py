@@ -10,7 +10,9 @@ One module per family, each kernel (module under kernels/) -> its reference:
 - attention.py: paged attention and the KV-cache write, also the "torch" attention backend
   - cpu_attention (C++), triton_paged_attention -> `attention.paged_attention`
   - cpu_attention (C++), triton_kv_write -> `attention.write_kv_cache`
-  - (both read a request's context as `attention.gather_context` lays it out)
+  - (both read a request's context as `attention.gather_context` lays it out; an 8-bit cache holds
+    `attention.quantize_kv_rows`' codes and scales in kernels/kv_cache_layout.py's slabs, read back by
+    `attention.read_kv_slabs` / `attention.dequantize_kv_cache`)
 - layer_ops.py: the fused layer ops and argmax; the torch layers (engine_core/models/layers.py) call them
   - fused_ops.FusedOps (C++), triton_fused_ops.TritonFusedOps -> `layer_ops.rms_norm`,
     `layer_ops.fused_add_rms_norm`, `layer_ops.apply_rotary`, `layer_ops.silu_and_mul`
@@ -38,6 +40,15 @@ test's tolerance is the kernel's rounding alone.
 from __future__ import annotations
 
 from kernels.reference import attention, layer_ops, linear, lora
-from kernels.reference.attention import gather_context, paged_attention, write_kv_cache
+from kernels.reference.attention import (
+    dequantize_kv_cache,
+    dequantize_kv_rows,
+    gather_context,
+    paged_attention,
+    quantize_kv_rows,
+    read_kv_slabs,
+    write_kv_cache,
+)
 
-__all__ = ["attention", "gather_context", "layer_ops", "linear", "lora", "paged_attention", "write_kv_cache"]
+__all__ = ["attention", "dequantize_kv_cache", "dequantize_kv_rows", "gather_context", "layer_ops", "linear", "lora",
+           "paged_attention", "quantize_kv_rows", "read_kv_slabs", "write_kv_cache"]

@@ -1,8 +1,9 @@
 """Random flattened ragged batches over a paged KV cache, for kernel tests.
 
 `make_batch` builds decodes first, then prefill chunks with cached context, over a
-paged cache of noise with shuffled block tables; `dense_attention` is the from-scratch
-float64 answer that needs no paging at all. `DEVICE` is where kernel tests run: the GPU
+paged cache of noise with shuffled block tables; `quantized` turns such a batch's cache into an
+8-bit one (kernels/kv_cache_layout.py); `dense_attention` is the from-scratch float64 answer
+that needs no paging at all. `DEVICE` is where kernel tests run: the GPU
 when there is one, else the CPU (Triton in its interpreter).
 """
 
@@ -14,7 +15,9 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
+from kernels import reference
 from kernels.attention_metadata import AttentionMetadata
+from kernels.kv_cache_layout import kv_cache_shape
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -100,6 +103,28 @@ def make_batch(
     query = randn(num_tokens, num_heads, head_dim)
     on_device = [t.to(device) for t in (query, key, value, key_cache, value_cache)]
     return PagedBatch(*on_device, metadata, dense_keys, dense_values)
+
+
+def quantized(batch: PagedBatch, dtype: torch.dtype = torch.int8, seed: int = 0) -> PagedBatch:
+    """The same batch over an 8-bit cache: random bytes everywhere (scales that are NaN or inf among them, where
+    no token was written), then every request's context written by the reference; its dense keys and values
+    become the dequantized ones, so `dense_attention` gives dequantize-then-attend from scratch."""
+    num_blocks, num_kv_heads, block_size, head_dim = batch.key_cache.shape
+    gen = torch.Generator().manual_seed(seed)
+    shape = kv_cache_shape(num_blocks, num_kv_heads, block_size, head_dim, dtype)
+    key_cache, value_cache = (torch.randint(-128, 128, shape, dtype=torch.int8, generator=gen).view(dtype)
+                              for _ in range(2))
+    md = batch.metadata
+    dense_keys, dense_values = [], []
+    for b, (k, v) in enumerate(zip(batch.dense_keys, batch.dense_values)):
+        pos = torch.arange(len(k))
+        slots = md.block_tables[b].cpu().long()[pos // block_size] * block_size + pos % block_size
+        reference.write_kv_cache(k, v, key_cache, value_cache, slots)
+        dense_keys.append(reference.dequantize_kv_rows(*reference.quantize_kv_rows(k, dtype)))
+        dense_values.append(reference.dequantize_kv_rows(*reference.quantize_kv_rows(v, dtype)))
+    device = batch.query.device
+    return PagedBatch(batch.query, batch.key, batch.value, key_cache.to(device), value_cache.to(device), md,
+                      dense_keys, dense_values)
 
 
 def _leading_decodes(query_lens: list[int]) -> int:
