@@ -5,7 +5,8 @@
 // AVX-512 BF16, bf16 rows go straight into vdpbf16ps. Values accumulate for several rows at
 // once, so each V row is read once per group of rows and the multiply-adds have independent
 // chains: with AVX-512 BF16, bf16 V rows two keys per vdpbf16ps (probabilities rounded to
-// bf16), else widened to fp32. Other head_dims take plain loops.
+// bf16), else widened to fp32 (int8 codes too; attention_int8.h has their integer path).
+// Other head_dims take plain loops.
 #pragma once
 
 #include "row_vectors.h"
@@ -45,15 +46,16 @@ constexpr bool kBf16DotProducts = false;
 #endif
 
 // scores[r][c] = q_r . k_c for c < n_r (n_r: the row's visible keys; whole groups of 16).
-// q: the rows scaled, fp32 (split order for bf16); q_rows: the same rows as they lie in the
-// query tensor, unscaled, for the bf16 dot-product instructions.
-template <typename T, int64_t kD>
-inline void score_chunk(const float* q, const T* const* q_rows, float scale, int64_t rows, const int64_t* visible,
+// q: the rows scaled, fp32 (in the keys' lane order: split for bf16); q_rows: the same rows as they
+// lie in the query tensor (TQ), unscaled, for the bf16 dot-product instructions. Keys of an int8
+// cache give the dot products with their codes (the caller scales them).
+template <typename T, typename TQ, int64_t kD>
+inline void score_chunk(const float* q, const TQ* const* q_rows, float scale, int64_t rows, const int64_t* visible,
                         const T* const* keys, int64_t D, float* scores) {
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t n = visible[r];
     float* out = scores + r * kChunk;
-    if constexpr (std::is_same_v<T, bf16> && vectorized(kD) && kBf16DotProducts) {
+    if constexpr (std::is_same_v<T, bf16> && std::is_same_v<TQ, bf16> && vectorized(kD) && kBf16DotProducts) {
 #if defined(__AVX512BF16__)
       score_row_bf16<kD>(q_rows[r], scale, keys, n, out);
 #endif

@@ -64,6 +64,17 @@ inline V load(const bf16* p) {
   }
 }
 
+template <typename V>
+inline V load(const int8_t* p) {  // an int8 KV cache's codes, exactly
+  if constexpr (is_vector<V>) {
+    i8x16 c;
+    std::memcpy(&c, p, sizeof c);
+    return __builtin_convertvector(c, f32x16);
+  } else {
+    return float(*p);
+  }
+}
+
 // fp32 -> the nearest bf16 (ties to even), kept as an fp32 bit pattern; NaN stays NaN
 template <typename V>
 inline auto bf16_bits(V x) {
