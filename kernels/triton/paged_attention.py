@@ -21,6 +21,8 @@ triton `unified_attention`); its reference is `kernels.reference.paged_attention
 - Per layer, a sliding window W hides keys at or before `query_pos - W` (tiles wholly
   before the block's first window are skipped), and a logit soft-cap c turns each
   scaled score s into c * tanh(s / c) before the mask.
+- An 8-bit cache (int8, fp8_e4m3; kernels/kv_cache_layout.py) is read code by code from its
+  slab layout and dequantized in registers (code * the token's fp16 scale) before the dots.
 
 Every loop bound comes from device tensors (`seq_lens`, `query_start_loc`), so
 the split count and block sizes picked on the host from metadata are performance
@@ -36,6 +38,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_metadata import AttentionMetadata
+from kernels.kv_cache_layout import is_quantized
 
 # Split the context when fewer than this many (request, kv head) programs would run.
 SPLIT_MAX_PROGRAMS = 128
@@ -59,6 +62,21 @@ def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr)
         else:
             hi = mid - 1
     return lo
+
+
+@triton.jit
+def _load_codes(key_cache_ptr, value_cache_ptr, slab, t, dims, key_valid, kv_mask, block_size,
+                HEAD_DIM: tl.constexpr):
+    """A tile's keys and values [TILE_N, DIM_PAD] from an 8-bit cache, in fp32: each token's codes (t: its
+    offset in its block, slab: where its block's slab starts) times its scale."""
+    key_at = (dims[None, :] // 4) * block_size * 4 + t[:, None] * 4 + dims[None, :] % 4
+    value_at = (t[:, None] // 4) * HEAD_DIM * 4 + dims[None, :] * 4 + t[:, None] % 4
+    k = tl.load(key_cache_ptr + slab[:, None] + key_at, mask=kv_mask, other=0.0).to(tl.float32)
+    v = tl.load(value_cache_ptr + slab[:, None] + value_at, mask=kv_mask, other=0.0).to(tl.float32)
+    scale_at = slab + block_size * HEAD_DIM + 2 * t
+    k_scale = tl.load((key_cache_ptr + scale_at).to(tl.pointer_type(tl.float16)), mask=key_valid, other=0.0)
+    v_scale = tl.load((value_cache_ptr + scale_at).to(tl.pointer_type(tl.float16)), mask=key_valid, other=0.0)
+    return k * k_scale.to(tl.float32)[:, None], v * v_scale.to(tl.float32)[:, None]
 
 
 @triton.jit
@@ -91,6 +109,7 @@ def _attention_kernel(
     DOT_DTYPE: tl.constexpr,  # operand type of both dots: the query dtype (see the wrapper)
     DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    QUANTIZED: tl.constexpr,  # an 8-bit cache: codes in its slabs' layout, fp16 scales after them
 ):
     """One (query block, kv head, context split): flash attention over paged K/V."""
     q_block = tl.program_id(0)
@@ -139,13 +158,18 @@ def _attention_kernel(
         key_pos = tile * TILE_N + offs_n  # [TILE_N]
         key_valid = key_pos < kv_len
         physical_block = tl.load(block_table + key_pos // block_size, mask=key_valid, other=0)
-        kv_offset = (
-            physical_block.to(tl.int64) * stride_cb + (key_pos % block_size) * stride_cs
-            + kv_head * stride_ch
-        )  # [TILE_N]
         kv_mask = key_valid[:, None] & dim_valid[None, :]
-        k = tl.load(key_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(value_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if QUANTIZED:
+            k, v = _load_codes(key_cache_ptr, value_cache_ptr, physical_block.to(tl.int64) * stride_cb
+                               + kv_head * stride_ch, key_pos % block_size, dims, key_valid, kv_mask, block_size,
+                               HEAD_DIM)
+        else:
+            kv_offset = (
+                physical_block.to(tl.int64) * stride_cb + (key_pos % block_size) * stride_cs
+                + kv_head * stride_ch
+            )  # [TILE_N]
+            k = tl.load(key_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(value_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         k = k.to(DOT_DTYPE)  # [TILE_N, DIM_PAD]
         v = v.to(DOT_DTYPE)
 
@@ -299,6 +323,7 @@ def paged_attention(
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
         SOFTCAP=logit_softcap is not None,
+        QUANTIZED=is_quantized(key_cache.dtype),
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](
