@@ -18,6 +18,9 @@ _POLICIES = ("fcfs", "priority")
 LORA_KERNELS = ("auto", "triton", "per_slot", "segments", "gather_bmm", "stacked", "cpp")
 _OVERLAP = ("auto", "on", "off")
 SPECULATIVE_METHODS = ("ngram", "draft")
+# kernels/kv_cache_layout.py's KV_CACHE_DTYPES and "auto", named here for the torch-free flag parser
+# (tests/kernels/test_kv_cache_dtypes.py checks)
+KV_CACHE_DTYPES = ("auto", "bf16", "fp32", "int8", "fp8_e4m3")
 # kernels/cpu/linear.py's KERNELS and BUCKETS, named here for the torch-free flag parser
 # (tests/kernels/test_linear_pins.py checks)
 LINEAR_KERNELS = ("linear", "linear_colmajor", "linear_rowwise", "int8_weight_only", "int8_dynamic", "int8_gemv",
@@ -100,8 +103,17 @@ class CacheConfig:
     num_blocks: int | None = None  # None: derived from kv_cache_memory_gib
     kv_cache_memory_gib: float = 1.0
     enable_prefix_caching: bool = True
+    # The KV cache's element type (kernels/kv_cache_layout.py): auto = the model's dtype; int8 (and fp8_e4m3 on
+    # CUDA GPUs with fp8) stores codes and a scale per token and kv head, about half of bf16's bytes, so the
+    # same kv_cache_memory_gib holds about twice the blocks (docs/kv-cache-dtype.md)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
+                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        _require(self.kv_cache_dtype not in ("int8", "fp8_e4m3") or self.block_size % 16 == 0,
+                 f"kv_cache_dtype {self.kv_cache_dtype} needs block_size a multiple of 16 (its blocks hold 16 "
+                 f"tokens' codes per vector), got {self.block_size}")
         _require(
             self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
             f"block_size must be a power of two in [1, 128], got {self.block_size}",

@@ -32,6 +32,7 @@ class EngineArgs:
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_memory_gib: float = 1.0
+    kv_cache_dtype: str = "auto"  # vLLM's name; auto, bf16, fp32, int8, fp8_e4m3 (engine_core/config.py)
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 128
@@ -49,7 +50,7 @@ class EngineArgs:
             model=ModelConfig(model=self.model, dtype=self.dtype, quantization=self.quantization, seed=self.seed,
                               max_model_len=self.max_model_len, tokenizer=self.tokenizer),
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory_gib=self.kv_cache_memory_gib,
-                              enable_prefix_caching=self.enable_prefix_caching),
+                              enable_prefix_caching=self.enable_prefix_caching, kv_cache_dtype=self.kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs),
             device=DeviceConfig(device=self.device, enforce_eager=self.enforce_eager,

@@ -48,6 +48,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        kv_cache_dtype: torch.dtype | None = None,
         max_model_len: int,
         cuda_graph_sizes: Sequence[int] = (),
         structured: StructuredOutputs | None = None,
@@ -66,6 +67,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device = device
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype or dtype  # the KV cache's element type (kernels/kv_cache_layout.py)
         self.sampler = Sampler()
         self.structured = structured
         self.lora = lora
@@ -85,7 +87,8 @@ class ModelRunner:
     # ---- KV cache -------------------------------------------------------------
     def allocate_kv_cache(self) -> None:
         """One (key, value) pair per layer (engine_core/kv_cache_tensors.py), at start-up and on wake-up."""
-        self.kv_caches = allocate_kv_caches(self.arch, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.kv_caches = allocate_kv_caches(self.arch, self.num_blocks, self.block_size, self.kv_cache_dtype,
+                                            self.device)
         if self.decode_graphs is not None:  # (re)capture over the new cache and current weights
             self.decode_graphs.bind(self.kv_caches)
 

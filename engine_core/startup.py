@@ -1,9 +1,9 @@
 """EngineCore's start-up, done once before its first step: `build_parts` loads the model, then makes the
 structured-output grammars, the model runner, the scheduler and, when steps overlap, the device queue, and
 hands them to EngineCore's constructor as one `EngineParts`. On the way it decides the device and dtype, the
-quantization, the step's token budget, max_model_len, the KV cache's size, the decode batch sizes to capture
-as CUDA graphs and the vocabulary for structured output: each "auto" in EngineConfig is resolved here. The
-step never reads this file.
+quantization, the step's token budget, max_model_len, the KV cache's element type and size, the decode batch
+sizes to capture as CUDA graphs and the vocabulary for structured output: each "auto" in EngineConfig is resolved
+here. The step never reads this file.
 """
 
 from __future__ import annotations
@@ -39,11 +39,13 @@ from engine_core.spec_decode.draft_model import DraftModelProposer
 from engine_core.spec_decode.speculator import Speculator
 from engine_core.structured.masks import StructuredOutputs
 from kernels import (
+    KV_CACHE_DTYPES,
     AttentionBackend,
     Pins,
     batch_invariant_kernel,
     fastest_float_dtype,
     lossy_linear_kernels,
+    resolve_kv_cache_dtype,
     select_backend,
     select_fused_ops,
 )
@@ -82,6 +84,7 @@ def build_parts(config: EngineConfig, *, log_stats: bool, kv_events: bool) -> En
     torch.manual_seed(config.model.seed)
     device = resolve_device(config.device.device)
     dtype = resolve_dtype(config.model.dtype, device)
+    kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, device)
     invariant = config.device.batch_invariant
     attention = select_backend(device.type, config.device.attention_backend, batch_invariant=invariant)
     fused = None if config.device.enforce_eager else select_fused_ops(device.type, dtype)
@@ -96,7 +99,7 @@ def build_parts(config: EngineConfig, *, log_stats: bool, kv_events: bool) -> En
     if invariant:
         pins = batch_invariant_pins(pins, quantization, dtype, device)
     if device.type == "cpu":
-        prepare_for_cpu(model, quantization, pins=pins)
+        prepare_for_cpu(model, quantization, pins=pins, kv_cache_dtype=kv_cache_dtype)
     model_path = str(Path(config.model.model) if config.model.model else default_model_path())
     logger.info("loaded %s in %.1f s", model_path, time.perf_counter() - started)
 
@@ -104,7 +107,9 @@ def build_parts(config: EngineConfig, *, log_stats: bool, kv_events: bool) -> En
     config = replace(config, scheduler=resolve_scheduler(config.scheduler, device, max_model_len))
     logger.info("step token budget %d", config.scheduler.max_num_batched_tokens)
     block_size = config.cache.block_size
-    num_blocks = config.cache.num_blocks or num_blocks_for_memory(config, arch, max_model_len, dtype)
+    num_blocks = config.cache.num_blocks or num_blocks_for_memory(config, arch, max_model_len, kv_cache_dtype)
+    logger.info("KV cache: %d blocks of %d tokens in %s", num_blocks, block_size,
+                str(kv_cache_dtype).removeprefix("torch."))
     lora_config = batch_invariant_lora(config.lora, attention.name) if invariant else config.lora
     lora = LoraRuntime.attach(model, lora_config, device, dtype, attention.name) if config.lora.enable else None
     structured = StructuredOutputs(tokenizer_path(config, model_path), vocab_size=arch.vocab_size,
@@ -115,7 +120,7 @@ def build_parts(config: EngineConfig, *, log_stats: bool, kv_events: bool) -> En
     spec = speculator(config.speculative, device, draft)
     runner = ModelRunner(
         model, arch, attention,
-        num_blocks=num_blocks, block_size=block_size, device=device, dtype=dtype,
+        num_blocks=num_blocks, block_size=block_size, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
         max_model_len=max_model_len, cuda_graph_sizes=cuda_graph_sizes(config, device, attention),
         structured=structured, lora=lora, spec=spec,
     )
@@ -130,7 +135,7 @@ def build_parts(config: EngineConfig, *, log_stats: bool, kv_events: bool) -> En
     if kv_events:
         scheduler.kv_cache_manager.block_pool.record_events()
     info = engine_info(model_path, arch, max_model_len, block_size, num_blocks, dtype, device, attention.name,
-                       lossy_linear_kernels(model), invariant)
+                       lossy_linear_kernels(model), invariant, kv_cache_dtype)
     return EngineParts(config, model, arch, attention, model_path, max_model_len, structured, lora, runner,
                        scheduler, overlapped, info)
 
@@ -278,9 +283,11 @@ def cuda_graph_sizes(config: EngineConfig, device: torch.device, attention: Atte
     return capture_sizes(min(config.scheduler.max_num_seqs, device_config.cuda_graph_max_batch_size))
 
 
-def num_blocks_for_memory(config: EngineConfig, arch: ModelArchConfig, max_model_len: int, dtype: torch.dtype) -> int:
-    """The KV cache's blocks in kv_cache_memory_gib; ValueError when they cannot hold one max_model_len request."""
-    per_block = kv_cache_bytes_per_block(arch, config.cache.block_size, dtype)
+def num_blocks_for_memory(config: EngineConfig, arch: ModelArchConfig, max_model_len: int,
+                          kv_cache_dtype: torch.dtype) -> int:
+    """The KV cache's blocks in kv_cache_memory_gib, at kv_cache_dtype's bytes (an int8 cache's scales included);
+    ValueError when they cannot hold one max_model_len request."""
+    per_block = kv_cache_bytes_per_block(arch, config.cache.block_size, kv_cache_dtype)
     num_blocks = int(config.cache.kv_cache_memory_gib * 2**30) // per_block
     blocks_for_one_full_request = -(-max_model_len // config.cache.block_size) + 1
     if num_blocks < blocks_for_one_full_request:
@@ -294,7 +301,8 @@ def num_blocks_for_memory(config: EngineConfig, arch: ModelArchConfig, max_model
 
 def engine_info(model_path: str, arch: ModelArchConfig, max_model_len: int, block_size: int, num_blocks: int,
                 dtype: torch.dtype, device: torch.device, attention_backend: str,
-                lossy_kernels: tuple[str, ...] = (), batch_invariant: bool = False) -> EngineInfo:
+                lossy_kernels: tuple[str, ...] = (), batch_invariant: bool = False,
+                kv_cache_dtype: torch.dtype | None = None) -> EngineInfo:
     """What the engine tells its callers about itself (GetEngineInfo), as resolved above."""
     return EngineInfo(
         model_name=Path(model_path).stem if model_path.endswith(".gguf") else Path(model_path).name,
@@ -310,4 +318,11 @@ def engine_info(model_path: str, arch: ModelArchConfig, max_model_len: int, bloc
         attention_backend=attention_backend,
         lossy_linear_kernels=lossy_kernels,
         batch_invariant=batch_invariant,
+        kv_cache_dtype=kv_cache_dtype_name(kv_cache_dtype or dtype),
     )
+
+
+def kv_cache_dtype_name(dtype: torch.dtype) -> str:
+    """The KV cache's element type as --kv-cache-dtype names it (bf16, fp32, int8, fp8_e4m3), else torch's name."""
+    names = {dtype: name for name, dtype in KV_CACHE_DTYPES.items()}
+    return names.get(dtype, str(dtype).removeprefix("torch."))

@@ -61,17 +61,17 @@ def load_model(
 
 
 def prepare_for_cpu(model: LlamaForCausalLM, quantization: str = "none", timer: Timer | None = None,
-                    pins: Pins | None = None) -> None:
+                    pins: Pins | None = None, kv_cache_dtype: torch.dtype | None = None) -> None:
     """Give a tied LM head its own linear over the embedding, let every linear layer take the kernel
     measured fastest here per batch bucket among those its role allows (`quantization`: none | int8 |
     int4 | auto; the roles: LINEAR_ROLES) or the one `pins` names (`--linear-kernels`), then time the
     decoder layers as one C++ op each at small decode batches (kernels/cpu/decode_layers.py; it keeps pinned
-    kernels). One planning call: the model says what it computes (LINEAR_ROLES, its `decoder_stack`), the
-    kernels choose (kernels.plan_cpu_model)."""
+    kernels; `kv_cache_dtype`: the KV cache they read, None: the model's dtype). One planning call: the model says
+    what it computes (LINEAR_ROLES, its `decoder_stack`), the kernels choose (kernels.plan_cpu_model)."""
     if model.lm_head is None:
         embedding = model.model.embed_tokens.weight
         model.lm_head = torch.nn.Linear(embedding.shape[1], embedding.shape[0], bias=False, device="meta")
         model.lm_head.weight = embedding
     model.model.decode_layers = plan_cpu_model(model, quantization, roles=LINEAR_ROLES, pins=pins,
                                                decoder_stack=model.model.decoder_stack, timer=timer,
-                                               layer_timer=timer or wall_timer)
+                                               layer_timer=timer or wall_timer, kv_cache_dtype=kv_cache_dtype)

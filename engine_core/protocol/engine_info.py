@@ -22,3 +22,4 @@ class EngineInfo:
     # --quantization int8/int4 or pinned; kernels/cpu/accuracy_budget.py); empty: every answer is within it
     lossy_linear_kernels: tuple[str, ...] = ()
     batch_invariant: bool = False  # --batch-invariant: answers independent of the batch (docs/batch-invariance.md)
+    kv_cache_dtype: str = ""  # the KV cache's element type as --kv-cache-dtype names it: bf16, fp32, int8, fp8_e4m3

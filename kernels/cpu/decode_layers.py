@@ -43,6 +43,7 @@ from kernels.cpu.int4_linear import prepare_int4_gemv
 from kernels.cpu.int8_linear import prepare_int8_gemv
 from kernels.cpu.linear import BUCKETS, allowed_kernels, int4_allowed, kernel_fits
 from kernels.cpu.linear_timing import Timer, fastest_uncontended, one_thread, wall_timer
+from kernels.kv_cache_layout import kv_cache_shape
 
 logger = logging.getLogger(__name__)
 
@@ -176,14 +177,22 @@ class CpuDecodeLayers:
 # ---- choosing by measurement ----
 
 def choose_decode_layers(
-    stack: DecoderStack, weights: list[list[torch.Tensor]], quantization: str, timer: Timer = wall_timer
+    stack: DecoderStack, weights: list[list[torch.Tensor]], quantization: str, timer: Timer = wall_timer,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> CpuDecodeLayers | None:
     """Time the layers as one op against the module path per decode bucket (up to MAX_ROWS, from the
     smallest, until the op first loses) and return the op for the buckets it wins; the linears of
     the GEMV buckets have their plans switched to the GEMV the op won with there (int8, or int4 for
     the linears whose weights are int4). `weights`: each layer's four float weights, taken before the
-    linears were planned (a plan may free them). None where the GEMV is not allowed or the op never wins."""
+    linears were planned (a plan may free them). `kv_cache_dtype`: the KV cache's element type (None: the
+    model's dtype); the op reads a cache of the model's dtype or an int8 one. None where the GEMV is not allowed,
+    the cache is another, or the op never wins."""
+    kv_cache_dtype = kv_cache_dtype or stack.dtype
     if GEMV not in allowed_kernels(quantization):
+        return None
+    if kv_cache_dtype not in (stack.dtype, torch.int8):
+        logger.info("decoder layers as one C++ op: not used (its attention reads a KV cache of the model's dtype or "
+                    "int8, not %s)", kv_cache_dtype)
         return None
     if not all(kernel_fits(GEMV, w) for layer in weights for w in layer):
         return None
@@ -228,7 +237,7 @@ def choose_decode_layers(
             results.append(f"{rows} rows: no GEMV within the linears' accuracy budget")
             break
         timings = _time_passes(stack, {name: CpuDecodeLayers(stack, {rows: candidate})
-                                       for name, candidate in candidates.items()}, rows, timer)
+                                       for name, candidate in candidates.items()}, rows, timer, kv_cache_dtype)
         best = min(candidates, key=timings.get)
         variants = ", ".join(f"{CANDIDATES[name]} {timings[name] * 1e3:.2f} ms" for name in candidates)
         results.append(f"{rows} rows: {variants}, modules {timings['modules'] * 1e3:.2f} ms")
@@ -273,13 +282,15 @@ def _kernel_names(candidate: list[LayerLinears]) -> list[list[str]]:
 
 
 @torch.inference_mode()
-def _time_passes(stack: DecoderStack, ops: dict[str, CpuDecodeLayers], rows: int, timer: Timer) -> dict[str, float]:
+def _time_passes(stack: DecoderStack, ops: dict[str, CpuDecodeLayers], rows: int, timer: Timer,
+                 kv_cache_dtype: torch.dtype) -> dict[str, float]:
     """Seconds per pass over every layer for `rows` decode rows of TIMING_CONTEXT positions each,
-    through each of `ops` (by name) and through the modules ("modules"), on a scratch KV cache."""
+    through each of `ops` (by name) and through the modules ("modules"), on a scratch KV cache of
+    `kv_cache_dtype`."""
     per_row = -(-(TIMING_CONTEXT + 1) // TIMING_BLOCK)
-    dtype = stack.dtype
+    dtype = kv_cache_dtype
     some_op = next(iter(ops.values()))
-    shape = (rows * per_row + 1, some_op.num_kv_heads, TIMING_BLOCK, some_op.head_dim)  # block 0: null
+    shape = kv_cache_shape(rows * per_row + 1, some_op.num_kv_heads, TIMING_BLOCK, some_op.head_dim, dtype)  # 0: null
     caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in stack.layers]
     block_tables = torch.arange(1, rows * per_row + 1, dtype=torch.int32).view(rows, per_row)
     md = AttentionMetadata(

@@ -93,7 +93,8 @@ def fastest_float_dtype(hidden: int, intermediate: int, timer: Timer | None = No
 
 def plan_cpu_model(model: nn.Module, quantization: str = "none", *, roles: Mapping[str, LinearRole] | None = None,
                    pins: Pins | None = None, decoder_stack: Callable[[], DecoderStack | None] | None = None,
-                   timer: Timer | None = None, layer_timer: Timer | None = None) -> CpuDecodeLayers | None:
+                   timer: Timer | None = None, layer_timer: Timer | None = None,
+                   kv_cache_dtype: torch.dtype | None = None) -> CpuDecodeLayers | None:
     """Plan `model` for this CPU: swap every `nn.Linear` for a `CpuLinear` on the kernels measured fastest per
     batch bucket among those `quantization` allows in its role (`roles`, by attribute name) within its accuracy
     budget, or `pins` (kernels/cpu/linear.py); then, where `decoder_stack()` describes the layers (None: they
@@ -101,11 +102,13 @@ def plan_cpu_model(model: nn.Module, quantization: str = "none", *, roles: Mappi
     against the modules and return the op for the decode buckets it wins (None where it never does).
 
     `timer`: the linears' clock (None: the wall clock, with plans cached per machine); `layer_timer`: the
-    decoder layers' (None: the wall clock)."""
+    decoder layers' (None: the wall clock); `kv_cache_dtype`: the KV cache the layers read (None: the model's
+    dtype), which the op is timed on."""
     before = decoder_stack() if decoder_stack is not None else None
     # the float weights, taken before a plan may free them: the op makes its GEMV states from them
     weights = [[linear.weight for linear in layer.linears] for layer in before.layers] if before else None
     use_measured_linears(model, quantization, timer=timer, roles=roles, pins=pins)
     if weights is None:
         return None
-    return choose_decode_layers(decoder_stack(), weights, quantization, layer_timer or linear_timing.wall_timer)
+    return choose_decode_layers(decoder_stack(), weights, quantization, layer_timer or linear_timing.wall_timer,
+                                kv_cache_dtype)
