@@ -10,7 +10,8 @@ Each figure is the best of --rounds rounds (each round runs every KV dtype once,
 bf16 are printed beside the issue's bars (1 stream >= 1.5x, N streams >= 1.1x, prefill >= 0.95x), and everything
 goes to --output as JSON. Prompts are random token ids, distinct per round, and the prefix cache is reset before
 each request, so nothing is served from it. The engines load once each (plans timed fresh in a temporary
-TANDEM_CACHE_DIR unless one is set); run it on a quiet machine: it measures speed.
+TANDEM_CACHE_DIR unless one is set); the first engine's linear plans are pinned in the others
+(--linear-kernels), so the KV cache is all that differs. Run it on a quiet machine: it measures speed.
 
     python scripts/bench_kv_dtype.py                                    # bf16 vs int8, 3 rounds (~10 min)
     python scripts/bench_kv_dtype.py --kv-dtypes bf16 int8 fp32 --rounds 5
@@ -80,17 +81,30 @@ def run(engine: LLMEngine, prompts: list[list[int]], gen_len: int) -> tuple[floa
     return min(first.values()), steps[-1][0] - decode_start, decoded
 
 
+def plan_pins(engine: LLMEngine) -> str:
+    """The engine's measured linear plans as a --linear-kernels spec (each linear's name, bucket by bucket)."""
+    from kernels.cpu.linear import CpuLinear
+
+    plans = {}
+    for name, module in engine.engine_core.model.named_modules():
+        if isinstance(module, CpuLinear):
+            plans.setdefault(name.rpartition(".")[2], module.plan)
+    return ",".join(f"{layer}@{rows}={kernel}" for layer, plan in plans.items() for rows, kernel in plan)
+
+
 def main() -> None:
     args = parse_args()
     os.environ.setdefault("TANDEM_CACHE_DIR", tempfile.mkdtemp(prefix="tandem-kv-dtype-"))  # plans timed here
     max_len = max(args.long_prompt_len, args.prompt_len) + args.gen_len + 16
-    engines = {}
+    engines: dict[str, LLMEngine] = {}
+    pins = None
     for kv in args.kv_dtypes:
         engines[kv] = LLMEngine(EngineConfig(
-            model=ModelConfig(dtype=args.dtype, max_model_len=max_len),
+            model=ModelConfig(dtype=args.dtype, max_model_len=max_len, linear_kernels=pins),
             cache=CacheConfig(kv_cache_memory_gib=args.kv_cache_memory_gib, kv_cache_dtype=kv),
             scheduler=SchedulerConfig(max_num_seqs=max(args.streams, 1)),
         ))
+        pins = pins or plan_pins(engines[kv]) or None
         info = engines[kv].info
         print(f"{kv}: {info.num_blocks} blocks of {info.block_size} ({info.num_blocks * info.block_size} tokens) "
               f"in {args.kv_cache_memory_gib} GiB, model {info.dtype}", flush=True)
@@ -110,8 +124,9 @@ def main() -> None:
             rounds.append({"round": r, "kv_cache_dtype": kv, **figures})
             for name, value in figures.items():
                 best[kv][name] = max(best[kv].get(name, 0.0), value)
-            print(f"round {r} {kv:>5}: prefill {figures['prefill']:7.0f} tok/s, 1 stream {figures['one_stream_decode']:6.1f} "
-                  f"tok/s, {args.streams} streams {figures['streams_decode']:7.1f} tok/s", flush=True)
+            print(f"round {r} {kv:>5}: prefill {figures['prefill']:7.0f} tok/s, "
+                  f"1 stream {figures['one_stream_decode']:6.1f} tok/s, "
+                  f"{args.streams} streams {figures['streams_decode']:7.1f} tok/s", flush=True)
     base = args.kv_dtypes[0]
     print(f"\nbest of {args.rounds} rounds; ratio against {base} (issue 53's bar for int8)")
     labels = {"prefill": f"prefill ({args.long_prompt_len}-token prompt)",
@@ -127,7 +142,7 @@ def main() -> None:
         or platform.machine(), "threads": torch.get_num_threads(), "model_dtype": args.dtype,
         "long_prompt_len": args.long_prompt_len, "streams": args.streams, "prompt_len": args.prompt_len,
         "gen_len": args.gen_len, "kv_cache_memory_gib": args.kv_cache_memory_gib,
-        "num_blocks": {kv: engine.info.num_blocks for kv, engine in engines.items()},
+        "num_blocks": {kv: engine.info.num_blocks for kv, engine in engines.items()}, "linear_kernels": pins,
         "best": best, "bars": BARS, "rounds": rounds}, indent=2))
     print(f"wrote {out}")
 
