@@ -21,7 +21,7 @@ Each layer has a key cache and a value cache, each [num_blocks, num_kv_heads, bl
   its codes (tests/kernels).
 
 Bytes per token and layer: 2 * num_kv_heads * row * element size, so with head_dim 64 an int8 cache holds
-128 / 66 = 1.94x the tokens of a bf16 one in the same memory (head_dim 128: 1.97x), and fp32 half as many.
+128 / 66 times the tokens of a bf16 one in the same memory (head_dim 128: 256 / 130 times), and fp32 half as many.
 """
 
 from __future__ import annotations

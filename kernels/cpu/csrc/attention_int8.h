@@ -76,7 +76,7 @@ inline void dequantize_tokens(const int8_t* slab, int64_t t, int64_t count, int6
 constexpr bool kInt8DotProducts = true;
 
 // acc += 4 u8 x s8 products per int32 lane; inline assembly as in packed_tiles.h: with the intrinsic GCC 12
-// copies every sum through another register (or the stack) on each step, 1.5x the time here
+// copies every sum through another register (or the stack) on each step (docs/kv-cache-dtype.md#the-c-kernel)
 inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
   return acc;
