@@ -21,6 +21,11 @@ computes (and, in decode, replaces the sampled token by the text's), without cha
     python scripts/bench_quality.py                                  # the main table (+ llama.cpp when it builds)
     python scripts/bench_quality.py --linear-kernels 'down_proj=int8_dynamic'   # + a row for a forced plan
     python scripts/bench_quality.py --roles --skip-main              # each kernel forced on each layer role
+    python scripts/bench_quality.py --skip-main --no-llama --kv-cache-dtype int8   # one KV dtype and its baseline
+
+Every row with an 8-bit KV cache (--kv-cache-dtype, and the standard rows' int8 ones) is also compared with the
+same options over the model's own cache dtype: the perplexity change between the two and how often their top
+tokens agree, prediction by prediction (issue 53's bars: within 1 %, at least 0.98).
 """
 
 from __future__ import annotations
@@ -102,6 +107,7 @@ class Scores:
     delta: dict = field(default_factory=dict)  # |its change from the reference's|
     same_top: dict = field(default_factory=dict)  # the argmax is the reference's
     kl: dict = field(default_factory=dict)  # KL(reference || system)
+    top: dict = field(default_factory=dict)  # the system's argmax
 
     def add(self, chunk: int, first_position: int, logits: torch.Tensor) -> None:
         """Row i of `logits` predicts the chunk's token at first_position + i; rows outside the scored
@@ -116,6 +122,7 @@ class Scores:
             self.target[key] = lp[token].item()
             self.delta[key] = abs(lp[token].item() - ref[token].item())
             self.same_top[key] = bool(lp.argmax() == ref.argmax())
+            self.top[key] = int(lp.argmax())
             self.kl[key] = torch.sum(ref.exp() * (ref - lp)).item()
 
     def summary(self) -> dict:
@@ -208,19 +215,20 @@ def plan_of(engine: LLMEngine) -> dict[str, dict[str, str]]:
 
 def measure_tandem(chunks: list[list[int]], reference: torch.Tensor, dtype: str = "auto",
                    quantization: str = "auto", linear_kernels: str | None = None, model: str | None = None,
-                   device: DeviceConfig | None = None) -> dict:
+                   device: DeviceConfig | None = None, kv_cache_dtype: str = "auto") -> dict:
     """Load an engine with these options (`model` None: the embedded SmolLM2) and score its prefill and
-    decode paths (see the module's doc)."""
+    decode paths (see the module's doc). "argmax" holds each mode's top tokens, in scoring order."""
     started = time.perf_counter()
     engine = LLMEngine(EngineConfig(
         model=ModelConfig(model=model, dtype=dtype, quantization=quantization, linear_kernels=linear_kernels,
                           max_model_len=CHUNK + 16),
-        cache=CacheConfig(enable_prefix_caching=False, kv_cache_memory_gib=0.5),
+        cache=CacheConfig(enable_prefix_caching=False, kv_cache_memory_gib=0.5, kv_cache_dtype=kv_cache_dtype),
         # prefill: four 512-token chunks a step; decode: the 8 one-token prompts in one step, then 8 rows a step
         scheduler=SchedulerConfig(max_num_batched_tokens=4 * CHUNK, max_num_seqs=CHUNKS),
         device=device or DeviceConfig(),
     ))
-    result: dict = {"dtype": engine.info.dtype, "plan": plan_of(engine)}
+    result: dict = {"dtype": engine.info.dtype, "kv_cache_dtype": engine.info.kv_cache_dtype, "plan": plan_of(engine),
+                    "argmax": {}}
     tap = LogitTap(engine)
     for mode in ("prefill", "decode"):
         scores = Scores(reference, chunks)
@@ -233,6 +241,7 @@ def measure_tandem(chunks: list[list[int]], reference: torch.Tensor, dtype: str 
             run_requests(engine, {rid: chunks[i][:1] for rid, i in ids.items()},
                          SamplingParams(temperature=0.0, max_tokens=CHUNK - 1, ignore_eos=True))
         result[mode] = scores.summary()
+        result["argmax"][mode] = [scores.top[key] for key in sorted(scores.top)]
     result["seconds"] = round(time.perf_counter() - started, 1)
     return result
 
@@ -317,6 +326,45 @@ def print_table(rows: list[dict], reference_ppl: float) -> None:
         print(f"| {row['name']} | {cells(row, 'prefill', reference_ppl)} | {cells(row, 'decode', reference_ppl)} |")
 
 
+def compare_kv_dtypes(rows: list[dict], tops: dict[str, dict[str, list[int]]]) -> list[dict]:
+    """Each row with a KV cache dtype of its own against the row of the same other options over the model's cache
+    dtype (its baseline): the perplexity change and the top-1 agreement between the two (`tops`: each row's top
+    tokens per mode, by name), per mode."""
+    def others(options: dict) -> dict:
+        return {key: value for key, value in options.items() if key != "kv_cache_dtype"}
+
+    comparisons = []
+    for row in rows:
+        options = row.get("options", {})
+        if options.get("kv_cache_dtype", "auto") == "auto" or row["name"] not in tops:
+            continue
+        base = next((r for r in rows if r["name"] in tops and r.get("options", {}).get("kv_cache_dtype", "auto") ==
+                     "auto" and others(r.get("options", {})) == others(options)), None)
+        if base is None:
+            continue
+        entry = {"name": row["name"], "baseline": base["name"], "kv_cache_dtype": row["kv_cache_dtype"],
+                 "baseline_kv_cache_dtype": base["kv_cache_dtype"]}
+        for mode in ("prefill", "decode"):
+            ours, theirs = tops[row["name"]][mode], tops[base["name"]][mode]
+            entry[mode] = {"perplexity_change": row[mode]["perplexity"] / base[mode]["perplexity"] - 1,
+                           "top1_agreement": sum(a == b for a, b in zip(ours, theirs)) / len(ours),
+                           "predictions": len(ours)}
+        comparisons.append(entry)
+    return comparisons
+
+
+def print_kv_dtypes(comparisons: list[dict]) -> None:
+    if not comparisons:
+        return
+    print("\n| KV cache against the model's own | prefill: perplexity change | top-1 agreement | "
+          "decode: perplexity change | top-1 agreement |")
+    print("|---" * 5 + "|")
+    for entry in comparisons:
+        cells = " | ".join(f"{entry[mode]['perplexity_change']:+.2%} | {entry[mode]['top1_agreement']:.3f}"
+                           for mode in ("prefill", "decode"))
+        print(f"| {entry['kv_cache_dtype']} vs {entry['baseline_kv_cache_dtype']} ({entry['baseline']}) | {cells} |")
+
+
 def print_roles(matrix: dict, reference_ppl: float) -> None:
     """Per role and kernel: the perplexity change against fp32 and the top-1 agreement, prefill / decode."""
     def cell(row: dict) -> str:
@@ -379,9 +427,13 @@ def main() -> int:
                              "(~30 min on 2 busy cores)")
     parser.add_argument("--roles-kernels", type=lambda text: text.split(","), metavar="K1,K2",
                         help="the matrix's kernels (default: every kernel but those repeating another's arithmetic)")
-    parser.add_argument("--dtype", default="auto", help="of the --linear-kernels rows and the matrix (default: auto)")
+    parser.add_argument("--kv-cache-dtype", action="append", default=[], metavar="KV",
+                        help="one more Tandem row with this KV cache dtype (tandem-engine's --kv-cache-dtype; "
+                             "repeatable), in --dtype, and its baseline (the same over the model's own cache dtype)")
+    parser.add_argument("--dtype", default="auto",
+                        help="of the --linear-kernels and --kv-cache-dtype rows and the matrix (default: auto)")
     parser.add_argument("--skip-main", action="store_true",
-                        help="without the five standard Tandem rows and llama.cpp (only the reference, the "
+                        help="without the seven standard Tandem rows and llama.cpp (only the reference, the "
                              "--linear-kernels rows and the matrix)")
     parser.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
     parser.add_argument("--output", default="bench_results/quality.json")
@@ -399,9 +451,18 @@ def main() -> int:
     standard = [("Tandem default (auto)", {}), ("Tandem --dtype float32", {"dtype": "float32"}),
                 ("Tandem --quantization none", {"quantization": "none"}),
                 ("Tandem --quantization int4", {"quantization": "int4"}),
-                ("Tandem --quantization int8", {"quantization": "int8"})]
+                ("Tandem --quantization int8", {"quantization": "int8"}),
+                ("Tandem --kv-cache-dtype int8", {"kv_cache_dtype": "int8"}),
+                ("Tandem --dtype float32 --kv-cache-dtype int8", {"dtype": "float32", "kv_cache_dtype": "int8"})]
     forced = [(f"Tandem --linear-kernels '{spec}'", {"dtype": args.dtype, "linear_kernels": spec})
               for spec in args.linear_kernels]
+    for kv in args.kv_cache_dtype:
+        baseline = ("Tandem default (auto)" if args.dtype == "auto" else f"Tandem --dtype {args.dtype}",
+                    {} if args.dtype == "auto" else {"dtype": args.dtype})
+        named = {name for name, _ in forced} | ({name for name, _ in standard} if not args.skip_main else set())
+        if baseline[0] not in named:
+            forced.append(baseline)
+        forced.append((f"{baseline[0]} --kv-cache-dtype {kv}", {**baseline[1], "kv_cache_dtype": kv}))
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"benchmark": "quality against the fp32 model", "date": time.strftime("%Y-%m-%d"),
@@ -410,9 +471,11 @@ def main() -> int:
                                                       "sha256": text_digest},
               "method": {"chunk": CHUNK, "chunks": CHUNKS, "first_scored_position": FIRST, "scored": CHUNKS * SCORED},
               "rows": rows, "roles": None}
+    tops: dict[str, dict[str, list[int]]] = {}
     for name, options in ([] if args.skip_main else standard) + forced:
         print(f"{name} ...", flush=True)
         rows.append({"name": name, "options": options, **measure_tandem(chunks, reference, **options)})
+        tops[name] = rows[-1].pop("argmax")
         print(f"  prefill {cells(rows[-1], 'prefill', reference_ppl)}; "
               f"decode {cells(rows[-1], 'decode', reference_ppl)}", flush=True)
         out.write_text(json.dumps(result, indent=1))  # a long run keeps what it measured
@@ -425,7 +488,9 @@ def main() -> int:
         result["roles"] = role_matrix(chunks, reference, args.dtype, args.roles_kernels,
                                       out.with_name(out.stem + "_roles.json"))
 
+    result["kv_cache_dtypes"] = compare_kv_dtypes(rows, tops)
     print_table(rows, reference_ppl)
+    print_kv_dtypes(result["kv_cache_dtypes"])
     for row in rows:
         if "plan" in row:
             print(f"  {row['name']} ({row['dtype']}): " + ", ".join(

@@ -60,3 +60,21 @@ def test_the_llama_base_file_holds_our_ids_and_reference(tmp_path):
     kept = reference.numpy() >= reference.numpy().max(-1, keepdims=True) - 16  # llama.cpp keeps 16 nats
     assert np.abs(decoded - reference.numpy())[kept].max() <= scale_and_min[..., :1].max()
     assert FIRST == CHUNK // 2
+
+
+def test_each_kv_dtype_row_is_compared_with_its_baseline():
+    def row(name, options, kv, ppl):
+        return {"name": name, "options": options, "kv_cache_dtype": kv,
+                "prefill": {"perplexity": ppl}, "decode": {"perplexity": ppl * 2}}
+
+    rows = [row("auto", {}, "bf16", 10.0), row("fp32", {"dtype": "float32"}, "fp32", 9.0),
+            row("int8", {"kv_cache_dtype": "int8"}, "int8", 10.1),
+            row("fp32 int8", {"dtype": "float32", "kv_cache_dtype": "int8"}, "int8", 9.0)]
+    tops = {"auto": {"prefill": [1, 2, 3, 4], "decode": [1, 1, 1, 1]}, "fp32": {"prefill": [5] * 4, "decode": [5] * 4},
+            "int8": {"prefill": [1, 2, 3, 0], "decode": [1, 1, 1, 1]}, "fp32 int8": {"prefill": [5] * 4,
+                                                                                    "decode": [5, 5, 0, 0]}}
+    first, second = bench_quality.compare_kv_dtypes(rows, tops)
+    assert (first["baseline"], second["baseline"]) == ("auto", "fp32")
+    assert first["prefill"]["top1_agreement"] == 0.75 and first["decode"]["top1_agreement"] == 1.0
+    assert first["prefill"]["perplexity_change"] == pytest.approx(0.01)
+    assert second["decode"]["top1_agreement"] == 0.5 and second["prefill"]["perplexity_change"] == 0.0
