@@ -198,7 +198,8 @@ def engine_info_from_proto(info: engine_core_pb2.GetEngineInfoResponse) -> Engin
                       num_blocks=info.num_blocks,
                       bos_token_id=info.bos_token_id if info.HasField("bos_token_id") else None,
                       dtype=info.dtype, device=info.device, attention_backend=info.attention_backend,
-                      lossy_linear_kernels=tuple(info.lossy_linear_kernels), batch_invariant=info.batch_invariant)
+                      lossy_linear_kernels=tuple(info.lossy_linear_kernels), batch_invariant=info.batch_invariant,
+                      kv_cache_dtype=info.kv_cache_dtype)
 
 
 def message_from_proto(batch: engine_core_pb2.EngineCoreOutputs) -> EngineCoreOutputs:

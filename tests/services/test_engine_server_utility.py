@@ -157,7 +157,7 @@ def test_get_stats_and_engine_info(engine_server, connect, tiny_model_dir):
     assert (info.model_path, info.max_model_len, info.block_size, info.num_blocks) == (
         str(tiny_model_dir), MAX_MODEL_LEN, 4, 512)
     assert (info.vocab_size, list(info.eos_token_ids), info.bos_token_id) == (256, [2, 3], 1)
-    assert (info.dtype, info.device, info.attention_backend) == ("float32", "cpu", "torch")
+    assert (info.dtype, info.device, info.attention_backend, info.kv_cache_dtype) == ("float32", "cpu", "torch", "fp32")
     assert (info.max_num_seqs, info.max_num_batched_tokens) == (32, 64)
 
 
