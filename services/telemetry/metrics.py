@@ -65,6 +65,10 @@ class EngineMetrics:
                                                labels, registry=r))
         self.kv_cache_usage = bind(Gauge("tandem:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.",
                                          labels, registry=r))
+        self.kv_cache_total_blocks = bind(Gauge(
+            "tandem:kv_cache_total_blocks",
+            "KV blocks the cache holds, counted at its element type (--kv-cache-dtype: an int8 cache holds about "
+            "twice the blocks of a bf16 one in the same memory).", labels, registry=r))
         self.prefix_cache_queries = bind(Counter("tandem:prefix_cache_queries",
                                                  "Prompt tokens looked up in the prefix cache.", labels, registry=r))
         self.prefix_cache_hits = bind(Counter("tandem:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
@@ -112,6 +116,7 @@ class EngineMetrics:
         self.num_requests_running.set(stats.num_running_reqs)
         self.num_requests_waiting.set(stats.num_waiting_reqs)
         self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.kv_cache_total_blocks.set(stats.num_total_blocks)
         if stats.prefix_cache_queries:
             self.prefix_cache_queries.inc(stats.prefix_cache_queries)
             self.prefix_cache_hits.inc(stats.prefix_cache_hits)

@@ -52,6 +52,7 @@ def test_engine_and_frontend_metrics_during_and_after_a_load(make_stack):
     assert metric(engine1, "tandem:num_requests_running") == N
     assert metric(engine1, "tandem:num_requests_waiting") == 0
     assert 0 < metric(engine1, "tandem:kv_cache_usage_perc") < 1
+    assert metric(engine1, "tandem:kv_cache_total_blocks") == metric(engine2, "tandem:kv_cache_total_blocks") > 0
     assert metric(frontend1, "tandem:num_streams_in_flight") == N
     assert delta(frontend1, frontend0, "tandem:time_to_first_token_seconds_count") == N
     assert delta(frontend1, frontend0, "tandem:e2e_request_latency_seconds_count") == 0
