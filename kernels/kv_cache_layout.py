@@ -12,7 +12,13 @@ Each layer has a key cache and a value cache, each [num_blocks, num_kv_heads, bl
             16 scores at once (`slab_offsets("key", ...)`);
     values  [block_size / 4][head_dim][4]: 4 consecutive tokens of dim d share a 32-bit lane, and 16 dims
             are one vector, acc[d] += w . v over 4 tokens at once (`slab_offsets("value", ...)`).
-  Hence block_size must be a multiple of 16 and head_dim of 4. One scale per token and kv head: a token's
+  Hence block_size must be a multiple of 16 and head_dim of 4.
+  Before quantizing, each token's row is rotated by a Hadamard transform (`hadamard_matrix`: +-1 entries,
+  block-diagonal over head_dim's powers of two, computed in float64 and rounded once to fp32): it spreads a
+  key's outlier channels over every dim, so one scale per row rounds the others less. Scores and outputs do
+  not change in exact arithmetic (H H = n I per block): attention rotates the query the same way and divides
+  by n, and rotates its output back (`rotate_back`). What the codes hold is `quantize_kv_rows`' definition.
+  One scale per token and kv head: a token's
   codes are written once and never rewritten, so a block's bytes do not depend on which tokens were written
   beside them (batches, chunked-prefill splits and prefix-cache hits give the same codes; a scale per block
   would have to requantize older tokens as new ones arrive). int8: scale = max |x| / 127 rounded to fp16,
@@ -78,6 +84,39 @@ def slab_offsets(kind: str, block_size: int, head_dim: int) -> torch.Tensor:
     if kind == "value":  # [block_size / 4][head_dim][4]
         return (t // 4) * head_dim * 4 + d * 4 + t % 4
     raise ValueError(f"kind must be 'key' or 'value', got {kind!r}")
+
+
+def hadamard_blocks(head_dim: int) -> list[int]:
+    """The sizes of the rotation's blocks: head_dim's powers of two, largest first (128 -> [128]; 96 -> [64, 32])."""
+    return [1 << bit for bit in reversed(range(head_dim.bit_length())) if head_dim >> bit & 1]
+
+
+@functools.cache
+def hadamard_matrix(head_dim: int) -> torch.Tensor:
+    """[head_dim, head_dim] float64, Sylvester's Hadamard matrices of `hadamard_blocks` on the diagonal (+-1
+    entries, symmetric; H H = n I on a block of n dims)."""
+    matrix = torch.zeros(head_dim, head_dim, dtype=torch.float64)
+    start = 0
+    for size in hadamard_blocks(head_dim):
+        block = torch.ones(1, 1, dtype=torch.float64)
+        while block.shape[0] < size:
+            block = torch.cat([torch.cat([block, block], 1), torch.cat([block, -block], 1)], 0)
+        matrix[start:start + size, start:start + size] = block
+        start += size
+    return matrix
+
+
+@functools.cache
+def hadamard_divisors(head_dim: int) -> torch.Tensor:
+    """[head_dim] float64: each dim's block size n, what a second rotation divides by to undo the first."""
+    return torch.cat([torch.full((size,), float(size), dtype=torch.float64) for size in hadamard_blocks(head_dim)])
+
+
+def rotate_back(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] rotated rows (H x) -> x, in float64 and rounded once to x's dtype: H (H x) / n."""
+    head_dim = x.shape[-1]
+    matrix = hadamard_matrix(head_dim).to(x.device)
+    return ((x.double() @ matrix) / hadamard_divisors(head_dim).to(x.device)).to(x.dtype)
 
 
 def kv_bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -13,8 +13,8 @@ by every layer.
 Per layer, `sliding_window` W lets query position i see keys (i - W, i] only, and
 `logit_softcap` c turns scores s (already scaled) into c * tanh(s / c) before the mask.
 
-8-bit caches (int8, fp8_e4m3; kernels/kv_cache_layout.py): the write quantizes each token's row
-(`quantize_kv_rows`, the definition every backend's write follows) into the block's slab layout,
+8-bit caches (int8, fp8_e4m3; kernels/kv_cache_layout.py): the write rotates and quantizes each token's
+row (`quantize_kv_rows`, the definition every backend's write follows) into the block's slab layout,
 and attention dequantizes the gathered context (`read_kv_slabs`, `dequantize_kv_rows`) and attends
 as over a float cache: dequantize-then-attend, the answer the kernels that read codes directly are
 checked against.
@@ -28,7 +28,14 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention_metadata import AttentionMetadata
-from kernels.kv_cache_layout import SCALE_BYTES, SCALE_DTYPE, is_quantized, slab_offsets
+from kernels.kv_cache_layout import (
+    SCALE_BYTES,
+    SCALE_DTYPE,
+    hadamard_matrix,
+    is_quantized,
+    rotate_back,
+    slab_offsets,
+)
 
 # the largest code of each 8-bit cache: a row's scale is max |x| / this
 CODE_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
@@ -146,10 +153,11 @@ def _write_quantized(x: torch.Tensor, cache: torch.Tensor, blocks: torch.Tensor,
 def quantize_kv_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., D] floats -> (codes [..., D] of the 8-bit `dtype`, scales [..., 1] fp16): one scale per row.
 
+    The row is first rotated, x <- H x (kernels/kv_cache_layout.py: the float64 product rounded to fp32); then
     scale = max |x| / CODE_MAX, rounded to fp16 (and held below fp16's largest); codes = x / scale in fp32,
     int8 rounded half to even and clamped to +-127, fp8 clamped to +-448 and rounded by the conversion;
     a row of zeros gets scale 0 and codes 0."""
-    x = x.float()
+    x = (x.double() @ hadamard_matrix(x.shape[-1]).to(x.device)).float()  # H x: exact sums, one rounding
     scale = (x.abs().amax(-1, keepdim=True) / CODE_MAX[dtype]).clamp(max=_SCALE_MAX).to(SCALE_DTYPE)
     divisor = scale.float()
     y = x / torch.where(divisor > 0, divisor, 1.0)
@@ -159,8 +167,8 @@ def quantize_kv_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor,
 
 
 def dequantize_kv_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """quantize_kv_rows' (codes [..., D], scales [..., 1]) -> [..., D] fp32: code * scale."""
-    return codes.float() * scales.float()
+    """quantize_kv_rows' (codes [..., D], scales [..., 1]) -> [..., D] fp32: code * scale, rotated back."""
+    return rotate_back(codes.float() * scales.float())
 
 
 def read_kv_slabs(slabs: torch.Tensor, kind: str, block_size: int, head_dim: int,

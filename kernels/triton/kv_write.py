@@ -4,18 +4,20 @@ Same contract as their reference, `kernels.reference.write_kv_cache`: token t go
 `slot_mapping[t]` = block_id * block_size + offset; slot -1 is padding (CUDA
 graph buckets) and is skipped, so padded tokens never touch the cache. An 8-bit cache (int8,
 fp8_e4m3) takes each token's codes and fp16 scale per kv head, quantized as
-`kernels.reference.quantize_kv_rows` does, at their places in the block's slab
-(kernels/kv_cache_layout.py). On a GPU the division x / scale may round a code one step from the
-reference's at a near-tie (the interpreter divides exactly).
+`kernels.reference.quantize_kv_rows` does (after the Hadamard rotation, here an fp32 tl.dot), at their
+places in the block's slab (kernels/kv_cache_layout.py). The rotation's fp32 sums (and on a GPU the
+division x / scale) may round a code one step from the reference's at a near-tie.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_cache_layout import SCALE_BYTES, is_quantized
+from kernels.kv_cache_layout import SCALE_BYTES, hadamard_divisors, hadamard_matrix, is_quantized
 
 CODE_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}  # kernels/reference/attention.py's
 ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: (y + ROUND) - ROUND rounds |y| < 2^22 half to even
@@ -67,11 +69,12 @@ def _write_kv_kernel(
 
 @triton.jit
 def _write_codes(
-    x, cache_ptr, slab, head_slab, offset, block_size, dims, mask, head_mask,
+    x, rotation, cache_ptr, slab, head_slab, offset, block_size, dims, mask, head_mask,
     HEAD_DIM: tl.constexpr, KEY: tl.constexpr, CODE_MAX: tl.constexpr, INT_CODES: tl.constexpr,
 ):
-    """One token's rows x [HEADS_PAD, DIM_PAD] (fp32) as codes and fp16 scales into their slabs: codes at
-    keys' [dim / 4][block_size][4] or values' [block_size / 4][dim][4] places, scales after the codes."""
+    """One token's rows x [HEADS_PAD, DIM_PAD] (fp32), rotated (H x), as codes and fp16 scales into their
+    slabs: codes at keys' [dim / 4][block_size][4] or values' [block_size / 4][dim][4] places, scales after."""
+    x = tl.dot(x, rotation, input_precision="ieee")
     scale = (tl.max(tl.abs(x), axis=1) / CODE_MAX)  # [HEADS_PAD]
     scale = tl.minimum(scale, 65504.0).to(tl.float16)
     divisor = scale.to(tl.float32)
@@ -95,6 +98,7 @@ def _write_kv_codes_kernel(
     key_ptr, value_ptr,  # [T, Hkv, D]
     key_cache_ptr, value_cache_ptr,  # [num_blocks, Hkv, block_size, D + 2] 8-bit slabs
     slot_mapping_ptr,  # [T] int64
+    rotation_ptr,  # [DIM_PAD, DIM_PAD] fp32: the Hadamard rotation, zero past D
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_ch,  # block and head strides of both caches
     block_size,
@@ -121,10 +125,23 @@ def _write_kv_codes_kernel(
     head_slab = block.to(tl.int64) * stride_cb + head * stride_ch  # [HEADS_PAD]
     slab = head_slab[:, None]
     head_mask = head < NUM_KV_HEADS
-    _write_codes(k, key_cache_ptr, slab, head_slab, offset, block_size, dims, mask, head_mask, HEAD_DIM, True,
-                 CODE_MAX, INT_CODES)
-    _write_codes(v, value_cache_ptr, slab, head_slab, offset, block_size, dims, mask, head_mask, HEAD_DIM, False,
-                 CODE_MAX, INT_CODES)
+    rows = tl.arange(0, DIM_PAD)[:, None]
+    rotation = tl.load(rotation_ptr + rows * DIM_PAD + dims)
+    _write_codes(k, rotation, key_cache_ptr, slab, head_slab, offset, block_size, dims, mask, head_mask, HEAD_DIM,
+                 True, CODE_MAX, INT_CODES)
+    _write_codes(v, rotation, value_cache_ptr, slab, head_slab, offset, block_size, dims, mask, head_mask,
+                 HEAD_DIM, False, CODE_MAX, INT_CODES)
+
+
+@functools.cache
+def rotation(head_dim: int, dim_pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Hadamard rotation of an 8-bit cache's rows (kernels/kv_cache_layout.py) as the kernels take it:
+    [dim_pad, dim_pad] fp32 (+-1 entries, zero past head_dim) and [dim_pad] fp32 each dim's 1 / block size."""
+    matrix = torch.zeros(dim_pad, dim_pad, dtype=torch.float32)
+    matrix[:head_dim, :head_dim] = hadamard_matrix(head_dim).float()
+    inverse = torch.ones(dim_pad, dtype=torch.float32)
+    inverse[:head_dim] = 1.0 / hadamard_divisors(head_dim).float()
+    return matrix.to(device), inverse.to(device)
 
 
 def write_kv_cache(
@@ -146,13 +163,14 @@ def write_kv_cache(
     assert key_cache.stride() == value_cache.stride() and key_cache.stride(-1) == 1
     if is_quantized(key_cache.dtype):
         assert key_cache.shape[-1] == head_dim + SCALE_BYTES
+        dim_pad = max(16, triton.next_power_of_2(head_dim))
         _write_kv_codes_kernel[(num_tokens,)](
-            key, value, key_cache, value_cache, slot_mapping,
+            key, value, key_cache, value_cache, slot_mapping, rotation(head_dim, dim_pad, key.device)[0],
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             key_cache.stride(0), key_cache.stride(1),
             key_cache.shape[2],
             NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-            HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
+            HEADS_PAD=max(16, triton.next_power_of_2(num_kv_heads)), DIM_PAD=dim_pad,  # tl.dot's smallest tile
             CODE_MAX=CODE_MAX[key_cache.dtype], INT_CODES=key_cache.dtype == torch.int8,
         )
         return

@@ -22,7 +22,9 @@ triton `unified_attention`); its reference is `kernels.reference.paged_attention
   before the block's first window are skipped), and a logit soft-cap c turns each
   scaled score s into c * tanh(s / c) before the mask.
 - An 8-bit cache (int8, fp8_e4m3; kernels/kv_cache_layout.py) is read code by code from its
-  slab layout and dequantized in registers (code * the token's fp16 scale) before the dots.
+  slab layout and dequantized in registers (code * the token's fp16 scale) before the dots; its rows
+  were rotated (H x) when written, so the query is rotated the same way (H q / n) and the output
+  back (H acc / n).
 
 Every loop bound comes from device tensors (`seq_lens`, `query_start_loc`), so
 the split count and block sizes picked on the host from metadata are performance
@@ -110,6 +112,7 @@ def _attention_kernel(
     DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
     QUANTIZED: tl.constexpr,  # an 8-bit cache: codes in its slabs' layout, fp16 scales after them
+    rotation_ptr=None,  # QUANTIZED: [DIM_PAD, DIM_PAD] fp32 Hadamard rotation, then [DIM_PAD] 1 / block size
 ):
     """One (query block, kv head, context split): flash attention over paged K/V."""
     q_block = tl.program_id(0)
@@ -139,7 +142,12 @@ def _attention_kernel(
     q = tl.load(
         query_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
         mask=row_valid[:, None] & dim_valid[None, :], other=0.0,
-    ).to(DOT_DTYPE)  # [BLOCK_M, DIM_PAD]
+    )  # [BLOCK_M, DIM_PAD]
+    if QUANTIZED:  # the keys were rotated when written: so is the query (H q / n), which keeps the scores
+        rotation = tl.load(rotation_ptr + dims[:, None] * DIM_PAD + dims[None, :])
+        inverse = tl.load(rotation_ptr + DIM_PAD * DIM_PAD + dims)
+        q = tl.dot(q.to(tl.float32), rotation, input_precision="ieee") * inverse[None, :]
+    q = q.to(DOT_DTYPE)
 
     # --- this split's share of the context tiles (causal: stop at the last row's position)
     kv_len = tl.minimum(seq_len, context_len + local_start + BLOCK_Q)
@@ -192,6 +200,8 @@ def _attention_kernel(
         m_i = m_new
 
     store_mask = row_valid[:, None] & dim_valid[None, :]
+    if QUANTIZED:  # the sum of rotated values back to the values' space (H acc / n; linear, so splits too)
+        acc = tl.dot(acc, rotation, input_precision="ieee") * inverse[None, :]
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         out_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
@@ -240,6 +250,14 @@ def _reduce_splits_kernel(
         out_ptr + token * stride_ot + head * stride_oh + dims,
         out.to(out_ptr.dtype.element_ty), mask=dim_valid,
     )
+
+
+def _rotation(head_dim: int, dim_pad: int, device: torch.device) -> torch.Tensor:
+    """kv_write's rotation and its inverse divisors in one buffer, as the attention kernel reads them."""
+    from kernels.triton.kv_write import rotation
+
+    matrix, inverse = rotation(head_dim, dim_pad, device)
+    return torch.cat([matrix.flatten(), inverse])
 
 
 def choose_num_splits(metadata: AttentionMetadata, num_kv_heads: int) -> int:
@@ -324,6 +342,7 @@ def paged_attention(
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
         SOFTCAP=logit_softcap is not None,
         QUANTIZED=is_quantized(key_cache.dtype),
+        rotation_ptr=_rotation(head_dim, dim_pad, query.device) if is_quantized(key_cache.dtype) else None,
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](

@@ -21,7 +21,7 @@ from engine_core import config
 from kernels import KV_CACHE_DTYPES, kv_bytes_per_token, kv_cache_shape, reference, resolve_kv_cache_dtype
 from kernels.cpu import attention as cpu_attention
 from kernels.cpu import extension as cpu_extension
-from kernels.kv_cache_layout import SCALE_BYTES, slab_offsets
+from kernels.kv_cache_layout import SCALE_BYTES, hadamard_blocks, hadamard_divisors, hadamard_matrix, slab_offsets
 from tests.kernels.paged_batch import DEVICE, dense_attention, make_batch, quantized, ragged_batches
 
 CPP = pytest.mark.skipif(cpu_extension.compiler() is None, reason="needs a C++ compiler for the CPU kernels")
@@ -75,18 +75,30 @@ def test_an_int8_token_takes_about_half_a_bf16_ones_bytes():
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
-def test_quantized_rows_are_within_half_a_step(dtype):
+def test_quantized_rows_are_within_half_a_step_of_the_rotated_row(dtype):
     x = torch.randn(64, 3, 64) * torch.logspace(-3, 2, 64)[:, None, None]  # rows of every size
     x[0] = 0.0
+    x[1, :, 5] = 40.0  # an outlier channel, which the rotation spreads over the row
     codes, scales = reference.quantize_kv_rows(x, dtype)
-    back = reference.dequantize_kv_rows(codes, scales)
-    assert torch.equal(back[0], torch.zeros_like(back[0]))
-    largest = x.abs().amax(-1, keepdim=True)
-    if dtype == torch.int8:  # half a step, the step max |x| / 127 (its fp16 rounding included)
-        assert ((back - x).abs() <= largest / 127 * (0.5 + 2 ** -10)).all()
+    rotated = (x.double() @ hadamard_matrix(64)).float()
+    stored = codes.float() * scales.float()
+    largest = rotated.abs().amax(-1, keepdim=True)
+    if dtype == torch.int8:  # half a step, the step max |H x| / 127 (its fp16 rounding included)
+        assert ((stored - rotated).abs() <= largest / 127 * (0.5 + 2 ** -10)).all()
     else:  # e4m3: 3 mantissa bits, half a step of 2^-3 relative; below 2^-6 of the scale, subnormal steps
-        step = torch.maximum(x.abs(), largest / 448 * 2 ** -6) * 2 ** -3
-        assert ((back - x).abs() <= step * 0.5 + 1e-7).all()
+        step = torch.maximum(rotated.abs(), largest / 448 * 2 ** -6) * 2 ** -3
+        assert ((stored - rotated).abs() <= step * 0.5 + 1e-7).all()
+    back = reference.dequantize_kv_rows(codes, scales)  # H H = 64 I: the error's norm shrinks by 8 on the way
+    assert torch.equal(back[0], torch.zeros_like(back[0]))
+    torch.testing.assert_close((back - x).norm(dim=-1), (stored - rotated).norm(dim=-1) / 8, atol=1e-5, rtol=1e-3)
+
+
+def test_the_rotation_is_hadamards_on_head_dims_powers_of_two():
+    for head_dim, blocks in ((64, [64]), (96, [64, 32]), (48, [32, 16]), (80, [64, 16])):
+        assert hadamard_blocks(head_dim) == blocks
+        matrix = hadamard_matrix(head_dim)
+        assert set(matrix.unique().tolist()) <= {-1.0, 0.0, 1.0} and torch.equal(matrix, matrix.t())
+        assert torch.equal(matrix @ matrix, torch.diag(hadamard_divisors(head_dim)))
 
 
 # ---- the C++ kernel ---------------------------------------------------------------------------------------------

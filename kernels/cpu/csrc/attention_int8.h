@@ -1,6 +1,8 @@
 // An int8 KV cache (--kv-cache-dtype int8): each (block, kv head) slab holds the block's codes in vpdpbusd's
 // order, then one fp16 scale per token (kernels/kv_cache_layout.py): keys as [head_dim / 4][block_size][4],
-// values as [block_size / 4][head_dim][4]; value = code * scale.
+// values as [block_size / 4][head_dim][4]; value = code * scale, of the token's row rotated by a Hadamard
+// transform (H x). Attention rotates each query row the same way (H q / n: the scores do not change) and
+// its output rows back (H acc / n).
 //
 // With AVX-512 VNNI the codes never become floats. vpdpbusd multiplies unsigned by signed bytes, four per
 // 32-bit lane: the codes are made unsigned (code + 128, one xor per vector) and meet signed bytes:
@@ -32,6 +34,7 @@ constexpr int64_t kKvScaleBytes = 2;  // kernels/kv_cache_layout.py's SCALE_BYTE
 constexpr int64_t kKeyGroup = 16;     // tokens per key vector: an int8 cache's block_size is a multiple of it
 constexpr float kInt8CodeMax = 127.0f;
 constexpr float kInt16Max = 32639.0f;  // 127 * 256 + 127: q16 = 256 hi + lo with hi, lo signed bytes
+constexpr int64_t kMaxHeadDim = 512;  // an int8 cache's largest head_dim
 
 // where token t's code of dim d lies in a slab (kernels.kv_cache_layout.slab_offsets)
 inline int64_t key_code_offset(int64_t t, int64_t d, int64_t block_size) { return (d / 4 * block_size + t) * 4 + d % 4; }
@@ -43,17 +46,93 @@ inline float slab_scale(const int8_t* slab, int64_t t, int64_t block_size, int64
   return float(scale);
 }
 
+// ---- the rotation (kernels/kv_cache_layout.py): Sylvester's Hadamard matrix on each of head_dim's powers of
+// two, largest first; +-1 entries, so the butterflies below are its product exactly (in double: exact sums)
+template <typename V>
+inline void hadamard(V* x, int64_t head_dim) {
+  for (int64_t start = 0, rest = head_dim; rest > 0;) {
+    int64_t n = 1;
+    while (n * 2 <= rest) n *= 2;
+    for (int64_t h = 1; h < n; h *= 2) {
+      for (int64_t i = start; i < start + n; i += 2 * h) {
+        for (int64_t j = i; j < i + h; ++j) {
+          const V a = x[j], b = x[j + h];
+          x[j] = a + b;
+          x[j + h] = a - b;
+        }
+      }
+    }
+    start += n;
+    rest -= n;
+  }
+}
+
+// The same butterflies on whole vectors for a head_dim of 16 * V (a power of two): within a vector lane j meets
+// lane j ^ h by one shuffle and one multiply-add, across vectors v meets v + h / 16 by an add and a subtract
+template <int64_t V>
+inline void hadamard_vectors(f32x16 (&x)[V]) {
+  const f32x16 sign1 = {1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1};
+  const f32x16 sign2 = {1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1};
+  const f32x16 sign4 = {1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1};
+  const f32x16 sign8 = {1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1};
+  for (int64_t v = 0; v < V; ++v) {
+    f32x16 y = x[v];
+    y = y * sign1 + __builtin_shufflevector(y, y, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    y = y * sign2 + __builtin_shufflevector(y, y, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    y = y * sign4 + __builtin_shufflevector(y, y, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    y = y * sign8 + __builtin_shufflevector(y, y, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    x[v] = y;
+  }
+  for (int64_t h = 1; h < V; h *= 2) {
+    for (int64_t i = 0; i < V; i += 2 * h) {
+      for (int64_t j = i; j < i + h; ++j) {
+        const f32x16 a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+    }
+  }
+}
+
+// x <- H x / n on each block: a rotated query meets rotated keys as the query meets the keys; a sum of rotated
+// values comes back to the values' space (H H = n I)
+template <int64_t kD>
+inline void rotate_scaled(float* x, int64_t head_dim) {
+  if constexpr (kD == 64 || kD == 128) {  // one block, on vectors
+    constexpr int64_t V = kD / 16;
+    f32x16 v[V];
+    for (int64_t i = 0; i < V; ++i) v[i] = load<f32x16>(x + 16 * i);
+    hadamard_vectors<V>(v);
+    for (int64_t i = 0; i < V; ++i) store(x + 16 * i, v[i] * (1.0f / float(kD)));
+    return;
+  }
+  hadamard(x, head_dim);
+  for (int64_t start = 0, rest = head_dim; rest > 0;) {
+    int64_t n = 1;
+    while (n * 2 <= rest) n *= 2;
+    for (int64_t d = start; d < start + n; ++d) x[d] /= float(n);
+    start += n;
+    rest -= n;
+  }
+}
+
 // One token's head_dim values into its codes and scale in a key (kKey) or value slab, as
-// kernels.reference.quantize_kv_rows does: scale = max |x| / 127 rounded to fp16 (held below fp16's largest),
-// code = x / scale in fp32 rounded half to even.
+// kernels.reference.quantize_kv_rows does: x <- H x (in double, rounded once to fp32), then scale = max |x| /
+// 127 rounded to fp16 (held below fp16's largest), code = x / scale in fp32 rounded half to even.
 template <bool kKey, typename T>
 inline void quantize_kv_token(const T* x, int64_t head_dim, int8_t* slab, int64_t t, int64_t block_size) {
-  float absmax = 0.0f;
-  for (int64_t d = 0; d < head_dim; ++d) absmax = std::max(absmax, std::fabs(load<float>(x + d)));
+  double rotated[kMaxHeadDim];
+  for (int64_t d = 0; d < head_dim; ++d) rotated[d] = double(load<float>(x + d));
+  hadamard(rotated, head_dim);
+  float y[kMaxHeadDim], absmax = 0.0f;
+  for (int64_t d = 0; d < head_dim; ++d) {
+    y[d] = float(rotated[d]);
+    absmax = std::max(absmax, std::fabs(y[d]));
+  }
   const _Float16 scale = _Float16(std::min(absmax / kInt8CodeMax, 65504.0f));
   const float divisor = float(scale) > 0.0f ? float(scale) : 1.0f;
   for (int64_t d = 0; d < head_dim; ++d) {
-    const float code = std::clamp(std::nearbyint(load<float>(x + d) / divisor), -kInt8CodeMax, kInt8CodeMax);
+    const float code = std::clamp(std::nearbyint(y[d] / divisor), -kInt8CodeMax, kInt8CodeMax);
     slab[kKey ? key_code_offset(t, d, block_size) : value_code_offset(t, d, head_dim)] = int8_t(code);
   }
   std::memcpy(slab + block_size * head_dim + kKvScaleBytes * t, &scale, sizeof scale);

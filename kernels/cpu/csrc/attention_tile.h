@@ -313,8 +313,10 @@ void attend(const Layout& L, const WorkItem& w, const WorkItem* next, const T* q
     }
   }
 
-  if constexpr (int8_cache) {
+  if constexpr (int8_cache) {  // the keys and values were rotated when written: the query meets them rotated
+    for (int64_t r = 0; r < rows; ++r) rotate_scaled<kD>(s.q.data() + r * D, D);
     walk_int8<T, kD>(L, w, next, key_cache, value_cache, rows, s);
+    for (int64_t r = 0; r < rows; ++r) rotate_scaled<kD>(s.acc.data() + r * D, D);  // the values' sums back
   } else {
     walk<T, C, kD>(L, w, next, key_cache, value_cache, rows, s);
   }

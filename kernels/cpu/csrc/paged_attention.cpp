@@ -131,8 +131,8 @@ void paged_attention(Tensor out, Tensor query, Tensor key_cache, Tensor value_ca
   L.key_align = int8_cache ? kKeyGroup : 1;
   TANDEM_CHECK(key_cache.size(3) == L.head_dim + (int8_cache ? kKvScaleBytes : 0) && L.num_heads % L.num_kv_heads == 0,
                "query heads do not fit the cache");
-  TANDEM_CHECK(!int8_cache || (L.block_size % kKeyGroup == 0 && L.head_dim % 4 == 0),
-               "an int8 cache needs block_size a multiple of 16 and head_dim of 4");
+  TANDEM_CHECK(!int8_cache || (L.block_size % kKeyGroup == 0 && L.head_dim % 4 == 0 && L.head_dim <= kMaxHeadDim),
+               "an int8 cache needs block_size a multiple of 16 and head_dim of 4 (at most 512)");
   TANDEM_CHECK(same_shape(key_cache, value_cache), "the key and value caches differ in shape");
   L.group = L.num_heads / L.num_kv_heads;
   L.q_stride_t = query.stride(0);
@@ -216,8 +216,8 @@ void write_kv_cache(Tensor key, Tensor value, Tensor key_cache, Tensor value_cac
   TANDEM_CHECK(slot_mapping.numel() == num_tokens && slot_mapping.is_contiguous(), "slot_mapping must be [T]");
   TANDEM_CHECK(key_cache.size(1) == num_kv_heads && key_cache.size(3) == head_dim + (int8_cache ? kKvScaleBytes : 0),
                "key does not fit the cache");
-  TANDEM_CHECK(!int8_cache || (block_size % kKeyGroup == 0 && head_dim % 4 == 0),
-               "an int8 cache needs block_size a multiple of 16 and head_dim of 4");
+  TANDEM_CHECK(!int8_cache || (block_size % kKeyGroup == 0 && head_dim % 4 == 0 && head_dim <= kMaxHeadDim),
+               "an int8 cache needs block_size a multiple of 16 and head_dim of 4 (at most 512)");
   TANDEM_CHECK(same_shape(key_cache, value_cache), "the key and value caches differ in shape");
   const int64_t* slots = ptr<int64_t>(slot_mapping);
   const int64_t cache_stride_block = key_cache.stride(0), cache_stride_head = key_cache.stride(1);
