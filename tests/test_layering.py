@@ -185,7 +185,6 @@ MEASURED_FIGURE = re.compile(
 FIGURES_NOT_YET_MOVED = {
     "engine_core/config.py",  # the step budget's TTFT and tok/s, W8A8's us a row
     "kernels/cpu/decode_layers.py",  # the one-op layers' us a layer and ms a step
-    "kernels/cpu/csrc/attention_tile.h",  # the split prefetches' speed-up
 }
 DOC_LINK = re.compile(r"docs/([\w.-]+\.md)(?:#([\w-]+))?")
 

@@ -5,10 +5,10 @@
 // chunk, one online-softmax update per row, then the weighted values. The next chunk is
 // prefetched while this one computes (blocks lie anywhere in the cache, so the hardware
 // prefetchers alone leave the loads waiting on memory): its keys before this chunk's scores, its
-// values after them, since issuing both at once stalled on the core's miss buffers (perf: ~20% of
-// the kernel's samples on the prefetches; split, batch-32 decodes ran 10-20% faster on a Zen 4).
+// values after them, since issuing both at once stalled on the core's miss buffers
+// (docs/cpu-kernels.md#building-the-c-kernels).
 //
-// The math of one chunk is in attention_chunk.h; an int8 cache's (codes and a scale per row) in
+// The math of one chunk is in attention_chunk.h; an int8 cache's (codes in blocks, a scale per token) in
 // attention_int8.h.
 #pragma once
 
