@@ -116,7 +116,7 @@ def build_parts(config: EngineConfig, *, log_stats: bool, kv_events: bool) -> En
                                    eos_token_ids=list(arch.eos_token_ids))
     overlap = resolve_overlap(config.device.overlap, device, config.speculative)
     draft = load_draft(config, arch, device, dtype, attention, fused, quantization, pins, num_blocks,
-                       max_model_len) if config.speculative.method == "draft" else None
+                       max_model_len, kv_cache_dtype) if config.speculative.method == "draft" else None
     spec = speculator(config.speculative, device, draft)
     runner = ModelRunner(
         model, arch, attention,
@@ -232,9 +232,10 @@ def speculator(config: SpeculativeConfig, device: torch.device, proposer: Propos
 
 def load_draft(config: EngineConfig, arch: ModelArchConfig, device: torch.device, dtype: torch.dtype,
                attention: AttentionBackend, fused, quantization: str, pins: Pins, num_blocks: int,  # noqa: ANN001
-               max_model_len: int) -> DraftModelProposer:
+               max_model_len: int, kv_cache_dtype: torch.dtype | None = None) -> DraftModelProposer:
     """The draft model, loaded and planned as the target is (same dtype, attention, quantization and pins), with a
-    runner and a KV cache of as many blocks as the target's."""
+    runner and a KV cache of as many blocks as the target's, of the target's KV element type (so an int8 target's
+    twice as many blocks do not double the draft's memory)."""
     path = config.speculative.draft_model
     started = time.perf_counter()
     model, draft_arch = load_model(path, dtype, device, attention, fused)
@@ -242,10 +243,10 @@ def load_draft(config: EngineConfig, arch: ModelArchConfig, device: torch.device
         raise ValueError(f"the draft model's vocabulary ({draft_arch.vocab_size} tokens) is larger than the model's "
                          f"({arch.vocab_size}): a draft model must share the model's tokenizer")
     if device.type == "cpu":
-        prepare_for_cpu(model, quantization, pins=pins)
+        prepare_for_cpu(model, quantization, pins=pins, kv_cache_dtype=kv_cache_dtype)
     max_len = min(max_model_len, draft_arch.max_position_embeddings)
     runner = ModelRunner(model, draft_arch, attention, num_blocks=num_blocks, block_size=config.cache.block_size,
-                         device=device, dtype=dtype, max_model_len=max_len,
+                         device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_model_len=max_len,
                          cuda_graph_sizes=cuda_graph_sizes(config, device, attention))
     logger.info("loaded the draft model %s in %.1f s", path, time.perf_counter() - started)
     return DraftModelProposer(runner, max_model_len=max_len)

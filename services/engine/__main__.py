@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the KV cache's element type: auto (the model's dtype), bf16, fp32, int8 (8-bit codes and a "
                         "scale per token and head: about half bf16's bytes, so about twice the tokens in "
                         "--kv-cache-memory-gib, and faster long-context decode; docs/kv-cache-dtype.md) or "
-                        "fp8_e4m3 (CUDA GPUs with fp8)"),
+                        "fp8_e4m3 (CUDA GPUs with fp8)")
 
     s = p.add_argument_group("scheduler")
     s.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens,

@@ -1,7 +1,8 @@
 """--kv-cache-dtype in the whole engine, on a tiny random Llama (head_dim 64, the C++ kernel's integer path): the
 capacity a memory budget buys, answers within the quantization's reach of the float cache's, and the engine's
 other paths over an int8 cache (prefix cache, chunked prefill, preemption, sleep and wake, embeddings,
-overlapped steps, the one-op decode layers, batch-invariant mode, LoRA; Triton in the slow tier).
+overlapped steps, the one-op decode layers, batch-invariant mode, LoRA, speculative decoding; Triton in the slow
+tier).
 
 Equality is exact where the int8 cache is the only thing that differs from a run it is compared with: the cache
 holds the same codes whichever step wrote them, so caching, chunking and preemption change no bit in fp32.
@@ -14,7 +15,14 @@ import os
 import pytest
 import torch
 
-from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine_core.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from engine_core.engine_core import EngineCore
 from engine_core.llm_engine import LLMEngine
 from engine_core.protocol import EngineCoreRequest, PoolingParams, SamplingParams
@@ -224,3 +232,21 @@ def test_batch_invariant_mode_keeps_its_promise_over_an_int8_cache(folder, dtype
     cached = engine.generate([prompt], params)[0].outputs[0]  # its prefix now in the cache
     seen.add((tuple(cached.token_ids), tuple(lp.logprobs[0] for lp in cached.logprobs)))
     assert len(seen) == 1
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_decoding_keeps_the_greedy_output(folder, method):
+    """Drafts verified as a chunk over the int8 cache give the one-token-a-step output; the draft model's own
+    cache is int8 too."""
+    g = torch.Generator().manual_seed(16)
+    motif = torch.randint(4, VOCAB, (12,), generator=g).tolist()
+    prompt_list = [motif * 4, prompts(1, seed=17)[0]]  # a repeating one, where prompt lookup drafts well
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = run(EngineCore(config(folder)), prompt_list, params)[0]
+    speculating = config(folder)
+    speculating.speculative = SpeculativeConfig(method=method, num_speculative_tokens=3, max_batch=8,
+                                                draft_model=str(folder) if method == "draft" else None)
+    core = EngineCore(speculating)
+    assert run(core, prompt_list, params)[0] == plain
+    if method == "draft":
+        assert core.runner.spec.proposer.runner.kv_caches[0][0].dtype == torch.int8
