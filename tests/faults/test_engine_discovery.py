@@ -28,11 +28,14 @@ from tests.engine_core.tiny_models import write_tiny_model
 from tests.faults.conftest import ENGINE_FLAGS
 from tests.faults.probes import VOCAB, random_prompts, read_rest, token_request
 from tests.faults.processes import ENGINE_STARTUP_S, Service
+from tests.waits import STARTUP_TIMEOUT_S, wait_until
 
 MAX_MODEL_LEN = 1024
 LONG_TOKENS = 900  # long enough to be running through every change below
 SHORT_TOKENS = 16
-STREAM_DEADLINE_S = 120.0
+# a drain and a stream end when their work does; the bounds only turn a hang into a failure (tests/waits.py): on
+# a loaded 2-core machine b's 900-token streams outlasted a 60 s drain grace (make test-shake, seed 8409)
+STREAM_DEADLINE_S = STARTUP_TIMEOUT_S
 
 
 class ChangingResolver:
@@ -51,7 +54,7 @@ def engines(tmp_path_factory):
     model = write_tiny_model(tmp_path_factory.mktemp("discovery-model"), vocab_size=VOCAB,
                              max_position_embeddings=MAX_MODEL_LEN)
     flags = ["--model", str(model), *ENGINE_FLAGS, "--max-model-len", str(MAX_MODEL_LEN),
-             "--num-threads", "1", "--grace", "60"]
+             "--num-threads", "1", "--grace", str(int(STARTUP_TIMEOUT_S))]
     services = {name: Service(f"engine-{name}", "services.engine", free_port(), flags) for name in "abcd"}
     try:
         with ThreadPoolExecutor(len(services)) as pool:  # they load in parallel
@@ -60,9 +63,6 @@ def engines(tmp_path_factory):
     finally:
         for service in services.values():
             service.stop()
-
-
-from tests.waits import wait_until  # noqa: E402
 
 
 async def outcome(call, first_tokens: list[int]) -> tuple[str, int, str]:
@@ -128,7 +128,7 @@ def test_engines_added_drained_and_killed_behind_a_dns_name(engines, report):
             await client.close()
 
     placed, long_ends, short_ends, b_in_flight, engines_after = asyncio.run(run())
-    b_exit = b.process.wait(90)
+    b_exit = b.process.wait(STARTUP_TIMEOUT_S)
     for code, _, _ in [*long_ends.values(), *short_ends]:
         report.status(getattr(grpc.StatusCode, code))
 
