@@ -101,20 +101,8 @@ def select_backend(device: str, name: str = "auto", batch_invariant: bool = Fals
 # ---- the rest of the front door (imported after AttentionBackend: these modules import this package)
 from kernels import reference  # noqa: E402
 from kernels.cpu.decode_layers import CpuDecodeLayers, DecoderLayerSpec, DecoderStack  # noqa: E402
-from kernels.cpu.linear import (  # noqa: E402
-    BUCKETS,
-    LinearRole,
-    Pins,
-    allowed_kernels,
-    batch_invariant_kernel,
-    int4_allowed,
-    kernel_fits,
-    lossy_linear_kernels,
-    prepare_int4_gemv,
-    prepare_int8_gemv,
-    use_measured_linears,
-)
-from kernels.cpu.linear_timing import Timer, fastest_uncontended, one_thread, wall_timer  # noqa: E402
+from kernels.cpu.linear import LinearRole, Pins, batch_invariant_kernel, lossy_linear_kernels  # noqa: E402
+from kernels.cpu.linear_timing import Timer, wall_timer  # noqa: E402
 from kernels.cpu.plan import fastest_float_dtype, plan_cpu_model  # noqa: E402
 from kernels.fused_ops import FusedOps, argmax, select_fused_ops  # noqa: E402
 from kernels.kv_cache_layout import (  # noqa: E402
@@ -128,10 +116,9 @@ from kernels.lora_index import LoraStepIndex  # noqa: E402
 from kernels.lora_ops import LORA_KERNELS, LoraOps, LoraPlan, select_lora_ops  # noqa: E402
 
 __all__ = [
-    "AttentionBackend", "AttentionMetadata", "BUCKETS", "CpuDecodeLayers", "DecoderLayerSpec", "DecoderStack",
-    "FusedOps", "KV_CACHE_DTYPES", "LORA_KERNELS", "LinearRole", "LoraOps", "LoraPlan", "Pins", "LoraStepIndex",
-    "Timer", "allowed_kernels", "argmax", "batch_invariant_kernel", "fastest_float_dtype", "fastest_uncontended",
-    "int4_allowed", "is_quantized", "kernel_fits", "kv_bytes_per_token", "kv_cache_shape", "lossy_linear_kernels",
-    "one_thread", "plan_cpu_model", "prepare_int4_gemv", "prepare_int8_gemv", "reference", "resolve_kv_cache_dtype",
-    "select_backend", "select_fused_ops", "select_lora_ops", "use_measured_linears", "wall_timer",
+    "AttentionBackend", "AttentionMetadata", "CpuDecodeLayers", "DecoderLayerSpec", "DecoderStack", "FusedOps",
+    "KV_CACHE_DTYPES", "LORA_KERNELS", "LinearRole", "LoraOps", "LoraPlan", "Pins", "LoraStepIndex", "Timer",
+    "argmax", "batch_invariant_kernel", "fastest_float_dtype", "is_quantized", "kv_bytes_per_token",
+    "kv_cache_shape", "lossy_linear_kernels", "plan_cpu_model", "reference", "resolve_kv_cache_dtype",
+    "select_backend", "select_fused_ops", "select_lora_ops", "wall_timer",
 ]
