@@ -12,6 +12,9 @@ from kernels import AttentionMetadata, select_backend
 
 DECODE_BATCHES = (1, 16, 64)
 DECODE_CONTEXTS = (512, 2048, 8192)
+# issue 50's grid: every decode shape the bar "time over SDPA" is checked at
+BAR_DECODE_BATCHES = (1, 8, 32, 64)
+BAR_DECODE_CONTEXTS = (512, 2048, 4096, 8192)
 PREFILL_SHAPES = ((1, 512), (1, 2048), (4, 2048), (1, 8192))  # (sequences, tokens each)
 HEAD_SHAPES = ((9, 3, 64), (32, 8, 128))  # (query heads, kv heads, head dim)
 
@@ -86,9 +89,29 @@ def make_case(kind, num_seqs, context, heads, block_size, dtype, device, seed=0)
                          dense_q, dense_k.contiguous(), dense_v.contiguous())
 
 
-def triton_attention(case: AttentionCase) -> torch.Tensor:  # [T, H, D]
+def triton_attention(case: AttentionCase, **launch) -> torch.Tensor:  # [T, H, D]
+    """The Triton kernel as the engine launches it; `launch`: num_splits / tuning overrides (the sweep's)."""
+    if launch:
+        from kernels.triton.paged_attention import paged_attention
+
+        case.metadata.scratch.clear()  # the launch plan is cached per step: a new one for each override
+        return paged_attention(case.query, case.key_cache, case.value_cache, case.metadata, case.scale, **launch)
     backend = select_backend(case.query.device.type, "triton")
     return backend.paged_attention(case.query, case.key_cache, case.value_cache, case.metadata, case.scale)
+
+
+def before_issue_50(case: AttentionCase) -> dict:
+    """The launch the kernel made before issue 50 (2026-11-26's device check): 32-position tiles, and a split
+    only while fewer than 128 (request, kv head) programs ran, at least 256 positions a split, at most 16."""
+    from kernels.triton.paged_attention import LaunchTuning
+
+    programs = case.num_seqs * case.heads[1]
+    splits = 1
+    if case.query_len == 1 and programs < 128:
+        wanted = min(case.context // 256, 128 // programs, 16)
+        splits = 1 if wanted < 2 else 1 << (wanted.bit_length() - 1)
+    tile = 32 if case.query_len == 1 else 64
+    return {"num_splits": splits, "tuning": LaunchTuning(tile_n=tile, num_warps=4, num_stages=3)}
 
 
 def sdpa_attention(case: AttentionCase) -> torch.Tensor:  # [B, H, Q, D]
@@ -101,6 +124,14 @@ def max_abs_diff(case: AttentionCase) -> float:
     ours = triton_attention(case).float()
     theirs = sdpa_attention(case).transpose(1, 2).reshape(ours.shape).float()
     return (ours - theirs).abs().max().item()
+
+
+def bar_decode_cases():
+    """(kind, batch, context, heads) of every decode shape issue 50's attention bar names."""
+    for heads in HEAD_SHAPES:
+        for batch in BAR_DECODE_BATCHES:
+            for context in BAR_DECODE_CONTEXTS:
+                yield "decode", batch, context, heads
 
 
 def attention_cases():

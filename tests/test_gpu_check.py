@@ -24,9 +24,16 @@ def test_gpu_check_cpu_mode_runs_every_part(tmp_path):
     assert {(r["batch"], r["context"], r["overlap"]) for r in smollm2} == {
         (b, c, o) for b, c in ((1, 32), (4, 96), (8, 48)) for o in (False, True)}
     assert all(r["tokens"] == r["batch"] * r["steps"] for r in smollm2), "every timed step yields a token per request"
-    assert all(r["max_abs_diff"] < 1e-3 for r in parts["attention"]["result"])
+    attention = parts["attention"]["result"]
+    assert all(r["max_abs_diff"] < 1e-3 for r in attention["rows"])
+    assert {r["kind"] for r in attention["rows"]} == {"decode", "prefill"}
+    assert all(r["before_ms"] > 0 and r["sdpa_ms"] > 0 for r in attention["rows"]), "every kernel timed beside SDPA"
+    assert attention["best_setting"] is not None and attention["sweep"], "the launch sweep ran"
+    profile = next(r for r in parts["llama_shapes"]["result"] if "profile_eager" in r)["profile_eager"]
+    assert profile["top"] and profile["kernel_ms_per_step"] > 0, "the per-kernel profile of one decode step"
     assert [c["check"] for c in result["checks"]] == [
-        "smollm2_1x128_step_ms", "smollm2_32x4096_step_ms", "llama8b_b1_of_roofline", "tandem_over_hf_eager_b1",
-        "overlap_gain_b64"]
+        "attention_worst_over_sdpa", "attention_32x4096_of_bandwidth", "smollm2_1x128_step_ms",
+        "smollm2_32x4096_over_roofline", "llama1b_b1_of_roofline", "llama8b_b1_of_roofline",
+        "tandem_over_hf_eager_b1", "overlap_gain_b64"]
     assert all(c["pass"] is None for c in result["checks"]), "the bars are for the real shapes on CUDA"
     assert "check" in (tmp_path / "gpu_check.txt").read_text()

@@ -14,10 +14,13 @@ triton `unified_attention`); its reference is `kernels.reference.paged_attention
   values from the paged cache through the block table (a tile may span several
   cache blocks), with the causal mask `key_pos <= query_pos` and the online
   (flash) softmax recurrence in fp32.
-- Split context: for small batches with long contexts the tiles of one
-  (query block, kv head) are divided over NUM_SPLITS programs, each writing an
+- Split context (flash decoding): in a decode-only batch the tiles of one
+  (request, kv head) are divided over NUM_SPLITS programs, each writing an
   unnormalised partial (acc, running max, running sum); a small reduce kernel
-  combines them. With NUM_SPLITS == 1 the attention kernel writes the output.
+  combines them. The count is chosen from the device's SM count, the batch, the kv
+  heads and the context (`choose_num_splits`), so that a batch of few requests still
+  puts several programs on every SM. With NUM_SPLITS == 1 the attention kernel
+  writes the output. Prefill and mixed batches never split.
 - Per layer, a sliding window W hides keys at or before `query_pos - W` (tiles wholly
   before the block's first window are skipped), and a logit soft-cap c turns each
   scaled score s into c * tanh(s / c) before the mask.
@@ -33,7 +36,9 @@ choices only: a CUDA graph captured with one choice stays correct on replay.
 
 from __future__ import annotations
 
+import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -42,11 +47,6 @@ import triton.language as tl
 from kernels.attention_metadata import AttentionMetadata
 from kernels.kv_cache_layout import is_quantized
 
-# Split the context when fewer than this many (request, kv head) programs would run.
-SPLIT_MAX_PROGRAMS = 128
-# Each split should cover at least this many context positions.
-SPLIT_MIN_TOKENS = 256
-MAX_SPLITS = 16
 LOG2E = tl.constexpr(1.4426950408889634)
 _DOT_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -81,7 +81,9 @@ def _load_codes(key_cache_ptr, value_cache_ptr, slab, t, dims, key_valid, kv_mas
     return k * k_scale.to(tl.float32)[:, None], v * v_scale.to(tl.float32)[:, None]
 
 
-@triton.jit
+# per-step integers are not specialized (Triton compiles a variant for values of 1 and multiples of 16): the
+# variants warm-up compiles are all a step can meet
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
 def _attention_kernel(
     out_ptr,  # [T, H, D], written when NUM_SPLITS == 1
     part_acc_ptr,  # [T, H, NUM_SPLITS, D] fp32, written when NUM_SPLITS > 1
@@ -213,7 +215,7 @@ def _attention_kernel(
         tl.store(part_sum_ptr + row, l_i, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])
 def _reduce_splits_kernel(
     out_ptr,  # [T, H, D]
     acc_ptr,  # [T, H, NUM_SPLITS, D] fp32
@@ -252,6 +254,7 @@ def _reduce_splits_kernel(
     )
 
 
+@functools.cache  # made once per device: never a host-to-device copy inside a step (or a graph capture)
 def _rotation(head_dim: int, dim_pad: int, device: torch.device) -> torch.Tensor:
     """kv_write's rotation and its inverse divisors in one buffer, as the attention kernel reads them."""
     from kernels.triton.kv_write import rotation
@@ -260,17 +263,88 @@ def _rotation(head_dim: int, dim_pad: int, device: torch.device) -> torch.Tensor
     return torch.cat([matrix.flatten(), inverse])
 
 
-def choose_num_splits(metadata: AttentionMetadata, num_kv_heads: int) -> int:
-    """Split the context only for decode-only batches too small to fill the GPU."""
+@dataclass(frozen=True)
+class LaunchTuning:
+    """The launch choices of decode-only batches (gpu_check's sweep measures them; docs/gpu.md has the figures).
+    Prefill and mixed batches keep PREFILL_TUNING's tiles and never split."""
+
+    tile_n: int = 64  # context positions per loop step
+    num_warps: int = 4
+    num_stages: int = 3  # software-pipelined K/V tile loads in flight per program
+    programs_per_sm: int = 4  # split the context until about this many programs run per SM
+    min_split_tokens: int = 128  # a split walks at least this many positions
+    max_splits: int = 64
+
+
+DECODE_TUNING = LaunchTuning()
+PREFILL_TUNING = LaunchTuning(tile_n=64, num_warps=4, num_stages=3, programs_per_sm=0)
+# what the CPU interpreter assumes for the SM count: small, so tests meet splits at tiny shapes
+INTERPRETER_SMS = 4
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """One step's launch of the attention kernel, the same for every layer (cached in metadata.scratch)."""
+
+    block_m: int
+    block_q: int
+    tile_n: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+    num_q_blocks: int
+
+
+@functools.cache
+def multiprocessor_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(metadata: AttentionMetadata, num_kv_heads: int, num_sms: int | None = None,
+                      tuning: LaunchTuning = DECODE_TUNING) -> int:
+    """Decode-only batches split each context until about `programs_per_sm` programs run per SM (flash
+    decoding), each split walking at least `min_split_tokens` of max_seq_len; prefill and mixed batches never
+    split. A power of two, so a handful of kernel variants covers every batch (and each is compiled at warm-up).
+    Under a CUDA graph max_seq_len is the capture bound: the count is fixed per graph, and splits past a
+    shorter context find no tiles and write an empty partial."""
     if metadata.max_query_len > 1:
         return 1
+    if num_sms is None:
+        num_sms = multiprocessor_count(metadata.seq_lens.device)
     programs = metadata.num_reqs * num_kv_heads
-    if programs >= SPLIT_MAX_PROGRAMS:
+    wanted = -(-num_sms * tuning.programs_per_sm // programs)
+    splits = min(wanted, metadata.max_seq_len // tuning.min_split_tokens, tuning.max_splits)
+    if splits < 2:
         return 1
-    splits = min(
-        metadata.max_seq_len // SPLIT_MIN_TOKENS, SPLIT_MAX_PROGRAMS // programs, MAX_SPLITS
-    )
-    return 1 if splits < 2 else 1 << (splits.bit_length() - 1)  # power of two: few compiles
+    return 1 << (splits - 1).bit_length() if splits & (splits - 1) else splits  # round up to a power of two
+
+
+def plan_launch(metadata: AttentionMetadata, num_heads: int, num_kv_heads: int, *, batch_invariant: bool,
+                num_splits: int | None = None, tuning: LaunchTuning | None = None) -> LaunchPlan:
+    """Tiles, query blocks and the split count for this batch."""
+    queries_per_kv = num_heads // num_kv_heads
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    # decode-only batches need one token per program; prefill gets taller query blocks
+    decode_only = metadata.max_query_len == 1 and not batch_invariant
+    if tuning is None:
+        tuning = DECODE_TUNING if decode_only else PREFILL_TUNING
+    block_m = max(16 if decode_only else 64, triton.next_power_of_2(queries_per_kv))
+    block_q = block_m // queries_per_kv
+    if batch_invariant and interpreted:
+        # the interpreter's tl.dot is numpy's BLAS, whose sums depend on a row's place in the block (a GPU's
+        # MMA computes every row alike): one token per block there, so a token's rows always lie at the top
+        block_m, block_q = max(16, triton.next_power_of_2(queries_per_kv)), 1
+    if batch_invariant:
+        num_splits = 1
+    elif num_splits is None:
+        num_splits = choose_num_splits(metadata, num_kv_heads, tuning=tuning) if decode_only else 1
+    assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
+    num_tokens = metadata.query_start_loc_cpu[-1] if metadata.query_start_loc_cpu else 0
+    return LaunchPlan(block_m=block_m, block_q=block_q, tile_n=tuning.tile_n, num_splits=num_splits,
+                      num_warps=tuning.num_warps, num_stages=tuning.num_stages,
+                      num_q_blocks=num_tokens // block_q + metadata.num_reqs)  # upper bound, see module docstring
 
 
 def paged_attention(
@@ -283,6 +357,7 @@ def paged_attention(
     logit_softcap: float | None = None,
     num_splits: int | None = None,  # None: choose from metadata; tests force it
     batch_invariant: bool = False,
+    tuning: LaunchTuning | None = None,  # None: DECODE_TUNING / PREFILL_TUNING; gpu_check's sweep passes others
 ) -> torch.Tensor:  # [T, H, D]
     """Causal paged attention for every token of the batch, decodes and prefill chunks alike.
     `batch_invariant`: one tiling whatever the batch (prefill's query blocks and key tiles for decodes too,
@@ -290,7 +365,6 @@ def paged_attention(
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[1]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads"
-    queries_per_kv = num_heads // num_kv_heads
     out = torch.empty_like(query)
     if num_tokens == 0 or metadata.num_reqs == 0:
         return out
@@ -298,35 +372,33 @@ def paged_attention(
         query = query.contiguous()
     assert key_cache.stride() == value_cache.stride() and key_cache.stride(-1) == 1
 
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    # decode-only batches need one token per program; prefill gets taller query blocks
-    decode_only = metadata.max_query_len == 1 and not batch_invariant
-    block_m = max(16 if decode_only else 64, triton.next_power_of_2(queries_per_kv))
-    block_q = block_m // queries_per_kv
-    tile_n = 32 if decode_only else 64
-    if batch_invariant and interpreted:
-        # the interpreter's tl.dot is numpy's BLAS, whose sums depend on a row's place in the block (a GPU's
-        # MMA computes every row alike): one token per block there, so a token's rows always lie at the top
-        block_m, block_q = max(16, triton.next_power_of_2(queries_per_kv)), 1
-    num_q_blocks = num_tokens // block_q + metadata.num_reqs  # upper bound, see module docstring
-    if batch_invariant:
-        num_splits = 1
-    elif num_splits is None:
-        num_splits = choose_num_splits(metadata, num_kv_heads)
+    # every layer of a step launches alike: plan (and the split partials) once per step
+    key = ("triton_attention", num_heads, num_kv_heads, head_dim, batch_invariant, num_splits, tuning)
+    plan = metadata.scratch.get(key)
+    if plan is None:
+        plan = plan_launch(metadata, num_heads, num_kv_heads, batch_invariant=batch_invariant,
+                           num_splits=num_splits, tuning=tuning)
+        metadata.scratch[key] = plan
     dim_pad = max(16, triton.next_power_of_2(head_dim))
     dot_dtype = _DOT_DTYPES[query.dtype]
-    if dot_dtype == tl.bfloat16 and interpreted:
+    if dot_dtype == tl.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
         dot_dtype = tl.float32  # the CPU interpreter multiplies bf16 bit patterns as integers
 
-    if num_splits == 1:
+    splits = plan.num_splits
+    if splits == 1:
         acc = m = sums = out  # partial buffers unused
-    else:
-        assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
-        acc = query.new_empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32)
-        m = query.new_empty(num_tokens, num_heads, num_splits, dtype=torch.float32)
-        sums = torch.empty_like(m)
+    else:  # one set per step: the layers run one after another on one stream
+        partials = ("triton_attention_partials", num_tokens, num_heads, splits, head_dim, query.device)
+        if partials not in metadata.scratch:
+            metadata.scratch[partials] = (
+                query.new_empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32),
+                query.new_empty(num_tokens, num_heads, splits, dtype=torch.float32),
+                query.new_empty(num_tokens, num_heads, splits, dtype=torch.float32),
+            )
+        acc, m, sums = metadata.scratch[partials]
 
-    _attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
+    quantized = is_quantized(key_cache.dtype)
+    _attention_kernel[(plan.num_q_blocks, num_kv_heads, splits)](
         out, acc, m, sums, query, key_cache, value_cache,
         metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
         metadata.num_reqs, num_heads, scale, sliding_window or 1 << 30, logit_softcap or 0.0,
@@ -336,18 +408,19 @@ def paged_attention(
         metadata.block_tables.stride(0),
         key_cache.shape[2],
         HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-        QUERIES_PER_KV=queries_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
-        NUM_SPLITS=num_splits,
+        QUERIES_PER_KV=num_heads // num_kv_heads, BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m, TILE_N=plan.tile_n,
+        NUM_SPLITS=splits,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
         SOFTCAP=logit_softcap is not None,
-        QUANTIZED=is_quantized(key_cache.dtype),
-        rotation_ptr=_rotation(head_dim, dim_pad, query.device) if is_quantized(key_cache.dtype) else None,
+        QUANTIZED=quantized,
+        rotation_ptr=_rotation(head_dim, dim_pad, query.device) if quantized else None,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
-    if num_splits > 1:
+    if splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](
             out, acc, m, sums, metadata.query_start_loc, metadata.num_reqs, num_heads,
             out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits,
+            HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=splits,
         )
     return out

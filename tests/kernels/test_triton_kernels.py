@@ -16,7 +16,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from kernels import reference, select_backend
-from kernels.triton.paged_attention import choose_num_splits
+from kernels.triton.paged_attention import DECODE_TUNING, choose_num_splits
 from tests.kernels.paged_batch import DEVICE, cache_by_slot, make_batch, ragged_batches
 
 TRITON = select_backend(DEVICE.type, "triton")
@@ -166,19 +166,36 @@ def test_paged_attention_head_dims(head_dim, dtype):
 
 def test_small_long_decode_batch_splits_on_its_own():
     batch = build(([1, 1], [600, 530]), (1, 3), 16, 32, torch.float32, seed=9)
-    assert choose_num_splits(batch.metadata, num_kv_heads=1) == 2
+    assert choose_num_splits(batch.metadata, num_kv_heads=1) == 4  # 2 programs, 4 SMs in the interpreter
     assert_matches(*run_both(batch, 0.25))
 
 
-def test_choose_num_splits_policy():
+def test_choose_num_splits_fills_the_gpu():
+    """Enough programs for every SM, a power of two, never shorter than min_split_tokens per split."""
     decode = make_batch([1, 1], [4096, 10], 8, 8, 8, 16).metadata  # 2 requests x 8 kv heads
-    assert choose_num_splits(decode, num_kv_heads=8) == 8  # 16 programs, 4096 positions
-    decode.max_seq_len = 300
-    assert choose_num_splits(decode, num_kv_heads=8) == 1  # context too short to split
-    decode.max_seq_len = 4096
-    assert choose_num_splits(decode, num_kv_heads=64) == 1  # 128 programs already fill the GPU
+    tuning = DECODE_TUNING
+    for num_sms in (16, 78, 114, 132):
+        for num_reqs in (1, 2, 8, 32, 64, 256):
+            for max_seq_len in (100, 512, 4096, 8192):
+                md = dataclasses.replace(decode, seq_lens_cpu=[1] * num_reqs, max_seq_len=max_seq_len)
+                for kv_heads in (3, 8):
+                    splits = choose_num_splits(md, kv_heads, num_sms=num_sms)
+                    assert splits & (splits - 1) == 0 and 1 <= splits <= tuning.max_splits
+                    if splits > 1:
+                        assert max_seq_len // (splits // 2) >= tuning.min_split_tokens
+                        assert num_reqs * kv_heads * splits // 2 < num_sms * tuning.programs_per_sm
+    one_long = dataclasses.replace(decode, seq_lens_cpu=[4096], max_seq_len=8192)
+    assert choose_num_splits(one_long, 3, num_sms=132) == tuning.max_splits  # batch 1: split as far as allowed
+    batch_32 = dataclasses.replace(decode, seq_lens_cpu=[4096] * 32, max_seq_len=4096)
+    assert choose_num_splits(batch_32, 3, num_sms=132) == 8  # 96 programs would leave 36 of 132 SMs idle
     mixed = make_batch([1, 5], [4096, 5], 8, 8, 8, 16).metadata
-    assert choose_num_splits(mixed, num_kv_heads=8) == 1  # prefill chunks: no split
+    assert choose_num_splits(mixed, num_kv_heads=8, num_sms=132) == 1  # prefill chunks: no split
+
+
+def test_many_splits_over_short_contexts_match_reference():
+    """A graph's split count is chosen for max_model_len: most splits then find no tiles of a short context."""
+    batch = build(([1, 1, 1], [3, 40, 17]), (1, 3), 16, 16, torch.float32, seed=11)
+    assert_matches(*run_both(batch, 0.25, num_splits=32))
 
 
 # --- CUDA only: model-sized shapes and graph capture
