@@ -305,7 +305,7 @@ SWEEP_SHAPES_CUDA = (("decode", 1, 8192, (9, 3, 64)), ("decode", 32, 4096, (9, 3
                      ("decode", 64, 2048, (32, 8, 128)))
 SWEEP_SETTINGS = tuple(
     [(tile, stages, 4, 4) for tile in (32, 64, 128) for stages in (2, 3, 4)]
-    + [(64, 3, 4, pps) for pps in (2, 8)] + [(64, 3, warps, 4) for warps in (2, 8)]
+    + [(64, 3, 4, pps) for pps in (2, 8)] + [(128, 3, 8, 4)]
 )
 
 
@@ -365,6 +365,8 @@ def part_attention(plan: Plan, state: dict) -> dict:
     # 2. the grid: shipped, before issue 50, the sweep's best (when it differs), SDPA
     rows = []
     for kind, batch, context, heads in grid:
+        if time.perf_counter() > state["deadline"] - 200:
+            break  # the model parts and the CUDA tests need their time too
         case = make_case(kind, batch, context, heads, 16, plan.dtype, device)
         shipped_ms = bench_graph_ms(partial(triton_attention, case), plan.device)
         before_ms = bench_graph_ms(partial(triton_attention, case, **before_issue_50(case)), plan.device)
@@ -543,7 +545,7 @@ def _generate_rate(model, prompt: torch.Tensor, plan: Plan, cache: str) -> float
 
 PARTS = {  # name -> (function, seconds it took on one H100 or H200, for the budget), in run order
     "bandwidth": (part_bandwidth, 5),
-    "attention": (part_attention, 90),  # first: issue 50's kernel is what a lent GPU is most needed for
+    "attention": (part_attention, 150),  # first: issue 50's kernel is what a lent GPU is most needed for
     "smollm2": (part_smollm2, 40),
     "llama_shapes": (part_llama_shapes, 40),
     "cuda_tests": (part_cuda_tests, 120),
