@@ -36,7 +36,7 @@ class EngineCore(EngineLoraCalls, EngineUtilityCalls):
         kv_events: each step's outputs carry the prefix-cache hashes indexed and evicted (for routers)."""
         with CompileMonitor.starting():  # its kernels compile and its plans are timed now, before it is ready
             parts = build_parts(config, log_stats=log_stats, kv_events=kv_events)
-        self.compile_monitor = CompileMonitor()  # compiles after ready_to_serve() (engine_core/readiness)
+        self.compile_monitor = CompileMonitor(parts.info.model_name)  # compiles after ready_to_serve()
         self.config = parts.config  # as run: the defaults that depend on the device and model filled in
         self.info, self.model_path, self.max_model_len = parts.info, parts.model_path, parts.max_model_len
         self.model, self.arch, self.attention = parts.model, parts.arch, parts.attention

@@ -34,7 +34,9 @@ class CompileMonitor:
     _starting = 0  # engines of this process between the start of their build and their ready
     _lock = threading.Lock()
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "engine") -> None:
+        """`name`: the engine's, in the warning line (several engines may share a process)."""
+        self.name = name
         self.ready = False
         self.compiles_before_ready = 0  # at start-up and in the warm-up: expected
         self.compiles_after_ready = 0
@@ -67,9 +69,9 @@ class CompileMonitor:
         if len(self.compiled_after_ready) < KEPT:
             self.compiled_after_ready.append(f"{kind}: {what}")
         if self.compiles_after_ready == 1:
-            logger.warning("%s compiled after the engine said it was ready (%s): a step waited for it; the warm-up "
-                           "missed this shape (docs/gpu.md#ready-means-warm). Later ones are only counted "
-                           "(tandem:compiles_after_ready)", kind, what)
+            logger.warning("%s: %s compiled after the engine said it was ready (%s): a step waited for it; the "
+                           "warm-up missed this shape (docs/gpu.md#ready-means-warm). Later ones are only counted "
+                           "(tandem:compiles_after_ready)", self.name, kind, what)
 
 
 # ---- the process's listeners: one of each, telling every live monitor -----------------------------------
