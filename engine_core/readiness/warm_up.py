@@ -54,9 +54,11 @@ class WarmUpReport:
     seconds: float
 
     def describe(self) -> str:
-        sizes = self.decode_batch_sizes
-        return (f"{self.requests} requests in {self.steps} steps: prompts of {', '.join(map(str, self.prompt_lengths))}"
-                f" tokens, decode batches of {', '.join(map(str, sizes))}, sampler {', '.join(self.sampler_paths)}")
+        def listed(values: tuple) -> str:
+            return ", ".join(map(str, values)) or "none"
+
+        return (f"{self.requests} requests in {self.steps} steps: prompts of {listed(self.prompt_lengths)} tokens, "
+                f"decode batches of {listed(self.decode_batch_sizes)}, sampler {listed(self.sampler_paths)}")
 
 
 def warm_up(core: EngineCore) -> WarmUpReport:
@@ -121,8 +123,10 @@ class _Run:
         return [(start + 31 * i) % self.vocab_size for i in range(length)]
 
     def add(self, prompt: list[int], params: SamplingParams, lora_name: str | None = None) -> None:
-        self.core.add_request(EngineCoreRequest(f"{REQUEST_ID_PREFIX}{self.count}", prompt, params,
-                                                lora_name=lora_name))
+        """Queue one request, its prompt and tokens cut to what a short max_model_len holds."""
+        prompt = prompt[:self.core.max_model_len - 1]
+        self.core.add_request(EngineCoreRequest(f"{REQUEST_ID_PREFIX}{self.count}", prompt,
+                                                replace(params, clamp_max_tokens=True), lora_name=lora_name))
         self.count += 1
 
     def requests(self, prompts: list[list[int]], max_tokens: int = 2) -> None:
@@ -153,7 +157,7 @@ class _Run:
         self.add(self.prompt(3), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
         self.core.step()
         self.steps += 1
-        length = min(33, self.core.max_model_len - 4)
+        length = max(1, min(33, self.core.max_model_len - 4))
         self.add(self.prompt(length), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
         self.finish()
 
@@ -172,9 +176,12 @@ class _Run:
             self.add(self.prompt(5), replace(params, max_tokens=3, ignore_eos=True))
         names = list(paths)
         if self.core.structured.tokenizer_path is not None:  # the vocabulary is built now, not on a user's request
-            self.add(self.prompt(5), SamplingParams(temperature=0.0, max_tokens=3,
-                                                    structured=StructuredOutput(choice=("yes", "no"))))
-            names.append("grammar")
+            try:
+                self.add(self.prompt(5), SamplingParams(temperature=0.0, max_tokens=3,
+                                                        structured=StructuredOutput(choice=("yes", "no"))))
+                names.append("grammar")
+            except ValueError as error:  # a vocabulary llguidance refuses: structured requests will say so too
+                logger.warning("warm-up: the grammar path is not warmed: %s", error)
         adapters = self.core.list_loras()
         if adapters:
             self.add(self.prompt(5), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
