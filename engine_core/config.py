@@ -173,6 +173,9 @@ class DeviceConfig:
     # chunked-prefill splits. Linears run one fixed-order kernel at every batch size, attention never splits
     # a context across threads, no one-op decode layers (docs/batch-invariance.md has the cost)
     batch_invariant: bool = False
+    # Before the engine's owner says it serves, run dummy requests at every shape a step meets, so that no kernel
+    # compiles after ready (engine_core/readiness/warm_up.py); False: start faster, compile on the first requests
+    warm_up: bool = True
 
     def __post_init__(self) -> None:
         _require(self.device in _DEVICES, f"device must be one of {_DEVICES}, got {self.device!r}")

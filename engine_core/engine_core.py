@@ -19,6 +19,7 @@ from engine_core.config import EngineConfig
 from engine_core.lora.engine_calls import EngineLoraCalls
 from engine_core.profiler import Profiler
 from engine_core.protocol import EngineCoreOutputs, EngineCoreRequest
+from engine_core.readiness import CompileMonitor
 from engine_core.request import RequestStatus
 from engine_core.request_intake import check_request, to_request
 from engine_core.startup import build_parts
@@ -33,7 +34,10 @@ class EngineCore(EngineLoraCalls, EngineUtilityCalls):
     def __init__(self, config: EngineConfig, *, log_stats: bool = False, kv_events: bool = False) -> None:
         """log_stats: outputs carry per-request events (queued, scheduled, preempted) as in vLLM v1.
         kv_events: each step's outputs carry the prefix-cache hashes indexed and evicted (for routers)."""
-        parts = build_parts(config, log_stats=log_stats, kv_events=kv_events)
+        self.compile_monitor = CompileMonitor()  # counts the compiles after ready_to_serve() (engine_core/readiness)
+        with CompileMonitor.starting():  # its kernels compile and its plans are timed now, before it is ready
+            parts = build_parts(config, log_stats=log_stats, kv_events=kv_events)
+        self.compile_monitor.name = parts.info.model_name
         self.config = parts.config  # as run: the defaults that depend on the device and model filled in
         self.info, self.model_path, self.max_model_len = parts.info, parts.model_path, parts.max_model_len
         self.model, self.arch, self.attention = parts.model, parts.arch, parts.attention

@@ -39,6 +39,7 @@ PromptType = str | list[int] | dict
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.engine_core = EngineCore(config or EngineConfig())
+        self.engine_core.ready_to_serve()  # the first request runs warm (engine_core/readiness)
         path = tokenizer_path(self.engine_core.config, self.engine_core.model_path)
         # None: a model without a tokenizer (token ids in and out, text stays empty)
         self.tokenizer: TokenizerBundle | None = load_tokenizer(path) if path else None

@@ -11,9 +11,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine_core.protocol import KVCacheEvents, SchedulerStats
+from engine_core.readiness import CompileMonitor, WarmUpReport, warm_up
 
 if TYPE_CHECKING:
     from engine_core.block_pool import BlockPool
+    from engine_core.config import EngineConfig
     from engine_core.model_runner import ModelRunner
     from engine_core.overlap import OverlappedSteps
     from engine_core.profiler import Profiler
@@ -21,6 +23,8 @@ if TYPE_CHECKING:
 
 
 class EngineUtilityCalls:
+    config: EngineConfig
+    compile_monitor: CompileMonitor
     scheduler: Scheduler
     runner: ModelRunner
     model: torch.nn.Module
@@ -28,6 +32,19 @@ class EngineUtilityCalls:
     asleep: bool
     _block_pool: BlockPool
     _profiler: Profiler
+
+    # ---- ready to serve ---------------------------------------------------------------
+    def ready_to_serve(self) -> WarmUpReport | None:
+        """Called by the engine's owner before it says it serves: the warm-up (unless config.device.warm_up is
+        off; engine_core/readiness/warm_up.py), then every kernel compile counts as one after ready."""
+        report = self.warm_up() if self.config.device.warm_up else None
+        self.compile_monitor.mark_ready()
+        return report
+
+    def warm_up(self) -> WarmUpReport:
+        """Run every batch and token shape a step will meet, leaving no trace (engine_core/readiness/warm_up.py)."""
+        with CompileMonitor.starting():
+            return warm_up(self)
 
     # ---- prefix cache, stats and KV-cache state --------------------------------------
     def reset_prefix_cache(self) -> bool:

@@ -5,9 +5,10 @@ What it offers: paged attention and the KV-cache write (`select_backend`), fused
 shrink/expand products (`select_lora_ops`: Triton on CUDA, the kernel measured fastest per row bucket on the
 CPU; `LoraStepIndex` maps a step's rows to adapter slots), and the CPU plan in one call
 (`plan_cpu_model`): every linear on the kernel measured fastest per batch bucket within its accuracy budget
-(or pinned), and the decoder layers as one C++ op each where that measures faster. The model says what each
-layer computes (its linears' `LinearRole`s, its layers as a `DecoderStack`); the kernels choose how, and the
-engine never times a kernel itself. Every kernel's plain-torch reference is in `reference`
+(or pinned), and the decoder layers as one C++ op each where that measures faster; `watch_compiles` tells a
+watcher of every Triton compile and CPU plan timing in the process (kernels/compile_watch.py). The model says
+what each layer computes (its linears' `LinearRole`s, its layers as a `DecoderStack`); the kernels choose how,
+and the engine never times a kernel itself. Every kernel's plain-torch reference is in `reference`
 (kernels/reference/), which the torch paths call.
 
 Paged attention behind one dispatch point:
@@ -100,6 +101,7 @@ def select_backend(device: str, name: str = "auto", batch_invariant: bool = Fals
 
 # ---- the rest of the front door (imported after AttentionBackend: these modules import this package)
 from kernels import reference  # noqa: E402
+from kernels.compile_watch import unwatch_compiles, watch_compiles  # noqa: E402
 from kernels.cpu.decode_layers import CpuDecodeLayers, DecoderLayerSpec, DecoderStack  # noqa: E402
 from kernels.cpu.linear import LinearRole, Pins, batch_invariant_kernel, lossy_linear_kernels  # noqa: E402
 from kernels.cpu.linear_timing import Timer, wall_timer  # noqa: E402
@@ -120,5 +122,5 @@ __all__ = [
     "KV_CACHE_DTYPES", "LORA_KERNELS", "LinearRole", "LoraOps", "LoraPlan", "Pins", "LoraStepIndex", "Timer",
     "argmax", "batch_invariant_kernel", "fastest_float_dtype", "is_quantized", "kv_bytes_per_token",
     "kv_cache_shape", "lossy_linear_kernels", "plan_cpu_model", "reference", "resolve_kv_cache_dtype",
-    "select_backend", "select_fused_ops", "select_lora_ops", "wall_timer",
+    "select_backend", "select_fused_ops", "select_lora_ops", "unwatch_compiles", "wall_timer", "watch_compiles",
 ]

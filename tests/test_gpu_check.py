@@ -19,7 +19,7 @@ def test_gpu_check_cpu_mode_runs_every_part(tmp_path):
     assert result["mode"] == "cpu"
     parts = result["parts"]
     assert {name: part["status"] for name, part in parts.items()} == {name: "ok" for name in (
-        "cuda_tests", "bandwidth", "attention", "smollm2", "llama_shapes", "transformers")}
+        "cuda_tests", "bandwidth", "attention", "smollm2", "end_to_end", "llama_shapes", "transformers")}
     smollm2 = parts["smollm2"]["result"]
     assert {(r["batch"], r["context"], r["overlap"]) for r in smollm2} == {
         (b, c, o) for b, c in ((1, 32), (4, 96), (8, 48)) for o in (False, True)}
@@ -34,6 +34,10 @@ def test_gpu_check_cpu_mode_runs_every_part(tmp_path):
     assert [c["check"] for c in result["checks"]] == [
         "attention_worst_over_sdpa", "attention_32x4096_of_bandwidth", "smollm2_1x128_step_ms",
         "smollm2_32x4096_over_roofline", "llama1b_b1_of_roofline", "llama8b_b1_of_roofline",
-        "tandem_over_hf_eager_b1", "overlap_gain_b64"]
+        "tandem_over_hf_eager_b1", "overlap_gain_b64", "end_to_end_lone_over_decode_loop",
+        "end_to_end_first_over_tenth", "end_to_end_compiles_after_ready"]
+    end_to_end = parts["end_to_end"]["result"]
+    assert end_to_end["first_request_s"] > 0 and end_to_end["decode_loop_tok_per_s"] > 0
+    assert end_to_end["compiles_after_ready"] == 0, end_to_end["compiled_after_ready"]
     assert all(c["pass"] is None for c in result["checks"]), "the bars are for the real shapes on CUDA"
     assert "check" in (tmp_path / "gpu_check.txt").read_text()

@@ -25,6 +25,8 @@ RETAKES = 2  # a noisy race is timed again at most this many times ...
 BACKOFF_S = 0.05  # ... after a pause of this times the retake's number, for a neighbour's burst to pass
 
 Timer = Callable[[str, int, Callable[[], object]], float]  # (kernel, rows, fn) -> seconds per call
+# told of every race as it starts (candidates, rows): kernels/compile_watch.py counts plan timings after ready
+race_watchers: list[Callable[[list[str], int], None]] = []
 
 
 def wall_timer(kernel: str, rows: int, fn: Callable[[], object]) -> float:
@@ -46,6 +48,8 @@ def fastest(candidates: dict[str, Callable[[], object]], rows: int, timer: Timer
 def rounds_of(candidates: dict[str, Callable[[], object]], rows: int, timer: Timer = wall_timer,
               min_rounds: int = 5, max_rounds: int = 20, budget_s: float = 0.06) -> dict[str, list[float]]:
     """`fastest`'s race, each candidate's seconds per call in every round it ran, in order."""
+    for watcher in race_watchers:
+        watcher(list(candidates), rows)
     for name, fn in candidates.items():
         timer(name, rows, fn)  # warm-up: first-call allocations, oneDNN primitive creation
     times: dict[str, list[float]] = {name: [] for name in candidates}

@@ -161,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a request's greedy tokens and logprobs do not depend on its batch, a cached prefix or "
                         "chunked prefill: fixed-order kernels at every batch size, at a measured cost "
                         "(docs/batch-invariance.md); float linears only, no --linear-kernels")
+    d.add_argument("--no-warm-up", action="store_true",
+                   help="say ready without first running dummy requests at every batch and token shape a step "
+                        "meets: starts sooner, but the first requests wait for kernels to compile "
+                        "(docs/gpu.md#ready-means-warm)")
 
     lora = defaults.lora
     la = p.add_argument_group("LoRA adapters (docs/lora.md)")
@@ -229,7 +233,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         device=DeviceConfig(
             device=args.device, attention_backend=args.attention_backend, num_threads=args.num_threads,
             enforce_eager=args.enforce_eager, cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
-            overlap=args.overlap, batch_invariant=args.batch_invariant,
+            overlap=args.overlap, batch_invariant=args.batch_invariant, warm_up=not args.no_warm_up,
         ),
         lora=LoraConfig(enable=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                         max_cpu_loras=args.max_cpu_loras, kernel=args.lora_kernel, adapters=dict(args.lora or ())),

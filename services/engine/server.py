@@ -49,6 +49,7 @@ class EngineServer:
         self.stall_timeout = stall_timeout
         # outputs carry queued/scheduled/preempted events and the prefix cache's changes (for frontends' routers)
         self.engine = EngineCore(config, log_stats=True, kv_events=True)
+        self.engine.ready_to_serve()  # warm before anything listens: health's first SERVING means warm
         self._init_telemetry(tracer_provider, metrics_port, metrics_host)
         self.busy_loop = EngineBusyLoop(self.engine, self.telemetry, burst_window_s)
         self.grpc: EngineGrpcServer | None = None
@@ -60,6 +61,7 @@ class EngineServer:
         metrics = None
         if metrics_port is not None:
             metrics = EngineMetrics(self.engine.info.model_name)
+            metrics.compiles_after_ready.set_function(lambda: self.engine.compile_monitor.compiles_after_ready)
             self.metrics_server = MetricsServer(metrics.registry, metrics_host, metrics_port)
         self.telemetry = EngineTelemetry(tracer_provider, metrics) if tracer_provider or metrics else None
         self.metrics_port: int | None = None

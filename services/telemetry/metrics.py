@@ -69,6 +69,11 @@ class EngineMetrics:
             "tandem:kv_cache_total_blocks",
             "KV blocks the cache holds, counted at its element type (--kv-cache-dtype: an int8 cache holds about "
             "twice the blocks of a bf16 one in the same memory).", labels, registry=r))
+        # read from the engine's compile monitor when scraped (`set_function`): engine_core/readiness
+        self.compiles_after_ready = bind(Gauge(
+            "tandem:compiles_after_ready",
+            "Kernel compiles and CPU kernel plan timings since the engine said it was ready: each made a step wait "
+            "(docs/gpu.md#ready-means-warm); 0 when the warm-up covered every shape.", labels, registry=r))
         self.prefix_cache_queries = bind(Counter("tandem:prefix_cache_queries",
                                                  "Prompt tokens looked up in the prefix cache.", labels, registry=r))
         self.prefix_cache_hits = bind(Counter("tandem:prefix_cache_hits", "Prompt tokens found in the prefix cache.",

@@ -48,6 +48,10 @@ def test_engine_and_frontend_metrics_during_and_after_a_load(make_stack):
     engine1, frontend1 = stack.run(load_with_a_pause(stack))
     engine2, frontend2 = stack.scrape("engine"), stack.scrape("frontend")
 
+    # ---- before: the engine's warm-up ran before it served, and no metric counted it
+    assert metric(engine0, "tandem:prompt_tokens_total") == metric(engine0, "tandem:generation_tokens_total") == 0
+    assert metric(engine0, "tandem:iteration_tokens_total_count") == 0
+
     # ---- during: every stream open, every request running in the (frozen) engine
     assert metric(engine1, "tandem:num_requests_running") == N
     assert metric(engine1, "tandem:num_requests_waiting") == 0
@@ -66,6 +70,7 @@ def test_engine_and_frontend_metrics_during_and_after_a_load(make_stack):
     assert delta(engine2, engine0, "tandem:prefix_cache_queries_total") == N * PROMPT_LEN
     assert delta(engine2, engine0, "tandem:prefix_cache_hits_total") == 0
     assert delta(engine2, engine0, "tandem:num_preemptions_total") == 0
+    assert metric(engine2, "tandem:compiles_after_ready") == 0  # the warm-up covered the load's shapes
     # every computed token: the prompts, then one per request per decode step (the last token is never fed back)
     assert delta(engine2, engine0, "tandem:iteration_tokens_total_sum") == N * (PROMPT_LEN + MAX_TOKENS - 1)
     steps = delta(engine2, engine0, "tandem:iteration_tokens_total_count")

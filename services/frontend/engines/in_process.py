@@ -153,6 +153,7 @@ def start_engine(model: str, *, dtype: str = "auto", max_model_len: int | None =
 
     core = EngineCore(EngineConfig(model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len),
                                    scheduler=SchedulerConfig(max_num_seqs=max(max_num_seqs, 1))), log_stats=True)
+    core.ready_to_serve()
     busy_loop = EngineBusyLoop(core)
     busy_loop.start()
     return busy_loop, core.info
