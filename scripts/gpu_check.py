@@ -275,6 +275,7 @@ def part_cuda_tests(plan: Plan, state: dict) -> dict:
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        (state["out"] / "cuda_tests.log").write_text(out)  # what ran before the cut, every failure included
         raise RuntimeError(f"pytest ran past {timeout:.0f} s:\n" + "\n".join(out.strip().splitlines()[-10:])) from None
     (state["out"] / "cuda_tests.log").write_text(done.stdout + done.stderr)
     tail = (done.stdout + done.stderr).strip().splitlines()[-15:]
@@ -300,7 +301,7 @@ def bench_graph_ms(fn, device: str) -> float:
 
     fn()  # compile (Triton) and pick algorithms (SDPA) outside the capture
     torch.cuda.synchronize()
-    return do_bench_cudagraph(fn, rep=20, return_mode="median")
+    return do_bench_cudagraph(fn, rep=10, return_mode="median")
 
 
 # Launch settings the sweep tries on a few decode shapes before the full grid (tile, stages, warps, programs/SM).
