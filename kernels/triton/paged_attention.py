@@ -321,9 +321,9 @@ def choose_num_splits(metadata: AttentionMetadata, num_kv_heads: int, num_sms: i
     return 1 << (splits - 1).bit_length() if splits & (splits - 1) else splits  # round up to a power of two
 
 
-def plan_launch(metadata: AttentionMetadata, num_heads: int, num_kv_heads: int, *, batch_invariant: bool,
-                num_splits: int | None = None, tuning: LaunchTuning | None = None) -> LaunchPlan:
-    """Tiles, query blocks and the split count for this batch."""
+def plan_launch(metadata: AttentionMetadata, num_tokens: int, num_heads: int, num_kv_heads: int, *,
+                batch_invariant: bool, num_splits: int | None = None, tuning: LaunchTuning | None = None) -> LaunchPlan:
+    """Tiles, query blocks and the split count for this batch of `num_tokens` query rows (padding included)."""
     queries_per_kv = num_heads // num_kv_heads
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     # decode-only batches need one token per program; prefill gets taller query blocks
@@ -341,7 +341,6 @@ def plan_launch(metadata: AttentionMetadata, num_heads: int, num_kv_heads: int, 
     elif num_splits is None:
         num_splits = choose_num_splits(metadata, num_kv_heads, tuning=tuning) if decode_only else 1
     assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
-    num_tokens = metadata.query_start_loc_cpu[-1] if metadata.query_start_loc_cpu else 0
     return LaunchPlan(block_m=block_m, block_q=block_q, tile_n=tuning.tile_n, num_splits=num_splits,
                       num_warps=tuning.num_warps, num_stages=tuning.num_stages,
                       num_q_blocks=num_tokens // block_q + metadata.num_reqs)  # upper bound, see module docstring
@@ -373,10 +372,10 @@ def paged_attention(
     assert key_cache.stride() == value_cache.stride() and key_cache.stride(-1) == 1
 
     # every layer of a step launches alike: plan (and the split partials) once per step
-    key = ("triton_attention", num_heads, num_kv_heads, head_dim, batch_invariant, num_splits, tuning)
+    key = ("triton_attention", num_tokens, num_heads, num_kv_heads, head_dim, batch_invariant, num_splits, tuning)
     plan = metadata.scratch.get(key)
     if plan is None:
-        plan = plan_launch(metadata, num_heads, num_kv_heads, batch_invariant=batch_invariant,
+        plan = plan_launch(metadata, num_tokens, num_heads, num_kv_heads, batch_invariant=batch_invariant,
                            num_splits=num_splits, tuning=tuning)
         metadata.scratch[key] = plan
     dim_pad = max(16, triton.next_power_of_2(head_dim))
