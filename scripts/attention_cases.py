@@ -100,20 +100,6 @@ def triton_attention(case: AttentionCase, **launch) -> torch.Tensor:  # [T, H, D
     return backend.paged_attention(case.query, case.key_cache, case.value_cache, case.metadata, case.scale)
 
 
-def before_issue_50(case: AttentionCase) -> dict:
-    """The launch the kernel made before issue 50 (2026-11-26's device check): 32-position tiles, and a split
-    only while fewer than 128 (request, kv head) programs ran, at least 256 positions a split, at most 16."""
-    from kernels.triton.paged_attention import LaunchTuning
-
-    programs = case.num_seqs * case.heads[1]
-    splits = 1
-    if case.query_len == 1 and programs < 128:
-        wanted = min(case.context // 256, 128 // programs, 16)
-        splits = 1 if wanted < 2 else 1 << (wanted.bit_length() - 1)
-    tile = 32 if case.query_len == 1 else 64
-    return {"num_splits": splits, "tuning": LaunchTuning(tile_n=tile, num_warps=4, num_stages=3)}
-
-
 def sdpa_attention(case: AttentionCase) -> torch.Tensor:  # [B, H, Q, D]
     return F.scaled_dot_product_attention(
         case.dense_q, case.dense_k, case.dense_v, is_causal=case.query_len > 1, scale=case.scale, enable_gqa=True,

@@ -45,6 +45,8 @@ limit_openmp_spinning()  # before torch loads, as tandem-engine does: idle OpenM
 
 import torch  # noqa: E402
 
+from engine_core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS  # noqa: E402
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -223,7 +225,12 @@ def decode_rate(core, batch: int, context: int, steps: int, device: str, seed: i
     warmup = 4
     generator = torch.Generator().manual_seed(seed)
     vocab = core.info.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=warmup + steps + 8, ignore_eos=True)
+    # room for the tokens the first requests decode while the last ones prefill: none may finish in the timed steps
+    prefill_steps = -(-batch * context // core.config.scheduler.max_num_batched_tokens) + 2
+    max_tokens = warmup + steps + 8 + prefill_steps
+    if context + max_tokens > core.max_model_len:
+        raise ValueError(f"decode_rate({batch}x{context}) needs max_model_len >= {context + max_tokens}")
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = [f"d{seed}-{batch}-{i}" for i in range(batch)]
     for request_id in ids:
         prompt = torch.randint(3, vocab, (context,), generator=generator).tolist()
@@ -304,25 +311,21 @@ def bench_graph_ms(fn, device: str) -> float:
     return do_bench_cudagraph(fn, rep=10, return_mode="median")
 
 
-# Launch settings the sweep tries on a few decode shapes before the full grid (tile, stages, warps, programs/SM).
-SWEEP_SHAPES_CUDA = (("decode", 1, 8192, (9, 3, 64)), ("decode", 32, 4096, (9, 3, 64)), ("decode", 64, 512, (9, 3, 64)),
-                     ("decode", 1, 8192, (32, 8, 128)), ("decode", 32, 4096, (32, 8, 128)),
-                     ("decode", 64, 2048, (32, 8, 128)))
-SWEEP_SETTINGS = tuple(
-    [(tile, stages, 4, 4) for tile in (32, 64, 128) for stages in (2, 3, 4)]
-    + [(64, 3, 4, pps) for pps in (2, 8)] + [(128, 3, 8, 4)]
-)
+# Decode launches timed beside the shipped one on every decode shape of the grid: (tile, stages, warps, programs per
+# SM, least positions a split)
+CANDIDATES_CUDA = ((64, 2, 4, 4, 128), (64, 2, 4, 2, 128), (64, 2, 4, 1, 128), (128, 2, 4, 4, 256),
+                   (128, 2, 4, 2, 256), (32, 2, 4, 4, 128))
+CANDIDATES_CPU = ((16, 2, 4, 4, 32), (32, 2, 4, 1, 32))
 
 
 def part_attention(plan: Plan, state: dict) -> dict:
     """Issue 50's decode grid (heads 9/3/64 and 32/8/128, batch 1/8/32/64, context 512-8k) and the prefill shapes:
-    the kernel as shipped, as it launched before issue 50, and SDPA (enable_gqa, dense K/V), all timed in CUDA
-    graphs; first a sweep of launch settings on six decode shapes, whose best is timed on the grid too."""
-    from kernels.triton.paged_attention import DECODE_TUNING, LaunchTuning, choose_num_splits
+    the kernel as shipped, other decode launches (CANDIDATES_*) and SDPA (enable_gqa, dense K/V), all timed in
+    CUDA graphs, outputs compared with SDPA's."""
+    from kernels.triton.paged_attention import LaunchTuning, choose_num_splits, decode_tuning
     from scripts.attention_cases import (
         attention_cases,
         bar_decode_cases,
-        before_issue_50,
         make_case,
         max_abs_diff,
         sdpa_attention,
@@ -331,64 +334,52 @@ def part_attention(plan: Plan, state: dict) -> dict:
 
     device = torch.device(plan.device)
     if plan.device == "cuda":
-        sweep_shapes = SWEEP_SHAPES_CUDA
         grid = list(bar_decode_cases()) + [c for c in attention_cases() if c[0] == "prefill"]
-        settings = SWEEP_SETTINGS
+        candidates = CANDIDATES_CUDA
     else:
-        sweep_shapes = (("decode", 2, 40, (4, 2, 16)),)
         grid = [("decode", 2, 40, (4, 2, 16)), ("decode", 1, 70, (4, 2, 16)), ("prefill", 1, 24, (4, 2, 16))]
-        settings = ((16, 2, 4, 4), (32, 3, 4, 4))
+        candidates = CANDIDATES_CPU
 
-    # 1. the sweep: each setting's time over SDPA on the sweep shapes, geometric mean
-    sweep = []
-    for kind, batch, context, heads in sweep_shapes:
-        case = make_case(kind, batch, context, heads, 16, plan.dtype, device)
-        sdpa_ms = bench_graph_ms(partial(sdpa_attention, case), plan.device)
-        for tile, stages, warps, pps in settings:
-            if time.perf_counter() > state["deadline"] - 240:
-                break  # leave the grid and the model parts their time
-            tuning = LaunchTuning(tile_n=tile, num_stages=stages, num_warps=warps, programs_per_sm=pps)
-            try:
-                ms = bench_graph_ms(partial(triton_attention, case, tuning=tuning), plan.device)
-            except Exception as exc:  # noqa: BLE001 - a setting that does not compile (shared memory) is a result
-                sweep.append({"setting": [tile, stages, warps, pps], "batch": batch, "context": context,
-                              "heads": list(heads), "error": repr(exc)[:200]})
-                continue
-            sweep.append({"setting": [tile, stages, warps, pps], "batch": batch, "context": context,
-                          "heads": list(heads), "ms": ms, "over_sdpa": ms / sdpa_ms})
-        del case
-    scores: dict[tuple, list[float]] = {}
-    for row in sweep:
-        scores.setdefault(tuple(row["setting"]), []).append(row.get("over_sdpa", float("inf")))
-    complete = {k: v for k, v in scores.items() if len(v) == len(sweep_shapes)}
-    geomean = {k: float(torch.tensor(v).log().mean().exp()) for k, v in complete.items()}
-    best = min(geomean, key=geomean.get) if geomean else None
-    shipped = (DECODE_TUNING.tile_n, DECODE_TUNING.num_stages, DECODE_TUNING.num_warps, DECODE_TUNING.programs_per_sm)
-    best_tuning = None if best is None or best == shipped else LaunchTuning(
-        tile_n=best[0], num_stages=best[1], num_warps=best[2], programs_per_sm=best[3])
+    def setting(tuning: LaunchTuning) -> tuple:
+        return (tuning.tile_n, tuning.num_stages, tuning.num_warps, tuning.programs_per_sm, tuning.min_split_tokens)
 
-    # 2. the grid: shipped, before issue 50, the sweep's best (when it differs), SDPA
     rows = []
     for kind, batch, context, heads in grid:
         if time.perf_counter() > state["deadline"] - 200:
             break  # the model parts and the CUDA tests need their time too
         case = make_case(kind, batch, context, heads, 16, plan.dtype, device)
         shipped_ms = bench_graph_ms(partial(triton_attention, case), plan.device)
-        before_ms = bench_graph_ms(partial(triton_attention, case, **before_issue_50(case)), plan.device)
         sdpa_ms = bench_graph_ms(partial(sdpa_attention, case), plan.device)
         row = {"kind": kind, "batch": batch, "context": context, "heads": list(heads), "triton_ms": shipped_ms,
-               "before_ms": before_ms, "sdpa_ms": sdpa_ms, "triton_over_sdpa": shipped_ms / sdpa_ms,
-               "before_over_sdpa": before_ms / sdpa_ms, "triton_kv_gb_per_s": case.kv_bytes / (shipped_ms / 1e3) / 1e9,
+               "sdpa_ms": sdpa_ms, "triton_over_sdpa": shipped_ms / sdpa_ms,
+               "triton_kv_gb_per_s": case.kv_bytes / (shipped_ms / 1e3) / 1e9,
                "of_copy_bandwidth": case.kv_bytes / (shipped_ms / 1e3) / state["bandwidth"],
-               "num_splits": choose_num_splits(case.metadata, heads[1]) if kind == "decode" else 1,
-               "max_abs_diff": max_abs_diff(case)}
-        if best_tuning is not None and kind == "decode":
-            best_ms = bench_graph_ms(partial(triton_attention, case, tuning=best_tuning), plan.device)
-            row.update(best_ms=best_ms, best_over_sdpa=best_ms / sdpa_ms)
+               "num_splits": choose_num_splits(case.metadata, heads[1], head_dim=heads[2]) if kind == "decode" else 1,
+               "max_abs_diff": max_abs_diff(case), "candidates": {}}
+        if kind == "decode":
+            row["setting"] = list(setting(decode_tuning(heads[2])))
+            for candidate in candidates:
+                if candidate == tuple(row["setting"]):
+                    ms = shipped_ms
+                else:
+                    tile, stages, warps, pps, min_split = candidate
+                    tuning = LaunchTuning(tile_n=tile, num_stages=stages, num_warps=warps, programs_per_sm=pps,
+                                          min_split_tokens=min_split)
+                    try:
+                        ms = bench_graph_ms(partial(triton_attention, case, tuning=tuning), plan.device)
+                    except Exception as exc:  # noqa: BLE001 - a launch that does not fit (shared memory) is a result
+                        row["candidates"][str(list(candidate))] = repr(exc)[:120]
+                        continue
+                row["candidates"][str(list(candidate))] = ms / sdpa_ms
         rows.append(row)
         del case
-    return {"sweep": sweep, "sweep_geomean": {str(list(k)): v for k, v in geomean.items()},
-            "shipped_setting": list(shipped), "best_setting": list(best) if best else None, "rows": rows}
+    worst: dict[str, dict[str, float]] = {}
+    for row in rows:
+        for name, ratio in row["candidates"].items():
+            if isinstance(ratio, float):
+                key = str(row["heads"])
+                worst.setdefault(name, {})[key] = max(worst.get(name, {}).get(key, 0.0), ratio)
+    return {"rows": rows, "candidates_worst_over_sdpa": worst}
 
 
 def profile_step(core, batch: int, context: int, device: str, steps: int = 5, top: int = 15) -> dict:
@@ -440,10 +431,12 @@ def profile_step(core, batch: int, context: int, device: str, steps: int = 5, to
 def part_smollm2(plan: Plan, state: dict) -> list[dict]:
     shape = plan.small
     max_batch = max(b for b, _ in plan.decode_shapes)
-    max_len = max(c for _, c in plan.decode_shapes) + plan.decode_steps + 32
+    budget = DEFAULT_MAX_NUM_BATCHED_TOKENS[plan.device]
+    max_len = max(c + b * c // budget for b, c in plan.decode_shapes) + plan.decode_steps + 32
     weights = list(random_weights(shape, plan.device, plan.dtype))
     state["small_weights"] = weights
-    core = engine_for(shape, plan, weights, cuda_graphs=True, overlap=False, max_num_seqs=max_batch,
+    # built as served (overlap on CUDA); the rows switch overlap off and on
+    core = engine_for(shape, plan, weights, cuda_graphs=True, overlap=plan.device == "cuda", max_num_seqs=max_batch,
                       max_model_len=max_len)
     graphs = core.runner.decode_graphs  # captured once; "off" runs the same engine without them
     rows = []
@@ -469,7 +462,8 @@ def part_llama_shapes(plan: Plan, state: dict) -> list[dict]:
     for shape in plan.roofline_models:
         core = engine_for(shape, plan, random_weights(shape, plan.device, plan.dtype), cuda_graphs=True,
                           overlap=plan.device == "cuda", max_num_seqs=max(plan.roofline_batches),
-                          max_model_len=context + 2 * plan.decode_steps + 32)
+                          max_model_len=context + 2 * plan.decode_steps + 32 + max(plan.roofline_batches) * context
+                          // DEFAULT_MAX_NUM_BATCHED_TOKENS[plan.device])
         for batch in plan.roofline_batches:
             decode_rate(core, batch, context, plan.decode_steps, plan.device, seed=1)  # untimed: first-use costs
             row = decode_rate(core, batch, context, plan.decode_steps, plan.device)
@@ -502,7 +496,8 @@ def part_transformers(plan: Plan, state: dict) -> list[dict]:
     assert not any(t.is_meta for t in (*model.parameters(), *model.buffers())), "a tensor was left on meta"
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
-    max_len = plan.hf_prompt + plan.hf_new_tokens + 8
+    max_len = plan.hf_prompt + plan.hf_new_tokens + 16 + max(plan.hf_batches) * plan.hf_prompt \
+        // DEFAULT_MAX_NUM_BATCHED_TOKENS[plan.device]
     core = engine_for(shape, plan, weights, cuda_graphs=True, overlap=plan.device == "cuda",
                       max_num_seqs=max(plan.hf_batches), max_model_len=max_len)
     rows, compile_error = [], None
@@ -586,11 +581,11 @@ def _generate_rate(model, prompt: torch.Tensor, plan: Plan, cache: str) -> float
 
 PARTS = {  # name -> (function, seconds it took on one H100 or H200, for the budget), in run order
     "bandwidth": (part_bandwidth, 5),
-    "attention": (part_attention, 150),  # first: issue 50's kernel is what a lent GPU is most needed for
-    "smollm2": (part_smollm2, 40),
-    "end_to_end": (part_end_to_end, 40),
-    "llama_shapes": (part_llama_shapes, 40),
-    "cuda_tests": (part_cuda_tests, 120),
+    "attention": (part_attention, 130),  # first: issue 50's kernel is what a lent GPU is most needed for
+    "cuda_tests": (part_cuda_tests, 100),  # then whether it is right everywhere the engine runs it
+    "smollm2": (part_smollm2, 30),
+    "end_to_end": (part_end_to_end, 10),
+    "llama_shapes": (part_llama_shapes, 15),
     "transformers": (part_transformers, 150),  # last: a compile that fails can take minutes
 }
 
@@ -654,15 +649,14 @@ def table(result: dict) -> str:
         value = "-" if check["measured"] is None else f"{check['measured']:.3f}"
         lines.append(f"{check['check']:<26} {check['bar']:7.2f} {value:>10} {check['pass']}")
     attention = result["parts"].get("attention", {}).get("result") or {}
-    if attention:
-        lines.append(f"  attention sweep: shipped {attention['shipped_setting']}, best {attention['best_setting']} "
-                     "(tile, stages, warps, programs/SM)")
+    for name, by_heads in attention.get("candidates_worst_over_sdpa", {}).items():
+        lines.append(f"  attention launch {name} (tile, stages, warps, programs/SM, split positions): worst over "
+                     f"SDPA {', '.join(f'{h} {v:.2f}' for h, v in by_heads.items())}")
     for row in attention.get("rows", []):
-        best = f" best {row['best_over_sdpa']:.2f}" if "best_over_sdpa" in row else ""
         lines.append(f"  attention {row['kind']:<7} {row['heads']!s:<12} {row['batch']:>2}x{row['context']:<5} "
-                     f"{row['triton_ms'] * 1e3:8.1f} us  /sdpa {row['triton_over_sdpa']:.2f} (before "
-                     f"{row['before_over_sdpa']:.2f}){best}  {row['of_copy_bandwidth']:.2f} of copy bw  "
-                     f"splits {row['num_splits']}")
+                     f"{row['triton_ms'] * 1e3:8.1f} us  /sdpa {row['triton_over_sdpa']:.2f}  "
+                     f"{row['of_copy_bandwidth']:.2f} of copy bw  splits {row['num_splits']}  "
+                     f"diff {row['max_abs_diff']:.3f}")
     for row in (result["parts"].get("smollm2", {}).get("result") or []):
         lines.append(f"  smollm2 {row['batch']}x{row['context']} graphs={row['cuda_graphs']!s:<5} "
                      f"overlap={row['overlap']!s:<5} {row['step_ms']:7.3f} ms/step {row['tok_per_s']:9.0f} tok/s "

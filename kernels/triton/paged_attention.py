@@ -114,6 +114,7 @@ def _attention_kernel(
     DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
     QUANTIZED: tl.constexpr,  # an 8-bit cache: codes in its slabs' layout, fp16 scales after them
+    DECODE_ONLY: tl.constexpr = False,  # every request has one query token: one program per request and kv head
     rotation_ptr=None,  # QUANTIZED: [DIM_PAD, DIM_PAD] fp32 Hadamard rotation, then [DIM_PAD] 1 / block size
 ):
     """One (query block, kv head, context split): flash attention over paged K/V."""
@@ -122,12 +123,18 @@ def _attention_kernel(
     split = tl.program_id(2)
 
     # --- which request and which of its tokens this program serves
-    req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    local_start = (q_block - (q_start // BLOCK_Q + req)) * BLOCK_Q
-    if local_start >= q_len:
-        return
+    if DECODE_ONLY:  # one query token a request: program q_block is request q_block, no search
+        req = q_block
+        q_start = tl.load(query_start_loc_ptr + req)
+        q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+        local_start = 0
+    else:
+        req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
+        q_start = tl.load(query_start_loc_ptr + req)
+        q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+        local_start = (q_block - (q_start // BLOCK_Q + req)) * BLOCK_Q
+        if local_start >= q_len:
+            return
     seq_len = tl.load(seq_lens_ptr + req)
     context_len = seq_len - q_len  # positions cached before this step's tokens
 
@@ -276,8 +283,21 @@ class LaunchTuning:
     max_splits: int = 64
 
 
-DECODE_TUNING = LaunchTuning()
+# by head dim: 64-wide heads stream best in 64-position tiles, 128-wide in 128 (gpu_check's sweep, docs/gpu.md);
+# wider heads keep tiles whose K and V stages fit in shared memory
+DECODE_TUNINGS = {
+    64: LaunchTuning(tile_n=64, num_stages=2, min_split_tokens=128),
+    128: LaunchTuning(tile_n=128, num_stages=2, min_split_tokens=256),
+    256: LaunchTuning(tile_n=32, num_stages=2, min_split_tokens=128),
+}
 PREFILL_TUNING = LaunchTuning(tile_n=64, num_warps=4, num_stages=3, programs_per_sm=0)
+
+
+def decode_tuning(head_dim: int) -> LaunchTuning:
+    """The decode launch for heads `head_dim` wide: the narrowest DECODE_TUNINGS entry that holds them."""
+    return next((t for width, t in sorted(DECODE_TUNINGS.items()) if head_dim <= width), DECODE_TUNINGS[256])
+
+
 # what the CPU interpreter assumes for the SM count: small, so tests meet splits at tiny shapes
 INTERPRETER_SMS = 4
 
@@ -288,6 +308,7 @@ class LaunchPlan:
 
     block_m: int
     block_q: int
+    decode_only: bool  # one program per request (and kv head, and split): no search for the request
     tile_n: int
     num_splits: int
     num_warps: int
@@ -303,7 +324,7 @@ def multiprocessor_count(device: torch.device) -> int:
 
 
 def choose_num_splits(metadata: AttentionMetadata, num_kv_heads: int, num_sms: int | None = None,
-                      tuning: LaunchTuning = DECODE_TUNING) -> int:
+                      tuning: LaunchTuning | None = None, head_dim: int = 64) -> int:
     """Decode-only batches split each context until about `programs_per_sm` programs run per SM (flash
     decoding), each split walking at least `min_split_tokens` of max_seq_len; prefill and mixed batches never
     split. A power of two, so a handful of kernel variants covers every batch (and each is compiled at warm-up).
@@ -311,6 +332,7 @@ def choose_num_splits(metadata: AttentionMetadata, num_kv_heads: int, num_sms: i
     shorter context find no tiles and write an empty partial."""
     if metadata.max_query_len > 1:
         return 1
+    tuning = tuning or decode_tuning(head_dim)
     if num_sms is None:
         num_sms = multiprocessor_count(metadata.seq_lens.device)
     programs = metadata.num_reqs * num_kv_heads
@@ -321,7 +343,7 @@ def choose_num_splits(metadata: AttentionMetadata, num_kv_heads: int, num_sms: i
     return 1 << (splits - 1).bit_length() if splits & (splits - 1) else splits  # round up to a power of two
 
 
-def plan_launch(metadata: AttentionMetadata, num_tokens: int, num_heads: int, num_kv_heads: int, *,
+def plan_launch(metadata: AttentionMetadata, num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                 batch_invariant: bool, num_splits: int | None = None, tuning: LaunchTuning | None = None) -> LaunchPlan:
     """Tiles, query blocks and the split count for this batch of `num_tokens` query rows (padding included)."""
     queries_per_kv = num_heads // num_kv_heads
@@ -329,9 +351,9 @@ def plan_launch(metadata: AttentionMetadata, num_tokens: int, num_heads: int, nu
     # decode-only batches need one token per program; prefill gets taller query blocks
     decode_only = metadata.max_query_len == 1 and not batch_invariant
     if tuning is None:
-        tuning = DECODE_TUNING if decode_only else PREFILL_TUNING
+        tuning = decode_tuning(head_dim) if decode_only else PREFILL_TUNING
     block_m = max(16 if decode_only else 64, triton.next_power_of_2(queries_per_kv))
-    block_q = block_m // queries_per_kv
+    block_q = 1 if decode_only else block_m // queries_per_kv  # a decode's one token: its heads' rows, the rest masked
     if batch_invariant and interpreted:
         # the interpreter's tl.dot is numpy's BLAS, whose sums depend on a row's place in the block (a GPU's
         # MMA computes every row alike): one token per block there, so a token's rows always lie at the top
@@ -341,9 +363,10 @@ def plan_launch(metadata: AttentionMetadata, num_tokens: int, num_heads: int, nu
     elif num_splits is None:
         num_splits = choose_num_splits(metadata, num_kv_heads, tuning=tuning) if decode_only else 1
     assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
-    return LaunchPlan(block_m=block_m, block_q=block_q, tile_n=tuning.tile_n, num_splits=num_splits,
-                      num_warps=tuning.num_warps, num_stages=tuning.num_stages,
-                      num_q_blocks=num_tokens // block_q + metadata.num_reqs)  # upper bound, see module docstring
+    return LaunchPlan(block_m=block_m, block_q=block_q, decode_only=decode_only, tile_n=tuning.tile_n,
+                      num_splits=num_splits, num_warps=tuning.num_warps, num_stages=tuning.num_stages,
+                      # else an upper bound, see module docstring
+                      num_q_blocks=metadata.num_reqs if decode_only else num_tokens // block_q + metadata.num_reqs)
 
 
 def paged_attention(
@@ -356,7 +379,7 @@ def paged_attention(
     logit_softcap: float | None = None,
     num_splits: int | None = None,  # None: choose from metadata; tests force it
     batch_invariant: bool = False,
-    tuning: LaunchTuning | None = None,  # None: DECODE_TUNING / PREFILL_TUNING; gpu_check's sweep passes others
+    tuning: LaunchTuning | None = None,  # None: decode_tuning(D) / PREFILL_TUNING; gpu_check's sweep passes others
 ) -> torch.Tensor:  # [T, H, D]
     """Causal paged attention for every token of the batch, decodes and prefill chunks alike.
     `batch_invariant`: one tiling whatever the batch (prefill's query blocks and key tiles for decodes too,
@@ -375,7 +398,7 @@ def paged_attention(
     key = ("triton_attention", num_tokens, num_heads, num_kv_heads, head_dim, batch_invariant, num_splits, tuning)
     plan = metadata.scratch.get(key)
     if plan is None:
-        plan = plan_launch(metadata, num_tokens, num_heads, num_kv_heads, batch_invariant=batch_invariant,
+        plan = plan_launch(metadata, num_tokens, num_heads, num_kv_heads, head_dim, batch_invariant=batch_invariant,
                            num_splits=num_splits, tuning=tuning)
         metadata.scratch[key] = plan
     dim_pad = max(16, triton.next_power_of_2(head_dim))
@@ -413,6 +436,7 @@ def paged_attention(
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
         SOFTCAP=logit_softcap is not None,
         QUANTIZED=quantized,
+        DECODE_ONLY=plan.decode_only,
         rotation_ptr=_rotation(head_dim, dim_pad, query.device) if quantized else None,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )

@@ -16,7 +16,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from kernels import reference, select_backend
-from kernels.triton.paged_attention import DECODE_TUNING, choose_num_splits
+from kernels.triton.paged_attention import choose_num_splits, decode_tuning
 from tests.kernels.paged_batch import DEVICE, cache_by_slot, make_batch, ragged_batches
 
 TRITON = select_backend(DEVICE.type, "triton")
@@ -173,7 +173,7 @@ def test_small_long_decode_batch_splits_on_its_own():
 def test_choose_num_splits_fills_the_gpu():
     """Enough programs for every SM, a power of two, never shorter than min_split_tokens per split."""
     decode = make_batch([1, 1], [4096, 10], 8, 8, 8, 16).metadata  # 2 requests x 8 kv heads
-    tuning = DECODE_TUNING
+    tuning = decode_tuning(64)
     for num_sms in (16, 78, 114, 132):
         for num_reqs in (1, 2, 8, 32, 64, 256):
             for max_seq_len in (100, 512, 4096, 8192):
