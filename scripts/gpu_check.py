@@ -389,13 +389,16 @@ def profile_step(core, batch: int, context: int, device: str, steps: int = 5, to
     from engine_core.protocol import EngineCoreRequest, SamplingParams
 
     generator = torch.Generator().manual_seed(7)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
+    prefill_steps = -(-batch * context // core.config.scheduler.max_num_batched_tokens) + 2
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 16 + prefill_steps, ignore_eos=True)
     ids = [f"profile-{batch}-{i}" for i in range(batch)]
     for request_id in ids:
         core.add_request(EngineCoreRequest(request_id, torch.randint(3, core.info.vocab_size, (context,),
                                                                     generator=generator).tolist(), params))
-    for _ in range(8):  # prefill and a few warm decode steps
-        core.step()
+    produced: dict[str, int] = {}
+    while len(produced) < batch or min(produced.values()) < 4:  # every prompt prefilled, a few warm decodes
+        for output in core.step().outputs:
+            produced[output.request_id] = produced.get(output.request_id, 0) + len(output.new_token_ids)
     sync(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     started = time.perf_counter()
@@ -452,6 +455,21 @@ def part_smollm2(plan: Plan, state: dict) -> list[dict]:
                 row["of_roofline"] = row["roofline_ms"] / row["step_ms"]
                 rows.append(row)
     core.runner.decode_graphs = graphs
+    free(core)
+    return rows
+
+
+def part_smollm2_profile(plan: Plan, state: dict) -> list[dict]:
+    """SmolLM2's decode step kernel by kernel at the bars' shapes (1x128 and 32x4096; graphs replayed, overlap
+    off, so every kernel is the step's)."""
+    shape = plan.small
+    shapes = plan.decode_shapes[:2]
+    budget = DEFAULT_MAX_NUM_BATCHED_TOKENS[plan.device]
+    max_len = max(c + b * c // budget for b, c in shapes) + plan.decode_steps + 32
+    weights = state.get("small_weights") or list(random_weights(shape, plan.device, plan.dtype))
+    core = engine_for(shape, plan, weights, cuda_graphs=True, overlap=False, max_num_seqs=max(b for b, _ in shapes),
+                      max_model_len=max_len)
+    rows = [dict(profile_step(core, batch, context, plan.device), model=shape.name) for batch, context in shapes]
     free(core)
     return rows
 
@@ -586,6 +604,7 @@ PARTS = {  # name -> (function, seconds it took on one H100 or H200, for the bud
     "smollm2": (part_smollm2, 30),
     "end_to_end": (part_end_to_end, 10),
     "llama_shapes": (part_llama_shapes, 15),
+    "smollm2_profile": (part_smollm2_profile, 20),
     "transformers": (part_transformers, 150),  # last: a compile that fails can take minutes
 }
 
@@ -661,6 +680,12 @@ def table(result: dict) -> str:
         lines.append(f"  smollm2 {row['batch']}x{row['context']} graphs={row['cuda_graphs']!s:<5} "
                      f"overlap={row['overlap']!s:<5} {row['step_ms']:7.3f} ms/step {row['tok_per_s']:9.0f} tok/s "
                      f"{row['of_roofline']:.2f} of roofline")
+    for prof in (result["parts"].get("smollm2_profile", {}).get("result") or []):
+        lines.append(f"  {prof['model']} {prof['batch']}x{prof['context']} profile: step {prof['step_wall_ms']:.3f} ms "
+                     f"wall, kernels {prof['kernel_ms_per_step']:.3f} ms in {prof['kernels_per_step']:.0f} launches")
+        for k in prof["top"][:12]:
+            lines.append(f"      {k['us_per_step']:8.1f} us {k['share']:5.1%} x{k['calls_per_step']:<5.0f} "
+                         f"{k['kernel'][:70]}")
     for row in (result["parts"].get("llama_shapes", {}).get("result") or []):
         lines.append(f"  {row['model']} b{row['batch']} {row['step_ms']:.3f} ms/step "
                      f"{row['of_roofline']:.2f} of roofline")

@@ -19,7 +19,8 @@ def test_gpu_check_cpu_mode_runs_every_part(tmp_path):
     assert result["mode"] == "cpu"
     parts = result["parts"]
     assert {name: part["status"] for name, part in parts.items()} == {name: "ok" for name in (
-        "cuda_tests", "bandwidth", "attention", "smollm2", "end_to_end", "llama_shapes", "transformers")}
+        "cuda_tests", "bandwidth", "attention", "smollm2", "end_to_end", "llama_shapes", "smollm2_profile",
+        "transformers")}
     smollm2 = parts["smollm2"]["result"]
     assert {(r["batch"], r["context"], r["overlap"]) for r in smollm2} == {
         (b, c, o) for b, c in ((1, 32), (4, 96), (8, 48)) for o in (False, True)}

@@ -283,11 +283,11 @@ class LaunchTuning:
     max_splits: int = 64
 
 
-# by head dim: 64-wide heads stream best in 64-position tiles, 128-wide in 128 (gpu_check's sweep, docs/gpu.md);
-# wider heads keep tiles whose K and V stages fit in shared memory
+# by head dim (gpu_check's candidates on an H200, docs/gpu.md): 64-position tiles in two stages; 128-wide heads,
+# twice the bytes a program, want half the programs; wider heads keep tiles whose stages fit in shared memory
 DECODE_TUNINGS = {
     64: LaunchTuning(tile_n=64, num_stages=2, min_split_tokens=128),
-    128: LaunchTuning(tile_n=128, num_stages=2, min_split_tokens=256),
+    128: LaunchTuning(tile_n=64, num_stages=2, programs_per_sm=2, min_split_tokens=128),
     256: LaunchTuning(tile_n=32, num_stages=2, min_split_tokens=128),
 }
 PREFILL_TUNING = LaunchTuning(tile_n=64, num_warps=4, num_stages=3, programs_per_sm=0)
