@@ -371,6 +371,9 @@ def part_attention(plan: Plan, state: dict) -> dict:
                         row["candidates"][str(list(candidate))] = repr(exc)[:120]
                         continue
                 row["candidates"][str(list(candidate))] = ms / sdpa_ms
+            if row["triton_over_sdpa"] > 1.2 or plan.device != "cuda":  # where the time goes, kernel by kernel
+                row["triton_kernels_us"] = kernel_times(partial(triton_attention, case), plan.device)
+                row["sdpa_kernels_us"] = kernel_times(partial(sdpa_attention, case), plan.device)
         rows.append(row)
         del case
     worst: dict[str, dict[str, float]] = {}
@@ -380,6 +383,28 @@ def part_attention(plan: Plan, state: dict) -> dict:
                 key = str(row["heads"])
                 worst.setdefault(name, {})[key] = max(worst.get(name, {}).get(key, 0.0), ratio)
     return {"rows": rows, "candidates_worst_over_sdpa": worst}
+
+
+def kernel_times(fn, device: str, calls: int = 20, top: int = 4) -> dict[str, float]:
+    """Microseconds a call of fn spends in each of its `top` kernels (torch.profiler; CPU ops on the CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync(device)
+    activities = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        sync(device)
+    kind = torch.autograd.DeviceType.CUDA if device == "cuda" else torch.autograd.DeviceType.CPU
+    totals = {}
+    for event in prof.key_averages():
+        if event.device_type == kind:
+            total = (getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+                     if device == "cuda" else event.self_cpu_time_total)
+            if total > 0:
+                totals[event.key[:60]] = total / calls
+    return dict(sorted(totals.items(), key=lambda item: -item[1])[:top])
 
 
 def profile_step(core, batch: int, context: int, device: str, steps: int = 5, top: int = 15) -> dict:
@@ -676,6 +701,9 @@ def table(result: dict) -> str:
                      f"{row['triton_ms'] * 1e3:8.1f} us  /sdpa {row['triton_over_sdpa']:.2f}  "
                      f"{row['of_copy_bandwidth']:.2f} of copy bw  splits {row['num_splits']}  "
                      f"diff {row['max_abs_diff']:.3f}")
+        for name in ("triton_kernels_us", "sdpa_kernels_us"):
+            if name in row:
+                lines.append(f"      {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in row[name].items()))
     for row in (result["parts"].get("smollm2", {}).get("result") or []):
         lines.append(f"  smollm2 {row['batch']}x{row['context']} graphs={row['cuda_graphs']!s:<5} "
                      f"overlap={row['overlap']!s:<5} {row['step_ms']:7.3f} ms/step {row['tok_per_s']:9.0f} tok/s "
