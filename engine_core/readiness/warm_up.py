@@ -15,8 +15,9 @@ What runs, each phase to the end before the next:
   for structured output, and an adapter when one is loaded.
 
 It leaves no trace: its requests (ids starting `__warmup-`) all finish, every block is free again, the prefix
-cache is reset with its KV events dropped, the scheduler's step counters read zero and torch's random state is as
-it was. Its steps never reach a busy loop, so no metric counts them.
+cache is reset with its KV events dropped, its grammar is dropped from the grammar cache (the vocabulary stays
+built), the scheduler's step counters read zero and torch's random state is as it was. Its steps never reach a
+busy loop, so no metric counts them.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ LONE_PROMPT_LENGTHS = (1, 2, 16, 17, 100, 128)
 CPU_DECODE_BATCH_SIZES = (1, 2, 8, 32, 128)  # the CPU linears' row buckets (kernels/cpu/linear.py), and 2
 BATCH_PROMPT_LENGTH = 2  # more than one token: the batch's prefill is not a decode-shaped step
 MAX_STEPS_PER_PHASE = 10_000  # a phase that runs longer is a bug, not a slow machine
+WARM_UP_GRAMMAR = StructuredOutput(choice=("yes", "no"))  # builds the vocabulary; its grammar is forgotten after
 
 
 @dataclass(frozen=True)
@@ -177,8 +179,7 @@ class _Run:
         names = list(paths)
         if self.core.structured.tokenizer_path is not None:  # the vocabulary is built now, not on a user's request
             try:
-                self.add(self.prompt(5), SamplingParams(temperature=0.0, max_tokens=3,
-                                                        structured=StructuredOutput(choice=("yes", "no"))))
+                self.add(self.prompt(5), SamplingParams(temperature=0.0, max_tokens=3, structured=WARM_UP_GRAMMAR))
                 names.append("grammar")
             except ValueError as error:  # a vocabulary llguidance refuses: structured requests will say so too
                 logger.warning("warm-up: the grammar path is not warmed: %s", error)
@@ -199,4 +200,5 @@ class _Run:
             raise RuntimeError(f"the warm-up left {manager.num_blocks - 1 - manager.num_free_blocks} KV blocks "
                                "owned: a block leak in the engine's bookkeeping")
         core.take_kv_events()  # the reset's report: nobody has heard of the warm-up's blocks
+        core.structured.forget(WARM_UP_GRAMMAR)  # the grammar cache holds users' grammars only
         core.last_mask_timing = None

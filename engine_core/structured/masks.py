@@ -119,6 +119,10 @@ class StructuredOutputs:
             self._grammars.move_to_end(text)
         return GrammarMatcher(compiled.deep_copy(), structured.kind)
 
+    def forget(self, structured: StructuredOutput) -> None:
+        """Drop this constraint's compiled grammar from the cache (the vocabulary stays built)."""
+        self._grammars.pop(grammar_text(structured), None)
+
     @property
     def num_cached_grammars(self) -> int:
         return len(self._grammars)

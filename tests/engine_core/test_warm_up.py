@@ -83,6 +83,7 @@ def assert_no_trace(core: EngineCore) -> None:
     assert core.take_kv_events() is None, "a KV event of the warm-up is still to be reported"
     assert not core.scheduler.requests and not core.scheduler.finished_request_ids
     assert not core.runner.generators
+    assert core.structured.num_cached_grammars == 0, "the warm-up's grammar takes a place in the users' cache"
     stats = core.make_stats()
     assert (stats.num_prompt_tokens, stats.num_generation_tokens, stats.num_scheduled_tokens, stats.num_preemptions,
             stats.prefix_cache_queries, stats.prefix_cache_hits) == (0, 0, 0, 0, 0, 0)
