@@ -248,11 +248,11 @@ def test_the_docs_the_code_links_to_exist():
 # scheduler_stats, kv_events, kv_cache_tensors). The bound leaves a feature's step code some room: speculative
 # decoding's hooks took it from 2,100 to 2,130 (its own code is in engine_core/spec_decode/, beside the step).
 STEP_FILES = [
-    "engine_core/engine_core.py", "engine_core/scheduler.py", "engine_core/request.py",
-    "engine_core/request_queue.py", "engine_core/kv_cache_manager.py", "engine_core/block_pool.py",
-    "engine_core/model_runner.py", "engine_core/sampler.py", "engine_core/sampling_metadata.py",
-    "engine_core/types.py", "engine_core/protocol/outputs.py", "engine_core/protocol/request.py",
-    "engine_core/overlap.py", "engine_core/step_output.py",
+    "engine_core/engine_core.py", "engine_core/request.py", "engine_core/types.py", "engine_core/overlap.py",
+    "engine_core/scheduling/scheduler.py", "engine_core/scheduling/request_queue.py",
+    "engine_core/scheduling/kv_cache_manager.py", "engine_core/scheduling/block_pool.py",
+    "engine_core/runner/model_runner.py", "engine_core/runner/sampler.py", "engine_core/runner/sampling_metadata.py",
+    "engine_core/runner/step_output.py", "engine_core/protocol/outputs.py", "engine_core/protocol/request.py",
 ]
 
 
@@ -318,7 +318,7 @@ def test_no_import_cycles_between_modules():
 # Modules at a package's root, at most: past that, name prefixes start doing the work of folders.
 MAX_MODULES_AT_A_ROOT = 15
 # Packages still past the bound, at their current counts: each may only shrink, until it is split into folders.
-STILL_TO_SPLIT = {"engine_core": 27, "engine_core/protocol": 20}
+STILL_TO_SPLIT = {"engine_core/protocol": 20}
 
 
 def test_no_package_root_holds_more_than_15_modules():

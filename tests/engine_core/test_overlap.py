@@ -18,8 +18,8 @@ import torch
 
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine_core.engine_core import EngineCore
-from engine_core.llm_engine import LLMEngine
 from engine_core.loader import default_model_path
+from engine_core.offline.llm_engine import LLMEngine
 from engine_core.overlap import ThreadQueue
 from engine_core.protocol import EngineCoreRequest, FinishReason, SamplingParams, StructuredOutput
 from engine_core.startup import resolve_overlap

@@ -7,7 +7,7 @@ import json
 from dataclasses import replace
 
 from engine_core.config import SpeculativeConfig
-from engine_core.llm_engine import LLMEngine
+from engine_core.offline.llm_engine import LLMEngine
 from engine_core.protocol import FinishReason, SamplingParams, StructuredOutput
 from tests.structured.conftest import tiny_config
 from tests.structured.schemas import SCHEMAS, check_json
