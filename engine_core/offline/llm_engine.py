@@ -26,8 +26,8 @@ from engine_core.protocol import (
     RequestOutput,
     SamplingParams,
 )
-from engine_core.protocol.tokenizer import TokenizerBundle, load_tokenizer
 from engine_core.startup import tokenizer_path
+from engine_core.text.tokenizer import TokenizerBundle, load_tokenizer
 
 if TYPE_CHECKING:
     from engine_core.engine_args import EngineArgs
