@@ -11,8 +11,8 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "LLM": "engine_core.llm",
-    "LLMEngine": "engine_core.llm_engine",
+    "LLM": "engine_core.offline.llm",
+    "LLMEngine": "engine_core.offline.llm_engine",
     "EngineArgs": "engine_core.engine_args",
     "EngineConfig": "engine_core.config",
     "SamplingParams": "engine_core.protocol",

@@ -140,7 +140,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
 
 @dataclass
 class SchedulerConfig:
-    # prompt tokens one step computes (its running decodes ride on top, engine_core/scheduler.py); None:
+    # prompt tokens one step computes (its running decodes ride on top, engine_core/scheduling/scheduler.py); None:
     # DEFAULT_MAX_NUM_BATCHED_TOKENS for the device (and without chunked prefill at least max_model_len),
     # resolved by the engine core
     max_num_batched_tokens: int | None = None

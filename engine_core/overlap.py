@@ -30,10 +30,10 @@ from typing import Any, Callable
 
 import torch
 
-from engine_core.model_runner import ModelRunner
 from engine_core.protocol import EngineCoreOutputs
-from engine_core.scheduler import Scheduler
-from engine_core.step_output import StepOutput
+from engine_core.runner.model_runner import ModelRunner
+from engine_core.runner.step_output import StepOutput
+from engine_core.scheduling.scheduler import Scheduler
 from engine_core.types import ModelRunnerOutput, SchedulerOutput
 
 

@@ -25,15 +25,15 @@ from engine_core.config import (
     SpeculativeConfig,
     parse_linear_kernels,
 )
-from engine_core.cuda_graphs import capture_sizes
-from engine_core.kv_cache_tensors import kv_cache_bytes_per_block
 from engine_core.loader.registry import default_model_path, load_model, prepare_for_cpu
 from engine_core.lora.admission import LoraAdmission
 from engine_core.lora.runtime import LoraRuntime
-from engine_core.model_runner import ModelRunner
 from engine_core.overlap import InlineQueue, OverlappedSteps, ThreadQueue
 from engine_core.protocol import EngineInfo
-from engine_core.scheduler import Scheduler
+from engine_core.runner.cuda_graphs import capture_sizes
+from engine_core.runner.kv_cache_tensors import kv_cache_bytes_per_block
+from engine_core.runner.model_runner import ModelRunner
+from engine_core.scheduling.scheduler import Scheduler
 from engine_core.spec_decode import NgramProposer, Proposer
 from engine_core.spec_decode.draft_model import DraftModelProposer
 from engine_core.spec_decode.speculator import Speculator

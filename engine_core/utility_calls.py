@@ -14,12 +14,12 @@ from engine_core.protocol import KVCacheEvents, SchedulerStats
 from engine_core.readiness import CompileMonitor, WarmUpReport, warm_up
 
 if TYPE_CHECKING:
-    from engine_core.block_pool import BlockPool
     from engine_core.config import EngineConfig
-    from engine_core.model_runner import ModelRunner
     from engine_core.overlap import OverlappedSteps
     from engine_core.profiler import Profiler
-    from engine_core.scheduler import Scheduler
+    from engine_core.runner.model_runner import ModelRunner
+    from engine_core.scheduling.block_pool import BlockPool
+    from engine_core.scheduling.scheduler import Scheduler
 
 
 class EngineUtilityCalls:

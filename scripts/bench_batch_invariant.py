@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from engine_core.llm_engine import LLMEngine  # noqa: E402
+from engine_core.offline.llm_engine import LLMEngine  # noqa: E402
 from engine_core.protocol import SamplingParams  # noqa: E402
 from scripts.bench_offline import bench_tandem, make_prompts  # noqa: E402
 

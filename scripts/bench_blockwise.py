@@ -87,7 +87,7 @@ def smollm2_inputs() -> tuple[object, dict[str, list[torch.Tensor]], dict[str, t
 
     from engine_core.loader import default_model_path
     from engine_core.loader.registry import load_model
-    from engine_core.protocol.tokenizer import load_tokenizer
+    from engine_core.text.tokenizer import load_tokenizer
     from kernels import select_backend
     from tests.engine_core.tiny_models import PagedBatch, run_step
 

@@ -68,7 +68,7 @@ def main() -> int:
     parser.add_argument("engine_args", nargs="*", help="tandem-engine flags, after --")
     args = parser.parse_args()
 
-    from engine_core.llm_engine import LLMEngine
+    from engine_core.offline.llm_engine import LLMEngine
     from services.engine.__main__ import build_parser, config_from_args
 
     engine = LLMEngine(config_from_args(build_parser().parse_args(args.engine_args)))

@@ -155,8 +155,8 @@ def main() -> int:
 
     import torch
 
-    from engine_core.llm_engine import LLMEngine
     from engine_core.loader import default_model_path
+    from engine_core.offline.llm_engine import LLMEngine
     from services.engine.__main__ import build_parser, config_from_args
     from services.frontend.tokenizer import load_tokenizer
 

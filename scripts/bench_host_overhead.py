@@ -35,8 +35,6 @@ limit_openmp_spinning()  # before torch loads, as tandem-engine does: idle OpenM
 
 import torch  # noqa: E402
 
-from engine_core import model_runner as model_runner_module  # noqa: E402
-from engine_core import sampler as sampler_module  # noqa: E402
 from engine_core.config import (  # noqa: E402
     CacheConfig,
     DeviceConfig,
@@ -48,6 +46,8 @@ from engine_core.config import (  # noqa: E402
 from engine_core.engine_core import EngineCore  # noqa: E402
 from engine_core.loader.registry import default_model_path  # noqa: E402
 from engine_core.protocol import EngineCoreRequest, SamplingParams, StructuredOutput  # noqa: E402
+from engine_core.runner import model_runner as model_runner_module  # noqa: E402
+from engine_core.runner import sampler as sampler_module  # noqa: E402
 from engine_core.structured.masks import StepMasks, StructuredOutputs  # noqa: E402
 
 # SmolLM2-135M, with one layer: only the KV cache's size depends on the layer count here.

@@ -93,7 +93,7 @@ def bench_attention(args, dtype, device, bandwidth: float) -> list[dict]:
 # ---- 3. engine decode ------------------------------------------------------------------------
 def make_engine(args, cuda_graphs: bool):
     from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from engine_core.llm_engine import LLMEngine
+    from engine_core.offline.llm_engine import LLMEngine
 
     max_batch = max(args.engine_batches)
     return LLMEngine(EngineConfig(
@@ -160,7 +160,7 @@ def bench_decode(engine, batch: int, args, bandwidth: float) -> dict:
     row["step_over_roofline"] = row["step_ms"] / row["roofline_step_ms"]
     graphs = engine.engine_core.runner.decode_graphs
     if graphs is not None:  # the last decode step's inputs are still in the static buffers
-        from engine_core.cuda_graphs import bucket_for
+        from engine_core.runner.cuda_graphs import bucket_for
 
         last_context = args.prompt_len + steps
         replay_roofline_s = (weights + batch * last_context * per_token) / bandwidth

@@ -38,7 +38,7 @@ limit_openmp_spinning()  # before torch loads, as tandem-engine does
 import torch  # noqa: E402
 
 from engine_core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from engine_core.llm_engine import LLMEngine  # noqa: E402
+from engine_core.offline.llm_engine import LLMEngine  # noqa: E402
 from engine_core.protocol import OutputKind, SamplingParams  # noqa: E402
 from scripts.bench_offline import make_prompts  # noqa: E402
 

@@ -112,8 +112,8 @@ def linears(args, dtype: torch.dtype) -> tuple[dict, dict]:
 def decode_steps(flag_sets: list[str]) -> dict[str, dict]:
     """Pure-decode step (ms, median) at 1 and 32 streams, stepped here, for each engine flag set."""
     from clients.bench.prompts import synthetic_prompts
-    from engine_core.llm_engine import LLMEngine
     from engine_core.loader import default_model_path
+    from engine_core.offline.llm_engine import LLMEngine
     from scripts.bench_sides import WARM_UP, combine, in_process_round
     from services.engine.__main__ import build_parser, config_from_args
     from services.frontend.tokenizer import load_tokenizer

@@ -28,8 +28,8 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from engine_core.config import CacheConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from engine_core.llm_engine import LLMEngine  # noqa: E402
 from engine_core.lora.targets import LINEAR_LEAVES  # noqa: E402
+from engine_core.offline.llm_engine import LLMEngine  # noqa: E402
 from scripts.bench_offline import bench_tandem  # noqa: E402
 
 TARGETS = [leaf for leaf in LINEAR_LEAVES if leaf not in ("qkv_proj", "gate_up_proj", "lm_head")]

@@ -24,8 +24,8 @@ import torch  # noqa: E402
 
 from clients.bench.transformers_peer import generate_batch, load_transformers  # noqa: E402
 from engine_core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from engine_core.llm_engine import LLMEngine  # noqa: E402
 from engine_core.loader.registry import default_model_path  # noqa: E402
+from engine_core.offline.llm_engine import LLMEngine  # noqa: E402
 from engine_core.protocol import OutputKind, SamplingParams  # noqa: E402
 
 

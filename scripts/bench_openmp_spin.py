@@ -51,7 +51,7 @@ def median_step_ms(engine, batch: int, max_tokens: int, budget_s: float) -> floa
 def child(budget_s: float) -> None:
     """One setting: alone, then beside the neighbour; one JSON line on stdout."""
     sys.path.insert(0, str(ROOT))
-    from engine_core.llm_engine import LLMEngine
+    from engine_core.offline.llm_engine import LLMEngine
     from services.engine.__main__ import build_parser, config_from_args
 
     engine = LLMEngine(config_from_args(build_parser().parse_args([])))

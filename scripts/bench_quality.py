@@ -52,8 +52,8 @@ import torch  # noqa: E402
 
 from clients.bench.transformers_peer import load_transformers  # noqa: E402
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from engine_core.llm_engine import LLMEngine  # noqa: E402
 from engine_core.loader.registry import default_model_path  # noqa: E402
+from engine_core.offline.llm_engine import LLMEngine  # noqa: E402
 from engine_core.protocol import SamplingParams  # noqa: E402
 
 CHUNK = 512  # llama-perplexity's default context

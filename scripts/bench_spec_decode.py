@@ -46,9 +46,9 @@ from engine_core.config import (  # noqa: E402
     SchedulerConfig,
     SpeculativeConfig,
 )
-from engine_core.llm_engine import LLMEngine  # noqa: E402
+from engine_core.offline.llm_engine import LLMEngine  # noqa: E402
 from engine_core.protocol import OutputKind, SamplingParams  # noqa: E402
-from engine_core.protocol.chat_template import render_chat  # noqa: E402
+from engine_core.text.chat_template import render_chat  # noqa: E402
 
 CODE = '''def summarize(orders):
     total = 0

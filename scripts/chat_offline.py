@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tokenizers.decoders import DecodeStream  # noqa: E402
 
 from engine_core.config import EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from engine_core.llm_engine import LLMEngine  # noqa: E402
 from engine_core.loader.registry import default_model_path  # noqa: E402
+from engine_core.offline.llm_engine import LLMEngine  # noqa: E402
 from engine_core.protocol import OutputKind, SamplingParams  # noqa: E402
 from services.frontend.chat.template import render_chat  # noqa: E402
 from services.frontend.tokenizer import load_tokenizer  # noqa: E402

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from engine_core.config import CacheConfig, EngineConfig, ModelConfig
-from engine_core.llm_engine import LLMEngine
 from engine_core.loader import default_model_path
 from engine_core.models.layers import LINEAR_ROLES
+from engine_core.offline.llm_engine import LLMEngine
 from engine_core.protocol import SamplingParams
 from kernels.cpu.linear import KERNELS, MAX_ROWS, CpuLinear, LinearRole, auto_kernels
 from services.frontend.chat.template import render_chat

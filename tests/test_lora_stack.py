@@ -16,8 +16,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 from tandem.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
 
 from engine_core.config import CacheConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
-from engine_core.llm_engine import LLMEngine
 from engine_core.loader import default_model_path
+from engine_core.offline.llm_engine import LLMEngine
 from engine_core.protocol import SamplingParams
 from tests.engine_core.tiny_lora import write_tiny_adapter
 from tests.engine_core.tiny_models import write_tiny_model

@@ -20,8 +20,8 @@ from tandem.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, gen
 
 from clients.local_stack import free_port, wait_until_serving
 from engine_core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine_core.llm_engine import LLMEngine
 from engine_core.loader import default_model_path
+from engine_core.offline.llm_engine import LLMEngine
 from engine_core.protocol import SamplingParams
 from services.frontend.chat.template import render_chat
 from services.frontend.tokenizer import load_tokenizer

@@ -1,6 +1,6 @@
 """GGUF checkpoints: metadata -> ModelArchConfig, tensors -> Hugging Face-named fp32 weights.
 
-The header comes from `engine_core.protocol.gguf_metadata` (the one GGUF header reader, shared with the
+The header comes from `engine_core.text.gguf_metadata` (the one GGUF header reader, shared with the
 frontend); the `gguf` package supplies the type tables and `gguf.quants.dequantize`.
 """
 
@@ -19,7 +19,7 @@ from gguf.quants import dequantize
 from engine_core.config import ModelArchConfig
 from engine_core.models.llama import packed_groups
 from engine_core.models.registry import family_of_gguf
-from engine_core.protocol.gguf_metadata import read_gguf_header
+from engine_core.text.gguf_metadata import read_gguf_header
 
 # Tokens that end a turn, added to eos like llama.cpp's end-of-generation set.
 _EOG_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>", "<end_of_turn>")

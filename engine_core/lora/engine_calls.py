@@ -11,7 +11,7 @@ from engine_core.protocol import EngineCoreRequest, LoraInfo
 
 if TYPE_CHECKING:
     from engine_core.lora.runtime import LoraRuntime
-    from engine_core.scheduler import Scheduler
+    from engine_core.scheduling.scheduler import Scheduler
 
 
 class EngineLoraCalls:

@@ -12,7 +12,6 @@ from engine_core.protocol.engine_state import EngineState, PauseMode
 from engine_core.protocol.finish_reason import FinishReason
 from engine_core.protocol.kv_events import KVCacheEvents
 from engine_core.protocol.logprobs import TokenLogprobs
-from engine_core.protocol.lora_info import LoraInfo
 from engine_core.protocol.outputs import EngineCoreEvent, EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
 from engine_core.protocol.pooling_params import PoolingParams, PoolingType
 from engine_core.protocol.request import EngineCoreRequest
@@ -26,6 +25,7 @@ from engine_core.protocol.utility import (
     GetStatsCall,
     ListLorasCall,
     LoadLoraCall,
+    LoraInfo,
     PauseCall,
     PinLoraCall,
     ResetPrefixCacheCall,

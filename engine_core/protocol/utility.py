@@ -11,7 +11,6 @@ import enum
 from dataclasses import dataclass
 
 from engine_core.protocol.engine_state import PauseMode
-from engine_core.protocol.lora_info import LoraInfo
 from engine_core.protocol.scheduler_stats import SchedulerStats
 
 
@@ -122,6 +121,20 @@ ControlCall = (PauseCall | ResumeCall | ResetPrefixCacheCall | SleepCall | WakeU
 class UtilityCall:
     call_id: int  # the answer carries it back
     call: ControlCall
+
+
+@dataclass(frozen=True)
+class LoraInfo:
+    """What an engine says of one loaded LoRA adapter, as `list_loras` (and the other LoRA calls) report it."""
+
+    name: str
+    path: str
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    pinned: bool
+    location: str  # "device" (in a slot), "host" (in host memory) or "disk" (read again when used)
+    lora_id: int = 0  # 1, 2, ... in load order (vLLM's lora_int_id)
 
 
 class UtilityErrorKind(enum.IntEnum):

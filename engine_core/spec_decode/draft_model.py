@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from engine_core.kv_cache_manager import KVCacheManager
-from engine_core.model_runner import ModelRunner
 from engine_core.protocol import SamplingParams
 from engine_core.request import Request
+from engine_core.runner.model_runner import ModelRunner
+from engine_core.scheduling.kv_cache_manager import KVCacheManager
 from engine_core.spec_decode.proposer import DraftInput, Proposer
 from engine_core.types import SchedulerOutput
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.request import Request
+from engine_core.scheduling.kv_cache_manager import KVCacheManager
 
 
 def fit_drafts(request: Request, budget: int, max_model_len: int) -> list[int]:

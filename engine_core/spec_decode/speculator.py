@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine_core.sampler import Sampler
+from engine_core.runner.sampler import Sampler
 from engine_core.spec_decode.proposer import DraftInput, Proposer
 from engine_core.spec_decode.verification import VerifyBatch, verify
 from engine_core.types import ModelRunnerOutput
 
 if TYPE_CHECKING:
-    from engine_core.model_runner import _Batch
+    from engine_core.runner.model_runner import _Batch
 
 MAX_REST = 16  # steps
 

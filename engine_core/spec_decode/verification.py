@@ -21,7 +21,7 @@ import torch
 
 from engine_core.protocol import TokenLogprobs
 from engine_core.request import Request
-from engine_core.sampler import Sampler, build_sampling_metadata
+from engine_core.runner.sampler import Sampler, build_sampling_metadata
 
 
 @dataclass
@@ -100,7 +100,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, batch: VerifyBatch, generator
 
 def rewind(generator: torch.Generator, state: torch.Tensor, num_draws: int, vocab_size: int) -> None:
     """Put `generator` where `num_draws` sampling steps from `state` leave it: the sampler's exponential race draws
-    one row of vocab_size floats per step (engine_core/sampler.py's exponential_race)."""
+    one row of vocab_size floats per step (engine_core/runner/sampler.py's exponential_race)."""
     generator.set_state(state)
     row = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
     for _ in range(num_draws):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine_core.host_to_device import to_device
+from engine_core.runner.host_to_device import to_device
 
 
 def apply_token_mask(logits: torch.Tensor, disallowed: np.ndarray, rows: list[int]) -> None:

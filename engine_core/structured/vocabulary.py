@@ -1,7 +1,7 @@
 """llguidance's tokenizer, built once per engine from the model's own tokenizer data; torch-free.
 
 The masks need every token's bytes: llguidance reads them from the `tokenizers` JSON of the
-model's tokenizer (a tokenizer.json, or the one engine_core.protocol.tokenizer builds from GGUF metadata),
+model's tokenizer (a tokenizer.json, or the one engine_core.text.tokenizer builds from GGUF metadata),
 sized to the model's logits so padded ids are simply never allowed.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from llguidance import LLTokenizer
 
-from engine_core.protocol.tokenizer import load_tokenizer
+from engine_core.text.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

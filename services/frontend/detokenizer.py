@@ -1,6 +1,6 @@
-"""The frontend's detokenizer: engine_core.protocol.detokenizer, shared with the offline LLMEngine (which
+"""The frontend's detokenizer: engine_core.text.detokenizer, shared with the offline LLMEngine (which
 detokenizes as vLLM's does). Torch-free."""
 
-from engine_core.protocol.detokenizer import Detokenizer, decode_logprobs, find_stop
+from engine_core.text.detokenizer import Detokenizer, decode_logprobs, find_stop
 
 __all__ = ["Detokenizer", "decode_logprobs", "find_stop"]

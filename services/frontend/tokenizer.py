@@ -1,6 +1,6 @@
-"""The frontend's tokenizer: engine_core.protocol.tokenizer, shared with the engine (whose structured-output
+"""The frontend's tokenizer: engine_core.text.tokenizer, shared with the engine (whose structured-output
 masks need the same vocabulary). Torch-free."""
 
-from engine_core.protocol.tokenizer import TokenizerBundle, load_tokenizer
+from engine_core.text.tokenizer import TokenizerBundle, load_tokenizer
 
 __all__ = ["TokenizerBundle", "load_tokenizer"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from engine_core.protocol import EngineCoreOutputs, TokenLogprobs
 from engine_core.request import Request
-from engine_core.scheduler import Scheduler
+from engine_core.scheduling.scheduler import Scheduler
 from engine_core.types import ModelRunnerOutput, SchedulerOutput
 
 

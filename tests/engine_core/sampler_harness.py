@@ -9,7 +9,7 @@ import torch
 
 from engine_core.protocol import SamplingParams, TokenLogprobs
 from engine_core.request import Request
-from engine_core.sampler import Sampler, SamplingMetadata, build_sampling_metadata
+from engine_core.runner.sampler import Sampler, SamplingMetadata, build_sampling_metadata
 
 _ids = itertools.count()
 

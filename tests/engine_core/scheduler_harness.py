@@ -4,7 +4,7 @@ invariants every scheduler test checks (tests/engine_core/test_scheduler*.py).""
 from engine_core.config import CacheConfig, SchedulerConfig
 from engine_core.protocol import SamplingParams
 from engine_core.request import Request
-from engine_core.scheduler import Scheduler
+from engine_core.scheduling.scheduler import Scheduler
 
 BLOCK = 4
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
-from engine_core.llm_engine import LLMEngine
 from engine_core.loader import registry
+from engine_core.offline.llm_engine import LLMEngine
 from engine_core.protocol import SamplingParams
 from engine_core.startup import batch_invariant_pins
 from kernels.cpu import extension as cpu_extension

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine_core.block_pool import BlockPool
+from engine_core.scheduling.block_pool import BlockPool
 
 
 def test_null_block_is_never_handed_out():

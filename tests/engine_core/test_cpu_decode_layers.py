@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine_core.llm_engine import LLMEngine
 from engine_core.loader import registry
+from engine_core.offline.llm_engine import LLMEngine
 from engine_core.protocol import SamplingParams
 from kernels.cpu import extension as cpu_extension
 from kernels.cpu.decode_layers import GEMV_MAX_ROWS, MAX_ROWS, OP_KERNELS

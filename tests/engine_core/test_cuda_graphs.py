@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine_core.cuda_graphs import bucket_for, capture_sizes
 from engine_core.engine_core import EngineCore
-from engine_core.model_runner import ModelRunner
 from engine_core.protocol import EngineCoreRequest, SamplingParams
+from engine_core.runner.cuda_graphs import bucket_for, capture_sizes
+from engine_core.runner.model_runner import ModelRunner
 from engine_core.types import ModelRunnerOutput, SchedulerOutput
 from tests.engine_core.tiny_models import write_tiny_model
 

@@ -12,7 +12,7 @@ import torch
 
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine_core.engine_core import EngineCore
-from engine_core.llm_engine import LLMEngine
+from engine_core.offline.llm_engine import LLMEngine
 from engine_core.protocol import EngineCoreRequest, FinishReason, OutputKind, SamplingParams
 from kernels.cpu import extension as cpu_extension
 from tests.engine_core.tiny_models import write_tiny_model

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine_core.llm_engine import LLMEngine
 from engine_core.loader import load_model
+from engine_core.offline.llm_engine import LLMEngine
 from engine_core.protocol import OutputKind, SamplingParams
 from kernels import select_backend
 from kernels.cpu import extension as cpu_extension

@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 
-from engine_core.protocol.gguf_metadata import read_gguf_header, read_gguf_metadata
+from engine_core.text.gguf_metadata import read_gguf_header, read_gguf_metadata
 
 
 def _write(path, alignment: int | None = None) -> None:
@@ -74,5 +74,5 @@ def test_not_a_gguf_file_is_refused(tmp_path):
 
 
 def test_the_reader_imports_no_torch():
-    code = "import engine_core.protocol.gguf_metadata, sys; assert 'torch' not in sys.modules"
+    code = "import engine_core.text.gguf_metadata, sys; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

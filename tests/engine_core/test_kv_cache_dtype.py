@@ -24,7 +24,7 @@ from engine_core.config import (
     SpeculativeConfig,
 )
 from engine_core.engine_core import EngineCore
-from engine_core.llm_engine import LLMEngine
+from engine_core.offline.llm_engine import LLMEngine
 from engine_core.protocol import EngineCoreRequest, PoolingParams, SamplingParams
 from engine_core.startup import num_blocks_for_memory
 from kernels.cpu import extension as cpu_extension

@@ -1,8 +1,8 @@
 """KVCacheManager: block tables, prefix hits, room checks, freeing."""
 
-from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.protocol import SamplingParams
 from engine_core.request import Request
+from engine_core.scheduling.kv_cache_manager import KVCacheManager
 
 BLOCK = 4
 

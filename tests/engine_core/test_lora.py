@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
-from engine_core.llm_engine import LLMEngine
+from engine_core.offline.llm_engine import LLMEngine
 from engine_core.protocol import SamplingParams
 from tests.engine_core.test_engine import CPP, CUDA, INTERPRETER, hf_greedy
 from tests.engine_core.tiny_lora import ALL_LINEAR, merged_model, write_tiny_adapter

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
-from engine_core.llm_engine import LLMEngine
 from engine_core.loader import registry
+from engine_core.offline.llm_engine import LLMEngine
 from engine_core.protocol import SamplingParams
 from kernels.cpu import extension as cpu_extension
 from tests.engine_core.test_cpu_decode_layers import timer_preferring

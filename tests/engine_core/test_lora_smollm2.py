@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
-from engine_core.llm_engine import LLMEngine
 from engine_core.loader.registry import default_model_path
+from engine_core.offline.llm_engine import LLMEngine
 from engine_core.protocol import SamplingParams
 from tests.engine_core.test_engine import hf_greedy
 from tests.engine_core.test_loader import _transformers_from_gguf

@@ -18,8 +18,8 @@ import torch
 
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine_core.engine_core import EngineCore
-from engine_core.llm_engine import LLMEngine
 from engine_core.loader import default_model_path
+from engine_core.offline.llm_engine import LLMEngine
 from engine_core.overlap import ThreadQueue
 from engine_core.protocol import EngineCoreRequest, FinishReason, SamplingParams, StructuredOutput
 from engine_core.startup import resolve_overlap
@@ -230,7 +230,7 @@ def test_sleep_right_after_the_last_output_waits_for_the_step_in_flight(tiny_mod
 def test_stop_strings_and_n_through_the_frontend_are_unchanged(tiny_model_dir):
     """AsyncLLM over the in-process busy loop: stop strings end a stream by aborting it in the engine, n > 1
     fans out into seeded children; the texts, finish reasons and stop strings must not move with overlap."""
-    from engine_core.protocol.tokenizer import load_tokenizer
+    from engine_core.text.tokenizer import load_tokenizer
     from services.engine.busy_loop import EngineBusyLoop
     from services.frontend.input_processor import TokensPrompt
     from tests.frontend.test_in_process import run_with_llm, token_ids

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine_core.config import CacheConfig, EngineConfig, ModelConfig
-from engine_core.llm_engine import LLMEngine
 from engine_core.loader import default_model_path, registry
+from engine_core.offline.llm_engine import LLMEngine
 from engine_core.protocol import SamplingParams
 from kernels.cpu import linear as cpu_linear
 from services.frontend.tokenizer import load_tokenizer

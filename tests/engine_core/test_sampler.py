@@ -11,7 +11,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from engine_core.request import Request
-from engine_core.sampler import (
+from engine_core.runner.sampler import (
     apply_logit_changes,
     apply_top_k_top_p,
     build_sampling_metadata,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_core.sampler import compute_prompt_logprobs
+from engine_core.runner.sampler import compute_prompt_logprobs
 from tests.engine_core.sampler_harness import make_request, run
 
 

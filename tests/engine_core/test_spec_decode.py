@@ -19,7 +19,7 @@ from engine_core.config import (
     SpeculativeConfig,
 )
 from engine_core.engine_core import EngineCore
-from engine_core.llm_engine import LLMEngine
+from engine_core.offline.llm_engine import LLMEngine
 from engine_core.protocol import EngineCoreRequest, FinishReason, SamplingParams
 from engine_core.spec_decode import Proposer
 from tests.engine_core.test_engine import CPP, INTERPRETER

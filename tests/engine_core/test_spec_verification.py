@@ -8,8 +8,8 @@ import torch
 
 from engine_core.protocol import SamplingParams
 from engine_core.request import Request
-from engine_core.sampler import Sampler
-from engine_core.sampling_metadata import make_generator
+from engine_core.runner.sampler import Sampler
+from engine_core.runner.sampling_metadata import make_generator
 from engine_core.spec_decode.verification import VerifyBatch, verify
 
 VOCAB = 8

@@ -9,7 +9,7 @@ from engine_core import LLM, EngineArgs, LLMEngine, OutputKind, SamplingParams
 from engine_core.config import EngineConfig, ModelConfig
 from engine_core.loader import default_model_path
 from engine_core.protocol import FinishReason
-from engine_core.protocol.chat_template import render_chat
+from engine_core.text.chat_template import render_chat
 from tests.engine_core.tiny_models import write_tiny_model
 
 VOCAB = 49152  # SmolLM2's, so its tokenizer fits

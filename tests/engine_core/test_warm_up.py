@@ -10,8 +10,8 @@ import torch
 
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine_core.engine_core import EngineCore
-from engine_core.llm_engine import LLMEngine
 from engine_core.loader import default_model_path
+from engine_core.offline.llm_engine import LLMEngine
 from engine_core.protocol import EngineCoreOutputs, EngineCoreRequest, SamplingParams, StructuredOutput
 from engine_core.readiness import CompileMonitor
 from engine_core.readiness.warm_up import REQUEST_ID_PREFIX

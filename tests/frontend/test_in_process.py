@@ -16,7 +16,7 @@ import torch
 
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine_core.engine_core import EngineCore
-from engine_core.llm_engine import LLMEngine
+from engine_core.offline.llm_engine import LLMEngine
 from engine_core.protocol import FinishReason, OutputKind, SamplingParams
 from services.engine.busy_loop import EngineBusyLoop
 from services.engine.processes.engine_process import run_beside_engine

@@ -140,7 +140,7 @@ def test_a_kernel_that_cannot_hold_the_weight_fails_at_load_naming_those_that_ca
 
 
 def test_an_in_process_engine_runs_the_pinned_plan_without_timing(tmp_path, monkeypatch):
-    from engine_core.llm_engine import LLMEngine
+    from engine_core.offline.llm_engine import LLMEngine
 
     monkeypatch.setattr(cpu_linear, "_wall_timer", no_timing)
     monkeypatch.setattr(registry, "wall_timer", no_timing)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine_core.config import CacheConfig, SchedulerConfig
 from engine_core.protocol import EngineCoreEventType, SamplingParams
 from engine_core.request import Request
-from engine_core.scheduler import Scheduler
+from engine_core.scheduling.scheduler import Scheduler
 from tests.engine_core.fake_runner import FakeRunner, run_step
 
 BLOCK = 4

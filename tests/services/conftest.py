@@ -15,7 +15,7 @@ import pytest
 from tandem.v1 import engine_core_pb2, engine_core_pb2_grpc
 
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine_core.llm_engine import LLMEngine
+from engine_core.offline.llm_engine import LLMEngine
 from engine_core.protocol import SamplingParams
 from services.engine.server import EngineServer
 from tests.engine_core.tiny_models import write_tiny_model

@@ -6,7 +6,7 @@ import pytest
 
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine_core.loader import default_model_path
-from engine_core.protocol.tokenizer import load_tokenizer
+from engine_core.text.tokenizer import load_tokenizer
 from tests.engine_core.tiny_models import write_tiny_model
 
 VOCAB = 49152  # SmolLM2's

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from engine_core.engine_core import EngineCore
-from engine_core.llm_engine import LLMEngine
+from engine_core.offline.llm_engine import LLMEngine
 from engine_core.protocol import EngineCoreRequest, FinishReason, SamplingParams, StructuredOutput
 from tests.structured.conftest import tiny_config
 from tests.structured.schemas import (

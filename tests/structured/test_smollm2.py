@@ -8,7 +8,7 @@ import json
 import pytest
 
 from engine_core.config import EngineConfig, ModelConfig
-from engine_core.llm_engine import LLMEngine
+from engine_core.offline.llm_engine import LLMEngine
 from engine_core.protocol import FinishReason, SamplingParams, StructuredOutput
 from services.frontend.chat.template import render_chat
 from tests.structured.schemas import ARITHMETIC, PHONE_REGEX, SCHEMAS, check_json, check_lark, check_regex

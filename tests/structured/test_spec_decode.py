@@ -7,7 +7,7 @@ import json
 from dataclasses import replace
 
 from engine_core.config import SpeculativeConfig
-from engine_core.llm_engine import LLMEngine
+from engine_core.offline.llm_engine import LLMEngine
 from engine_core.protocol import FinishReason, SamplingParams, StructuredOutput
 from tests.structured.conftest import tiny_config
 from tests.structured.schemas import SCHEMAS, check_json
@@ -38,7 +38,7 @@ def test_constrained_requests_do_not_speculate_and_keep_their_output(tiny_model_
 
 def test_a_stop_string_inside_a_multi_token_step_ends_the_tokens_too(tiny_model_dir, tokenizer):
     """With the model as its own draft every step emits k + 1 tokens; the offline engine's detokenizer (the
-    frontend's, engine_core/protocol/detokenizer.py) cuts both the text and the token ids at the stop string."""
+    frontend's, engine_core/text/detokenizer.py) cuts both the text and the token ids at the stop string."""
     prompt = tokenizer.encode("Tell me something: " * 3, add_special_tokens=False)
     engines = {spec.enabled: LLMEngine(replace(tiny_config(tiny_model_dir), speculative=spec)) for spec in (
         SpeculativeConfig(), SpeculativeConfig(method="draft", draft_model=str(tiny_model_dir)))}

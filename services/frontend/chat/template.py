@@ -1,6 +1,6 @@
-"""The frontend's chat-template renderer: engine_core.protocol.chat_template, shared with the offline LLM's
+"""The frontend's chat-template renderer: engine_core.text.chat_template, shared with the offline LLM's
 chat(). Torch-free."""
 
-from engine_core.protocol.chat_template import ChatTemplateError, render_chat
+from engine_core.text.chat_template import ChatTemplateError, render_chat
 
 __all__ = ["ChatTemplateError", "render_chat"]

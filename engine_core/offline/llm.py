@@ -14,10 +14,10 @@ from dataclasses import replace
 
 from engine_core.config import EngineConfig
 from engine_core.engine_args import EngineArgs
-from engine_core.llm_engine import LLMEngine, PromptType
+from engine_core.offline.llm_engine import LLMEngine, PromptType
 from engine_core.protocol import OutputKind, RequestOutput, SamplingParams
-from engine_core.protocol.chat_template import render_chat
-from engine_core.protocol.tokenizer import TokenizerBundle
+from engine_core.text.chat_template import render_chat
+from engine_core.text.tokenizer import TokenizerBundle
 
 Conversation = list[dict]  # [{"role": "user", "content": "..."}, ...]
 

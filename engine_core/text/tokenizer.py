@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from engine_core.protocol.gguf_metadata import read_gguf_metadata
+from engine_core.text.gguf_metadata import read_gguf_metadata
 
 # llama.cpp's token types (gguf.TokenType): control and user-defined tokens are special
 _CONTROL, _USER_DEFINED = 3, 4

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from engine_core.protocol import TokenLogprobs
-from engine_core.sampling_metadata import (
+from engine_core.runner.sampling_metadata import (
     Penalties,
     SamplingMetadata,
     SparseAdd,

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine_core.host_to_device import to_device
 from engine_core.request import Request
+from engine_core.runner.host_to_device import to_device
 
 _NO_TOP_K = 0
 

@@ -1,6 +1,6 @@
 """The scheduler's stats (SchedulerStats, for metrics and the load-aware router): gauges read now, counters of
 the last step. Built once per step into its outputs, and on request between steps; nothing a step decides
-depends on them, so they are kept out of engine_core/scheduler.py."""
+depends on them, so they are kept out of engine_core/scheduling/scheduler.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from engine_core.protocol import SchedulerStats
 
 if TYPE_CHECKING:
-    from engine_core.scheduler import Scheduler
+    from engine_core.scheduling.scheduler import Scheduler
 
 
 def scheduler_stats(scheduler: Scheduler) -> SchedulerStats:

@@ -20,12 +20,12 @@ import time
 from collections.abc import Iterable
 
 from engine_core.config import CacheConfig, SchedulerConfig
-from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.lora.admission import LoraAdmission
 from engine_core.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from engine_core.request import Request, RequestStatus
-from engine_core.request_queue import FcfsQueue, PriorityQueue
-from engine_core.scheduler_stats import scheduler_stats
+from engine_core.scheduling.kv_cache_manager import KVCacheManager
+from engine_core.scheduling.request_queue import FcfsQueue, PriorityQueue
+from engine_core.scheduling.scheduler_stats import scheduler_stats
 from engine_core.spec_decode.scheduling import SpecDecodeStats, end_verification, fit_drafts
 from engine_core.types import ModelRunnerOutput, SchedulerOutput
 
@@ -346,7 +346,7 @@ class Scheduler:
         return True
 
     def make_stats(self) -> SchedulerStats:
-        """Gauges now, counters of the last step (engine_core/scheduler_stats.py); a pure read."""
+        """Gauges now, counters of the last step (engine_core/scheduling/scheduler_stats.py); a pure read."""
         return scheduler_stats(self)
 
 def _is_decode(request: Request) -> bool:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine_core.block_pool import BlockPool, KVCacheBlock
 from engine_core.request import Request
+from engine_core.scheduling.block_pool import BlockPool, KVCacheBlock
 
 
 class KVCacheManager:

@@ -20,17 +20,17 @@ import torch
 import torch.nn.functional as F
 
 from engine_core.config import ModelArchConfig
-from engine_core.cuda_graphs import DecodeGraphRunner
-from engine_core.host_to_device import to_device
-from engine_core.kv_cache_tensors import allocate_kv_caches
 from engine_core.lora.runtime import LoraRuntime
 from engine_core.protocol import PoolingType
 from engine_core.request import Request
-from engine_core.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs
-from engine_core.sampling_metadata import SamplingMetadata
+from engine_core.runner.cuda_graphs import DecodeGraphRunner
+from engine_core.runner.host_to_device import to_device
+from engine_core.runner.kv_cache_tensors import allocate_kv_caches
+from engine_core.runner.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs
+from engine_core.runner.sampling_metadata import SamplingMetadata
+from engine_core.runner.step_output import StepOutput
 from engine_core.spec_decode.speculator import Speculator
 from engine_core.spec_decode.verification import VerifyBatch
-from engine_core.step_output import StepOutput
 from engine_core.structured.bitmask import apply_token_mask
 from engine_core.structured.masks import StepMasks, StructuredOutputs
 from engine_core.types import ModelRunnerOutput, SchedulerOutput
@@ -86,7 +86,7 @@ class ModelRunner:
 
     # ---- KV cache -------------------------------------------------------------
     def allocate_kv_cache(self) -> None:
-        """One (key, value) pair per layer (engine_core/kv_cache_tensors.py), at start-up and on wake-up."""
+        """One (key, value) pair per layer (engine_core/runner/kv_cache_tensors.py), at start-up and on wake-up."""
         self.kv_caches = allocate_kv_caches(self.arch, self.num_blocks, self.block_size, self.kv_cache_dtype,
                                             self.device)
         if self.decode_graphs is not None:  # (re)capture over the new cache and current weights

@@ -5,7 +5,7 @@ vLLM's {"prompt": ...} / {"prompt_token_ids": [...]}; each completion's `text` i
 it. It yields the same RequestOutput as the frontend's AsyncLLM, per the request's output kind (CUMULATIVE
 unless asked, as vLLM's LLMEngine: all so far; DELTA: each step's news; FINAL_ONLY: one message at the end).
 `n > 1` fans out into child requests that share the prompt (and so its prefix-cache blocks), as the frontend
-does; their outputs come back under the parent's id, told apart by `index`. LLM (engine_core/llm.py) runs
+does; their outputs come back under the parent's id, told apart by `index`. LLM (engine_core/offline/llm.py) runs
 batches to completion over it.
 """
 
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from engine_core.config import EngineConfig
 from engine_core.engine_core import EngineCore
-from engine_core.offline_request import OfflineRequest
+from engine_core.offline.offline_request import OfflineRequest
 from engine_core.protocol import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -26,8 +26,8 @@ from engine_core.protocol import (
     RequestOutput,
     SamplingParams,
 )
-from engine_core.protocol.tokenizer import TokenizerBundle, load_tokenizer
 from engine_core.startup import tokenizer_path
+from engine_core.text.tokenizer import TokenizerBundle, load_tokenizer
 
 if TYPE_CHECKING:
     from engine_core.engine_args import EngineArgs

@@ -14,7 +14,7 @@ import torch
 from engine_core.types import ModelRunnerOutput
 
 if TYPE_CHECKING:
-    from engine_core.model_runner import _Batch
+    from engine_core.runner.model_runner import _Batch
 
 
 class StepOutput:

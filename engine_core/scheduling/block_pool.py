@@ -6,7 +6,7 @@ A free block keeps its cached hash until it is evicted (reused for new tokens), 
 a later request with the same prefix can take it back out of the free queue.
 
 With `record_events()` the pool also notes which hashes it indexed and evicted (vLLM's KV
-events, engine_core/kv_events.py), for whoever routes requests by prefix: `take_events()` hands
+events, engine_core/scheduling/kv_events.py), for whoever routes requests by prefix: `take_events()` hands
 them over once a step.
 """
 
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine_core.kv_events import KVEventLog
 from engine_core.protocol import KVCacheEvents
 from engine_core.protocol.block_hash import BlockHash
 from engine_core.protocol.kv_events import group_by_lora
+from engine_core.scheduling.kv_events import KVEventLog
 
 
 class KVCacheBlock:

@@ -1,6 +1,6 @@
 """One request of the offline LLMEngine: its completions' progress, detokenized with stop strings, and the
 RequestOutput each engine step gives the caller, per output kind (the offline twin of the frontend's
-OutputProcessor, which sits across gRPC from the engine; both detokenize with engine_core.protocol.detokenizer).
+OutputProcessor, which sits across gRPC from the engine; both detokenize with engine_core.text.detokenizer).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from engine_core.protocol import (
     TokenLogprobs,
     Usage,
 )
-from engine_core.protocol.detokenizer import Detokenizer, decode_logprobs
+from engine_core.text.detokenizer import Detokenizer, decode_logprobs
 
 
 @dataclass
