@@ -128,13 +128,10 @@ class CacheConfig:
         )
 
 
-# The token budget of one step when none is given, by device. On CPU a step prefills ~2,000 tokens
-# a second (SmolLM2 on a 2-core Zen 4), so a 2,048-token step takes ~1 s: every running stream
-# waits that long for its next token, and a burst's later prompts wait a whole such step for their
-# first. 512-token chunks run the linears as efficiently (the plans' 512-row bucket stands for
-# them: W8A8 gate/up 5.2 us a row at 512 rows, 5.8 at 2,048). 32 prompts of 128 tokens at once,
-# in-process, three rounds: TTFT p50 1.15-1.20 s at 512 vs 1.31-1.40 s at 2,048, 707-742 vs
-# 739-755 generated tok/s.
+# The token budget of one step when none is given, by device. On a CPU a long step holds every running
+# stream's next token, and a burst's later prompts their first, for its whole length, while 512-token chunks
+# run the linears about as efficiently as longer ones (the plans' 512-row bucket stands for them): the
+# measurements are in docs/cpu-tuning.md#step-budget.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
 
 

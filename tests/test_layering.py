@@ -193,11 +193,6 @@ MEASURED_FIGURE = re.compile(
     r"|(?<![\w.])~?\d+(?:\.\d+)?(?:\s?-\s?\d+(?:\.\d+)?)?x(?!\w)(?!\s?\d)"  # a ratio: 1.4-1.65x, ~10x
     r"|\b20\d\d-\d\d-\d\d\b"  # a date
     r"|\d+\s?%\s+(?:faster|slower)")  # a speed-up
-# Files that other work was editing when issue 54 moved the figures out: theirs move once it lands.
-FIGURES_NOT_YET_MOVED = {
-    "engine_core/config.py",  # the step budget's TTFT and tok/s, W8A8's us a row
-    "kernels/cpu/decode_layers.py",  # the one-op layers' us a layer and ms a step
-}
 DOC_LINK = re.compile(r"docs/([\w.-]+\.md)(?:#([\w-]+))?")
 
 
@@ -229,16 +224,13 @@ def comment_lines(path: Path) -> list[tuple[int, str]]:
 def test_shipped_comments_carry_no_measured_figures():
     """No ms, us, tok/s, GB/s, "1.4-1.65x" or date in a comment or docstring of shipped code: each belongs in the
     docs, dated, with its machine (docs/benchmarks.md), and the comment links to it."""
-    found, moved = {}, []
+    found = {}
     for path in shipped_sources():
         rel = path.relative_to(ROOT).as_posix()
         hits = [f"{line}: {text.strip()}" for line, text in comment_lines(path) if MEASURED_FIGURE.search(text)]
-        if hits and rel not in FIGURES_NOT_YET_MOVED:
+        if hits:
             found[rel] = hits
-        elif not hits and rel in FIGURES_NOT_YET_MOVED:
-            moved.append(rel)
     assert not found, f"measured figures in comments (move them to the docs and link there): {found}"
-    assert not moved, f"no figures left in {moved}: take them off FIGURES_NOT_YET_MOVED"
 
 
 def test_the_docs_the_code_links_to_exist():

@@ -2,8 +2,8 @@
 
 At a one-row decode step a SmolLM2 layer is ten small kernels (two norms, four int8 GEMVs,
 rotary, the KV write, attention, SiLU * mul), and reaching each from Python (module calls,
-torch.ops boxing, temporaries) costs about as much as the kernel: some 60 of a layer's 165 us
-on the 2-core EPYC, and the same ~7 ms a step at 32 or 128 rows. Where the layers use the C++ fused ops
+torch.ops boxing, temporaries) costs about as much as the kernel (docs/cpu-kernels.md#decoder-layers-as-one-c-op
+has the figures). Where the layers use the C++ fused ops
 and attention and every linear runs one of Tandem's own kernels (`OP_KERNELS`), `CpuDecodeLayers`
 runs each layer as one op over scratch tensors made once per step. The op calls the same kernels
 in the same order as the module path, so the outputs are the same. With LoRA it also adds each
