@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine_core.protocol import KVCacheEvents, SchedulerStats
-from engine_core.readiness import CompileMonitor, WarmUpReport, warm_up
+from engine_core.readiness import CompileMonitor, WarmUpReport, runs_triton_interpreted, warm_up
 
 if TYPE_CHECKING:
     from engine_core.config import EngineConfig
@@ -37,7 +37,9 @@ class EngineUtilityCalls:
     def ready_to_serve(self) -> WarmUpReport | None:
         """Called by the engine's owner before it says it serves: the warm-up (unless config.device.warm_up is
         off; engine_core/readiness/warm_up.py), then every kernel compile counts as one after ready."""
-        report = self.warm_up() if self.config.device.warm_up else None
+        report = None
+        if self.config.device.warm_up and not runs_triton_interpreted(self.attention.name):
+            report = self.warm_up()
         self.compile_monitor.mark_ready()
         return report
 

@@ -2,6 +2,6 @@
 kernel compiles and plan timings after that (compile_monitor.py). docs/gpu.md#ready-means-warm."""
 
 from engine_core.readiness.compile_monitor import CompileMonitor
-from engine_core.readiness.warm_up import WarmUpReport, warm_up
+from engine_core.readiness.warm_up import WarmUpReport, runs_triton_interpreted, warm_up
 
-__all__ = ["CompileMonitor", "WarmUpReport", "warm_up"]
+__all__ = ["CompileMonitor", "WarmUpReport", "runs_triton_interpreted", "warm_up"]

@@ -23,6 +23,7 @@ busy loop, so no metric counts them.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -87,6 +88,12 @@ def warm_up(core: EngineCore) -> WarmUpReport:
     report = WarmUpReport(run.steps, run.count, tuple(lengths), tuple(sizes), paths, time.perf_counter() - started)
     logger.info("warm-up: %s, in %.2f s", report.describe(), report.seconds)
     return report
+
+
+def runs_triton_interpreted(attention_backend: str) -> bool:
+    """Triton's CPU interpreter (TRITON_INTERPRET=1, tests only) compiles nothing: a warm-up there would warm
+    nothing and run a hundred requests through the interpreter, so the engine is ready without one."""
+    return attention_backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def prompt_lengths(core: EngineCore) -> list[int]:

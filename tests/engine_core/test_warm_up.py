@@ -3,6 +3,7 @@ no kernel compile and no plan timing; the compile monitor counts one when it hap
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -119,6 +120,17 @@ def test_llm_engine_is_ready_when_built_and_warm_up_can_be_turned_off(tiny_model
     assert core.compile_monitor.ready
     assert core.scheduler.kv_cache_manager.num_free_blocks == core.scheduler.kv_cache_manager.num_blocks - 1
     assert core.ready_to_serve() is None  # off: marked ready, nothing run
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton runs compiled on a GPU")
+def test_triton_in_its_cpu_interpreter_is_ready_without_a_warm_up(tiny_model_dir, monkeypatch):
+    """The interpreter compiles nothing: a warm-up would only run its requests through it, slowly."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    config = make_config(tiny_model_dir)
+    core = EngineCore(dataclasses.replace(config, device=dataclasses.replace(config.device,
+                                                                             attention_backend="triton")))
+    assert core.ready_to_serve() is None
+    assert core.compile_monitor.ready
 
 
 @CUDA
