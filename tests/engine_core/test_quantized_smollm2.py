@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_core.config import CacheConfig, EngineConfig, ModelConfig
+from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
 from engine_core.loader import default_model_path, registry
 from engine_core.offline.llm_engine import LLMEngine
 from engine_core.protocol import SamplingParams
@@ -22,6 +22,9 @@ ANSWER = "The capital of France is Paris."
 # other than ANSWER passes only if, teacher-forced, every ANSWER token is the top one or within
 # this many nats of it: the quantized model still ranks the answer as the float one does.
 NEAR_TIE_NATS = 0.15
+# the forced kernels' engines answer one prompt: a warm-up would run a batch of every row bucket through kernels
+# forced at every bucket, some built for one row (the warm-up itself is tests/engine_core/test_warm_up.py's)
+NO_WARM_UP = DeviceConfig(warm_up=False)
 
 
 @pytest.fixture(autouse=True)
@@ -79,7 +82,8 @@ def test_int8_greedy_chat_answer_is_unchanged(monkeypatch, kernel, dtype):
     def prefer(name, rows, fn):  # every bucket of every layer takes `kernel` (up to its MAX_ROWS)
         return 1.0 if name == kernel else 2.0
     monkeypatch.setattr(cpu_linear, "_wall_timer", prefer)
-    engine = LLMEngine(EngineConfig(model=ModelConfig(dtype=dtype, quantization="int8", max_model_len=512)))
+    engine = LLMEngine(EngineConfig(model=ModelConfig(dtype=dtype, quantization="int8", max_model_len=512),
+                                    device=NO_WARM_UP))
     model = engine.engine_core.model
     # per-token W8A8 never takes down_proj (outlier activations), the grouped one only down_proj:
     # the others fall back to weight-only
@@ -100,7 +104,8 @@ def test_int4_greedy_chat_answer_is_unchanged(monkeypatch, dtype, quantization):
     def prefer(name, rows, fn):  # int4 wherever it is a candidate
         return 1.0 if name == "int4" else 2.0
     monkeypatch.setattr(cpu_linear, "_wall_timer", prefer)
-    engine = LLMEngine(EngineConfig(model=ModelConfig(dtype=dtype, quantization=quantization, max_model_len=512)))
+    engine = LLMEngine(EngineConfig(model=ModelConfig(dtype=dtype, quantization=quantization, max_model_len=512),
+                                    device=NO_WARM_UP))
     model = engine.engine_core.model
     layers = [m for m in model.model.layers.modules() if isinstance(m, cpu_linear.CpuLinear)]
     assert layers and all(name == "int4" for layer in layers for _, name in layer.plan)
