@@ -385,6 +385,20 @@ def part_attention(plan: Plan, state: dict) -> dict:
     return {"rows": rows, "candidates_worst_over_sdpa": worst}
 
 
+def self_times(prof, device: str) -> list[tuple[str, float, int]]:
+    """(name, self microseconds, calls) of every kernel a torch.profiler run saw (CPU ops on the CPU)."""
+    kind = torch.autograd.DeviceType.CUDA if device == "cuda" else torch.autograd.DeviceType.CPU
+    found = []
+    for event in prof.key_averages():
+        if event.device_type != kind:
+            continue
+        total = (getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+                 if device == "cuda" else event.self_cpu_time_total)
+        if total > 0:
+            found.append((event.key, total, event.count))
+    return found
+
+
 def kernel_times(fn, device: str, calls: int = 20, top: int = 4) -> dict[str, float]:
     """Microseconds a call of fn spends in each of its `top` kernels (torch.profiler; CPU ops on the CPU)."""
     from torch.profiler import ProfilerActivity, profile
@@ -396,14 +410,7 @@ def kernel_times(fn, device: str, calls: int = 20, top: int = 4) -> dict[str, fl
         for _ in range(calls):
             fn()
         sync(device)
-    kind = torch.autograd.DeviceType.CUDA if device == "cuda" else torch.autograd.DeviceType.CPU
-    totals = {}
-    for event in prof.key_averages():
-        if event.device_type == kind:
-            total = (getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
-                     if device == "cuda" else event.self_cpu_time_total)
-            if total > 0:
-                totals[event.key[:60]] = total / calls
+    totals = {key[:60]: total / calls for key, total, _ in self_times(prof, device)}
     return dict(sorted(totals.items(), key=lambda item: -item[1])[:top])
 
 
@@ -436,18 +443,8 @@ def profile_step(core, batch: int, context: int, device: str, steps: int = 5, to
     while core.has_unfinished_requests():
         core.step()
     core.reset_prefix_cache()
-    kernel_type = torch.autograd.DeviceType.CUDA if device == "cuda" else torch.autograd.DeviceType.CPU
-    rows = []
-    for event in prof.key_averages():
-        if device == "cuda":
-            if event.device_type != kernel_type:
-                continue
-            total = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
-        else:
-            total = event.self_cpu_time_total
-        if total > 0:
-            rows.append({"kernel": event.key[:90], "calls_per_step": event.count / steps,
-                         "us_per_step": total / steps})
+    rows = [{"kernel": key[:90], "calls_per_step": count / steps, "us_per_step": total / steps}
+            for key, total, count in self_times(prof, device)]
     rows.sort(key=lambda r: -r["us_per_step"])
     kernel_us = sum(r["us_per_step"] for r in rows)
     for row in rows:

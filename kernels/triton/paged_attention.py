@@ -261,7 +261,7 @@ def _reduce_splits_kernel(
     )
 
 
-@functools.cache  # made once per device: never a host-to-device copy inside a step (or a graph capture)
+@functools.cache  # one buffer per device, not a concatenation per layer
 def _rotation(head_dim: int, dim_pad: int, device: torch.device) -> torch.Tensor:
     """kv_write's rotation and its inverse divisors in one buffer, as the attention kernel reads them."""
     from kernels.triton.kv_write import rotation
